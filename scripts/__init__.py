@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tooling and benchmarks for the DSA indexer patch series."""

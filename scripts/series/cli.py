@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Command line: ``python -m scripts.series <command>`` (see --help)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.apply import apply
+from scripts.series.config import SERIES_FILE, SdistBase, load_series
+from scripts.series.export import refresh, stale_files
+from scripts.series.fetch import fetch_sdist
+from scripts.series.prepare import prepare
+from scripts.series.status import format_status, tree_status
+from scripts.series.trees import stage_tree
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m scripts.series",
+                                     description=__doc__)
+    parser.add_argument("--series", type=Path, default=SERIES_FILE,
+                        help="series file (default: patches/series.toml)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch", help="download and verify the pinned sdist")
+    fetch.add_argument("--offline", action="store_true")
+    prep = sub.add_parser("prepare", help="make the work repo with the base commit")
+    prep.add_argument("--offline", action="store_true")
+    app = sub.add_parser("apply", help="apply the stages, one commit each")
+    app.add_argument("--upto", help="stop after this stage ('base' for none)")
+    app.add_argument("--offline", action="store_true")
+    sub.add_parser("refresh", help="write patches/ and vllm_overlay/ from the tree")
+    sub.add_parser("check", help="fail if patch files differ from a fresh export")
+    sub.add_parser("status", help="which stages are applied; edits beyond them")
+    tree = sub.add_parser("tree", help="print the path of a stage's test tree")
+    tree.add_argument("stage", help="'base' or a stage id")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        series = load_series(args.series)
+        if args.command == "fetch":
+            if not isinstance(series.base, SdistBase):
+                raise SeriesError("the base is a git checkout; nothing to fetch")
+            print(fetch_sdist(series.base, offline=args.offline))
+        elif args.command == "prepare":
+            print(prepare(series, offline=args.offline))
+        elif args.command == "apply":
+            repo = apply(series, args.upto, offline=args.offline)
+            print(f"work tree: {repo}")
+        elif args.command == "refresh":
+            written = refresh(series)
+            print("refreshed: " + (", ".join(s.id for s in written) or "no change"))
+        elif args.command == "check":
+            stale = stale_files(series)
+            if stale:
+                print("stale (differ from a fresh export; run refresh):")
+                print("\n".join(f"  {path}" for path in stale))
+                return 1
+            print("patch files match a fresh export of the stage commits")
+        elif args.command == "status":
+            print(format_status(series, tree_status(series)))
+        elif args.command == "tree":
+            print(stage_tree(series, args.stage))
+    except SeriesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0

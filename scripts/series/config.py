@@ -1,0 +1,280 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Read and validate patches/series.toml, the one description of the series."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from scripts.series import SeriesError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERIES_FILE = REPO_ROOT / "patches" / "series.toml"
+
+UPSTREAM_STATUSES = ("not-submitted", "open", "merged", "closed", "upstreamed")
+_STAGE_ID = re.compile(r"^[0-9]{4}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class SeriesFileError(SeriesError):
+    """series.toml is malformed; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class SdistBase:
+    """A released vLLM taken from its PyPI sdist, verified by sha256."""
+
+    name: str
+    version: str
+    sha256: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.version}"
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}-{self.version}.tar.gz"
+
+
+@dataclass(frozen=True)
+class GitBase:
+    """A local vLLM git checkout at a revision (how users follow vLLM main)."""
+
+    name: str
+    path: Path
+    rev: str
+
+    @property
+    def label(self) -> str:
+        safe_rev = re.sub(r"[^A-Za-z0-9._-]", "_", self.rev)
+        return f"{self.name}-git-{safe_rev}"
+
+
+Base = SdistBase | GitBase
+
+
+@dataclass(frozen=True)
+class Stage:
+    id: str
+    title: str
+    patch: str
+    overlays: tuple[str, ...]
+    depends_on: tuple[str, ...]
+    tests: str
+    upstream_pr: str
+    upstream_status: str
+
+
+@dataclass(frozen=True)
+class RegressionSuite:
+    """A selection of vLLM's own tests that must pass on every stage's tree."""
+
+    name: str
+    paths: tuple[str, ...]
+    plugin: str | None
+
+
+@dataclass(frozen=True)
+class Series:
+    root: Path
+    base: Base
+    stages: tuple[Stage, ...]
+    regression: tuple[RegressionSuite, ...]
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def overlay_dir(self) -> Path:
+        return self.root / "vllm_overlay"
+
+    @property
+    def tests_dir(self) -> Path:
+        return self.root / "tests"
+
+    def stage(self, stage_id: str) -> Stage:
+        for stage in self.stages:
+            if stage.id == stage_id:
+                return stage
+        known = ", ".join(s.id for s in self.stages) or "none"
+        raise SeriesError(f"unknown stage {stage_id!r} (stages: {known})")
+
+    def stages_upto(self, stage_id: str | None) -> tuple[Stage, ...]:
+        """Stages in order up to and including ``stage_id`` ("base": none)."""
+        if stage_id is None:
+            return self.stages
+        if stage_id == "base":
+            return ()
+        index = self.stages.index(self.stage(stage_id))
+        return self.stages[: index + 1]
+
+
+class _Fields:
+    """Typed access to one TOML table; errors name the file and the field."""
+
+    def __init__(self, source: Path, where: str, table: Any):
+        self.source = source
+        self.where = where
+        if not isinstance(table, dict):
+            self.fail(where, f"expected a table, got {type(table).__name__}")
+        self.table: dict[str, Any] = table
+
+    def fail(self, field: str, problem: str) -> NoReturn:
+        raise SeriesFileError(f"{self.source}: {field}: {problem}")
+
+    def _field(self, key: str) -> str:
+        return f"{self.where}.{key}"
+
+    def check_keys(self, allowed: set[str]) -> None:
+        for key in self.table:
+            if key not in allowed:
+                self.fail(
+                    self._field(key),
+                    f"unknown field (allowed: {', '.join(sorted(allowed))})",
+                )
+
+    def string(self, key: str, default: str | None = None) -> str:
+        if key not in self.table:
+            if default is not None:
+                return default
+            self.fail(self._field(key), "missing")
+        value = self.table[key]
+        if not isinstance(value, str) or not value.strip():
+            self.fail(self._field(key), f"expected a non-empty string, got {value!r}")
+        return value
+
+    def string_list(self, key: str) -> tuple[str, ...]:
+        value = self.table.get(key, [])
+        if not isinstance(value, list) or not all(
+            isinstance(v, str) and v for v in value
+        ):
+            self.fail(self._field(key), f"expected a list of strings, got {value!r}")
+        return tuple(value)
+
+    def relative_path(self, key: str, value: str) -> str:
+        path = Path(value)
+        if path.is_absolute() or ".." in path.parts:
+            self.fail(self._field(key), f"{value!r} must be a relative path inside")
+        return value
+
+
+def _parse_base(source: Path, raw: Any) -> Base:
+    fields = _Fields(source, "base", raw)
+    fields.check_keys({"name", "version", "sha256", "git", "rev"})
+    name = fields.string("name")
+    if "git" in fields.table:
+        if "sha256" in fields.table or "version" in fields.table:
+            fields.fail("base", "give either version + sha256 or git + rev, not both")
+        path = Path(fields.string("git")).expanduser()
+        if not path.is_absolute():
+            path = (source.parent / path).resolve()
+        return GitBase(name=name, path=path, rev=fields.string("rev"))
+    version = fields.string("version")
+    sha256 = fields.string("sha256").lower()
+    if not _SHA256.match(sha256):
+        fields.fail("base.sha256", f"expected 64 hex digits, got {sha256!r}")
+    return SdistBase(name=name, version=version, sha256=sha256)
+
+
+def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> Stage:
+    fields = _Fields(source, f"stage[{index}]", raw)
+    fields.check_keys(
+        {"id", "title", "patch", "overlays", "depends_on", "tests", "upstream"}
+    )
+    stage_id = fields.string("id")
+    if not _STAGE_ID.match(stage_id):
+        fields.fail(f"stage[{index}].id", f"expected four digits, got {stage_id!r}")
+    earlier_ids = [s.id for s in earlier]
+    if stage_id in earlier_ids:
+        fields.fail(f"stage[{index}].id", f"duplicate stage id {stage_id!r}")
+    if earlier_ids and stage_id < earlier_ids[-1]:
+        fields.fail(
+            f"stage[{index}].id",
+            f"{stage_id!r} comes after {earlier_ids[-1]!r}; list stages in order",
+        )
+    patch = fields.relative_path("patch", fields.string("patch"))
+    if not patch.endswith(".patch"):
+        fields.fail(f"stage[{index}].patch", f"expected a .patch file, got {patch!r}")
+    if patch in (s.patch for s in earlier):
+        fields.fail(f"stage[{index}].patch", f"{patch!r} is used by another stage")
+    overlays = tuple(
+        fields.relative_path("overlays", o) for o in fields.string_list("overlays")
+    )
+    depends_on = fields.string_list("depends_on")
+    for dep in depends_on:
+        if dep not in earlier_ids:
+            fields.fail(
+                f"stage[{index}].depends_on",
+                f"{dep!r} is not an earlier stage (earlier: {earlier_ids or 'none'})",
+            )
+    upstream = _Fields(source, f"stage[{index}].upstream", raw.get("upstream", {}))
+    upstream.check_keys({"pr", "status"})
+    status = upstream.string("status", default="not-submitted")
+    if status not in UPSTREAM_STATUSES:
+        upstream.fail(
+            f"stage[{index}].upstream.status",
+            f"expected one of {', '.join(UPSTREAM_STATUSES)}, got {status!r}",
+        )
+    return Stage(
+        id=stage_id,
+        title=fields.string("title"),
+        patch=patch,
+        overlays=overlays,
+        depends_on=depends_on,
+        tests=fields.relative_path("tests", fields.string("tests")),
+        upstream_pr=upstream.string("pr", default="none"),
+        upstream_status=status,
+    )
+
+
+def _parse_regression(source: Path, index: int, raw: Any) -> RegressionSuite:
+    fields = _Fields(source, f"regression[{index}]", raw)
+    fields.check_keys({"name", "paths", "plugin"})
+    paths = fields.string_list("paths")
+    if not paths:
+        fields.fail(f"regression[{index}].paths", "expected at least one test path")
+    for path in paths:
+        fields.relative_path("paths", path)
+    return RegressionSuite(
+        name=fields.string("name"),
+        paths=paths,
+        plugin=fields.string("plugin") if "plugin" in fields.table else None,
+    )
+
+
+def load_series(path: Path = SERIES_FILE) -> Series:
+    """Parse and validate a series file; raise SeriesFileError naming the field."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SeriesFileError(f"{path}: series file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SeriesFileError(f"{path}: not valid TOML: {exc}") from None
+    top = _Fields(path, "series", raw)
+    top.check_keys({"base", "stage", "regression"})
+    if "base" not in raw:
+        top.fail("base", "missing")
+    base = _parse_base(path, raw["base"])
+    stages: list[Stage] = []
+    raw_stages = raw.get("stage", [])
+    if not isinstance(raw_stages, list):
+        top.fail("stage", "expected an array of tables ([[stage]])")
+    for index, raw_stage in enumerate(raw_stages):
+        stages.append(_parse_stage(path, index, raw_stage, stages))
+    raw_regression = raw.get("regression", [])
+    if not isinstance(raw_regression, list):
+        top.fail("regression", "expected an array of tables ([[regression]])")
+    regression = tuple(
+        _parse_regression(path, i, r) for i, r in enumerate(raw_regression)
+    )
+    return Series(
+        root=path.resolve().parent.parent,
+        base=base,
+        stages=tuple(stages),
+        regression=regression,
+    )

@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Write patches/*.patch and vllm_overlay/ from the stage commits, and check them.
+
+A patch file holds a stage's glue: its changes to vLLM's files, without the
+overlay modules (those are copied to vllm_overlay/). ``git format-patch`` runs
+with fixed flags and a fixed git configuration, so two exports of the same
+commit are byte-identical.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import Series, Stage
+from scripts.series.git import changed_files, git, rev_parse
+from scripts.series.patchfile import read_patch
+from scripts.series.prepare import BRANCH, workdir
+from scripts.series.state import load_state, read_chain, save_state, stage_tag
+
+FORMAT_PATCH_FLAGS = (
+    "--stdout",
+    "--no-stat",
+    "--no-signature",
+    "--zero-commit",
+    "--full-index",
+    "--keep-subject",
+    "--no-numbered",
+    "--no-thread",
+    "--no-renames",
+    "--no-color",
+    "--unified=3",
+    "--diff-algorithm=myers",
+    "--encoding=UTF-8",
+)
+BACKUP_REF = "refs/dsa-series/before-refresh"
+
+
+def format_stage_patch(repo: Path, stage: Stage, commit: str) -> bytes:
+    """The canonical patch bytes for a stage commit, overlays left out."""
+    excludes = [f":(exclude){path}" for path in stage.overlays]
+    out = git(repo, "format-patch", *FORMAT_PATCH_FLAGS, f"{commit}^..{commit}",
+              "--", ".", *excludes).stdout
+    if not out:
+        raise SeriesError(
+            f"stage {stage.id}: its commit changes no vLLM file outside its "
+            "overlays; a stage needs glue in vLLM (at least one hunk)"
+        )
+    return out
+
+
+def overlay_bytes(repo: Path, commit: str, path: str) -> bytes | None:
+    result = git(repo, "show", f"{commit}:{path}", check=False)
+    return result.stdout if result.returncode == 0 else None
+
+
+def _warn_new_files(stage: Stage, patch: Path) -> None:
+    for path in read_patch(patch).new_files:
+        print(
+            f"warning: stage {stage.id}'s patch adds {path}; new modules belong "
+            "in vllm_overlay/ (list it under the stage's overlays)",
+            file=sys.stderr,
+        )
+
+
+def write_stage(series: Series, repo: Path, stage: Stage, commit: str) -> None:
+    patch = series.patches_dir / stage.patch
+    patch.write_bytes(format_stage_patch(repo, stage, commit))
+    _warn_new_files(stage, patch)
+    for overlay in stage.overlays:
+        data = overlay_bytes(repo, commit, overlay)
+        if data is None:
+            raise SeriesError(f"stage {stage.id}: overlay {overlay} is not in its commit")
+        target = series.overlay_dir / overlay
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def stale_files(series: Series) -> list[str]:
+    """Committed patch/overlay files that differ from a fresh export."""
+    repo = workdir(series)
+    chain = read_chain(series, repo)
+    if len(chain.applied) < len(series.stages) or chain.current < len(chain.applied):
+        raise SeriesError("the work tree is not at the last stage; run apply first")
+    if changed_files(repo) or rev_parse(repo, "HEAD") != chain.tip:
+        raise SeriesError(
+            f"{repo} has edits beyond the last stage; run refresh to keep them"
+        )
+    stale = []
+    for stage, commit in chain.applied:
+        patch = series.patches_dir / stage.patch
+        if patch.read_bytes() != format_stage_patch(repo, stage, commit):
+            stale.append(str(patch.relative_to(series.root)))
+        for overlay in stage.overlays:
+            source = series.overlay_dir / overlay
+            if source.read_bytes() != overlay_bytes(repo, commit, overlay):
+                stale.append(str(source.relative_to(series.root)))
+    return stale
+
+
+def refresh(series: Series) -> list[Stage]:
+    """Turn the work tree's state into patch files; return the stages written.
+
+    Uncommitted edits are folded into the top stage. Commits on top of the
+    last applied stage become the next stages in series.toml (one commit per
+    stage, their patch files not written yet). Afterwards the stages are
+    re-applied from the new files, and the result must equal the tree that
+    was exported; the exported state stays at refs/dsa-series/before-refresh.
+    """
+    from scripts.series.apply import apply
+
+    repo = workdir(series)
+    chain = read_chain(series, repo)
+    head = rev_parse(repo, "HEAD")
+    assert head is not None
+    extra = git(repo, "rev-list", "--reverse", f"{chain.tip}..HEAD").stdout.split()
+    if git(repo, "merge-base", "--is-ancestor", chain.tip, "HEAD",
+           check=False).returncode != 0:
+        raise SeriesError(
+            f"HEAD is not on top of the last applied stage ({chain.tip[:12]}); "
+            "check out the series branch first"
+        )
+    new_stages = series.stages[len(chain.applied) :]
+    if len(extra) > len(new_stages):
+        raise SeriesError(
+            f"{len(extra)} commits sit on top of the last applied stage but "
+            f"series.toml lists {len(new_stages)} stage(s) after it; add a "
+            "[[stage]] entry for each commit, in order"
+        )
+    for stage in new_stages[: len(extra)]:
+        if (series.patches_dir / stage.patch).exists():
+            raise SeriesError(
+                f"stage {stage.id} already has {stage.patch} but is not applied; "
+                "run apply, then redo your edits on top"
+            )
+    commits = [(s, c) for s, c in chain.applied]
+    commits += [(s, c.decode()) for s, c in zip(new_stages, extra)]
+    if not commits:
+        raise SeriesError("nothing to refresh: no stage is applied")
+    if changed_files(repo):
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "--no-verify", "--amend", "--no-edit")
+        folded = rev_parse(repo, "HEAD")
+        assert folded is not None
+        commits[-1] = (commits[-1][0], folded)
+    git(repo, "update-ref", BACKUP_REF, "HEAD")
+    exported_tree = rev_parse(repo, "HEAD^{tree}")
+
+    written = []
+    for stage, commit in commits:
+        patch = series.patches_dir / stage.patch
+        before = patch.read_bytes() if patch.exists() else None
+        write_stage(series, repo, stage, commit)
+        if patch.read_bytes() != before:
+            written.append(stage)
+
+    # Rebuild the stages from the files just written, as a fresh apply would.
+    state = load_state(repo)
+    for stage, commit in commits:
+        state.setdefault(stage.id, {})["commit"] = commit
+        state[stage.id]["inputs"] = "refreshed"
+        git(repo, "tag", "-f", stage_tag(stage), commit)
+    save_state(repo, state)
+    git(repo, "checkout", "-q", "-B", BRANCH, commits[0][1] + "^")
+    apply(series, commits[-1][0].id, quiet=True)
+    rebuilt_tree = rev_parse(repo, "HEAD^{tree}")
+    if rebuilt_tree != exported_tree:
+        diff = git(repo, "diff", "--name-only", BACKUP_REF, "HEAD").stdout.decode()
+        raise SeriesError(
+            "the re-applied stages differ from the tree that was exported in: "
+            f"{diff.split()}; your work is kept at {BACKUP_REF}"
+        )
+    return written

@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run git with a fixed configuration, so results do not depend on the user's.
+
+The user's global and system git config (aliases, format.*, diff.*, hooks,
+autocrlf) would change commit ids and patch bytes; it is ignored here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.series import SeriesError
+
+# Fixed identity for commits the tooling makes itself (the base commit).
+TOOL_IDENTITY = ("dsa-indexer-series", "dsa-indexer-series@localhost")
+
+_FIXED_CONFIG = (
+    "core.autocrlf=false",
+    "core.safecrlf=false",
+    "core.fileMode=true",
+    "core.hooksPath=/dev/null",
+    "commit.gpgSign=false",
+    "tag.gpgSign=false",
+    "advice.detachedHead=false",
+    "init.defaultBranch=series",
+    "i18n.commitEncoding=UTF-8",
+    "gc.auto=0",
+)
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    email: str
+    date: str  # anything git accepts, e.g. "2026-10-18T00:00:00+00:00"
+
+
+def git_env(identity: Identity | None = None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GIT_") or k in ("GIT_SSH", "GIT_SSH_COMMAND")
+    }
+    env.update(
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+        LC_ALL="C",
+        LANG="C",
+        TZ="UTC",
+    )
+    if identity is not None:
+        env.update(
+            GIT_AUTHOR_NAME=identity.name,
+            GIT_AUTHOR_EMAIL=identity.email,
+            GIT_AUTHOR_DATE=identity.date,
+            GIT_COMMITTER_NAME=identity.name,
+            GIT_COMMITTER_EMAIL=identity.email,
+            GIT_COMMITTER_DATE=identity.date,
+        )
+    return env
+
+
+def git(
+    repo: Path,
+    *args: str,
+    identity: Identity | None = None,
+    check: bool = True,
+    input: bytes | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    """Run ``git -C repo args``; raise SeriesError with git's message on failure."""
+    command = ["git", "-C", str(repo)]
+    for item in _FIXED_CONFIG:
+        command += ["-c", item]
+    command += list(args)
+    result = subprocess.run(
+        command, env=git_env(identity), capture_output=True, input=input
+    )
+    if check and result.returncode != 0:
+        message = result.stderr.decode(errors="replace").strip()
+        raise SeriesError(f"git {' '.join(args[:2])} failed in {repo}: {message}")
+    return result
+
+
+def git_out(repo: Path, *args: str) -> str:
+    return git(repo, *args).stdout.decode().strip()
+
+
+def is_repo(path: Path) -> bool:
+    return (path / ".git").exists()
+
+
+def changed_files(repo: Path) -> list[str]:
+    """Uncommitted changes, untracked files included (ignored ones are not)."""
+    out = git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=all")
+    entries = [e for e in out.stdout.decode().split("\0") if e]
+    return [e[3:] for e in entries if len(e) > 3]
+
+
+def rev_parse(repo: Path, ref: str) -> str | None:
+    result = git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}",
+                 check=False)
+    return result.stdout.decode().strip() or None

@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Read a stage's patch file: its commit message, author and hunks."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.git import Identity, git_env
+
+_DIFF_HEADER = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
+
+
+@dataclass(frozen=True)
+class Hunk:
+    path: str
+    number: int  # 1-based, within its file
+    old_start: int
+    header: str
+
+
+@dataclass(frozen=True)
+class PatchInfo:
+    author: Identity
+    message: str  # subject, blank line, body (trailers included)
+    hunks: tuple[Hunk, ...]
+    files: tuple[str, ...]
+    new_files: tuple[str, ...]
+
+
+def read_patch(path: Path) -> PatchInfo:
+    """Parse a ``git format-patch`` file; error if it has no author or subject."""
+    if not path.exists():
+        raise SeriesError(f"patch file {path} does not exist")
+    data = path.read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        msg_file = Path(tmp) / "msg"
+        result = subprocess.run(
+            ["git", "mailinfo", "-k", "-u", str(msg_file), str(Path(tmp) / "diff")],
+            input=data,
+            capture_output=True,
+            env=git_env(),
+        )
+        if result.returncode != 0:
+            raise SeriesError(f"{path.name}: not a git format-patch file")
+        body = msg_file.read_text(encoding="utf-8").strip()
+    headers: dict[str, str] = {}
+    for line in result.stdout.decode("utf-8").splitlines():
+        key, _, value = line.partition(": ")
+        headers[key] = value
+    missing = [k for k in ("Author", "Email", "Date", "Subject") if not headers.get(k)]
+    if missing:
+        raise SeriesError(
+            f"{path.name}: no {', '.join(missing)} header; write it with "
+            "`python -m scripts.series refresh` (git format-patch form)"
+        )
+    message = headers["Subject"] + ("\n\n" + body if body else "") + "\n"
+    author = Identity(headers["Author"], headers["Email"], headers["Date"])
+    hunks, files, new_files = _scan_diff(data.decode("utf-8", errors="replace"))
+    if not files:
+        raise SeriesError(f"{path.name}: the patch changes no file")
+    return PatchInfo(author, message, hunks, files, new_files)
+
+
+def _scan_diff(text: str) -> tuple[tuple[Hunk, ...], tuple[str, ...], tuple[str, ...]]:
+    hunks: list[Hunk] = []
+    files: list[str] = []
+    new_files: list[str] = []
+    path = ""
+    number = 0
+    for line in text.splitlines():
+        if match := _DIFF_HEADER.match(line):
+            path = match.group(2)
+            files.append(path)
+            number = 0
+        elif line.startswith("new file mode") and path:
+            new_files.append(path)
+        elif (match := _HUNK_HEADER.match(line)) and path:
+            number += 1
+            hunks.append(Hunk(path, number, int(match.group(1)), line))
+    return tuple(hunks), tuple(files), tuple(new_files)
+
+
+def failing_hunk(info: PatchInfo, git_stderr: str) -> str:
+    """Turn ``git apply``'s complaint into 'file X, hunk N (@@ ... @@)'."""
+    failed = re.search(r"patch failed: (\S+):(\d+)", git_stderr)
+    if failed:
+        path, line = failed.group(1), int(failed.group(2))
+        for hunk in info.hunks:
+            if hunk.path == path and hunk.old_start == line:
+                return f"file {path}, hunk {hunk.number} ({hunk.header})"
+        return f"file {path}, hunk at line {line}"
+    missing = re.search(r"error: (\S+): (does not exist in index|No such file)",
+                        git_stderr)
+    if missing:
+        return f"file {missing.group(1)}: not in the tree"
+    exists = re.search(r"error: (\S+): already exists", git_stderr)
+    if exists:
+        return f"file {exists.group(1)}: already exists in the tree"
+    return git_stderr.strip().splitlines()[-1] if git_stderr.strip() else "unknown"

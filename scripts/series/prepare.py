@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Turn the base (sdist or git revision) into a work repo with one base commit.
+
+The base commit is deterministic: fixed identity and date, every file added
+(``-f``: the sdist's own .gitignore hides vllm/_version.py and vllm.egg-info,
+without which vLLM cannot read its version and disables Triton). The same
+sdist therefore gives the same commit id on every machine, which keeps blob ids
+in the patch files meaningful for three-way merges.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import Base, GitBase, SdistBase, Series
+from scripts.series.fetch import fetch_sdist
+from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out, is_repo
+
+BASE_TAG = "base"
+BRANCH = "series"
+BASE_DATE = "2000-01-01T00:00:00+00:00"
+BUILD_DIR_NAME = "build"
+
+
+def workdir(series: Series) -> Path:
+    return series.root / BUILD_DIR_NAME / series.base.label
+
+
+def base_id(base: Base) -> str:
+    """The line recorded in the base commit that identifies what it holds."""
+    if isinstance(base, SdistBase):
+        return f"Base-sha256: {base.sha256}"
+    commit = _resolve_git_rev(base)
+    return f"Base-git-commit: {commit}"
+
+
+def _resolve_git_rev(base: GitBase) -> str:
+    if not is_repo(base.path) and not (base.path / "HEAD").exists():
+        raise SeriesError(f"base.git: {base.path} is not a git repository")
+    result = git(base.path, "rev-parse", "--verify", "--quiet",
+                 f"{base.rev}^{{commit}}", check=False)
+    if result.returncode != 0:
+        raise SeriesError(f"base.rev: {base.rev!r} is not a commit in {base.path}")
+    return result.stdout.decode().strip()
+
+
+def _extract_sdist(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist) as archive:
+        members = archive.getmembers()
+        top = {m.name.split("/", 1)[0] for m in members}
+        if len(top) != 1:
+            raise SeriesError(f"{sdist.name}: expected one top-level folder")
+        prefix = top.pop() + "/"
+        inside = [m for m in members if m.name.startswith(prefix)]
+        for member in inside:
+            member.name = member.name[len(prefix) :]
+        archive.extractall(dest, members=inside, filter="data")
+
+
+def _extract_git(base: GitBase, commit: str, dest: Path) -> None:
+    archive = subprocess.run(
+        ["git", "-C", str(base.path), "archive", "--format=tar", commit],
+        capture_output=True,
+    )
+    if archive.returncode != 0:
+        raise SeriesError(f"git archive {commit} failed: {archive.stderr.decode()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def _base_message(base: Base) -> str:
+    if isinstance(base, SdistBase):
+        title = f"{base.name} {base.version} from {base.filename}"
+    else:
+        title = f"{base.name} from {base.path} at {base.rev}"
+    return f"{title}\n\n{base_id(base)}\n"
+
+
+def recorded_base_id(repo: Path) -> str | None:
+    if not is_repo(repo):
+        return None
+    result = git(repo, "log", "-1", "--format=%B", BASE_TAG, check=False)
+    if result.returncode != 0:
+        return None
+    for line in result.stdout.decode().splitlines():
+        if line.startswith("Base-"):
+            return line
+    return None
+
+
+def prepare(series: Series, *, offline: bool = False, quiet: bool = False) -> Path:
+    """Make sure the work repo holds the series' base; return its path.
+
+    An existing work repo for another base is an error, not overwritten. The
+    work is done in a temporary folder and renamed into place at the end, so
+    an interrupted prepare leaves nothing half-made behind.
+    """
+    repo = workdir(series)
+    expected = base_id(series.base)
+    if repo.exists():
+        found = recorded_base_id(repo)
+        if found == expected:
+            return repo
+        raise SeriesError(
+            f"{repo} exists but does not hold this base ({found or 'no base commit'}"
+            f", expected {expected}); move it away or delete it, then run again"
+        )
+    started = time.monotonic()
+    staging = repo.with_name(repo.name + ".preparing")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    if isinstance(series.base, SdistBase):
+        _extract_sdist(fetch_sdist(series.base, offline=offline), staging)
+    else:
+        _extract_git(series.base, _resolve_git_rev(series.base), staging)
+    extracted = time.monotonic()
+    identity = Identity(*TOOL_IDENTITY, date=BASE_DATE)
+    git(staging, "init", "-q", "-b", BRANCH)
+    git(staging, "add", "-A", "-f")
+    git(staging, "commit", "-q", "--no-verify", "-m", _base_message(series.base),
+        identity=identity)
+    git(staging, "tag", BASE_TAG)
+    staging.rename(repo)
+    if not quiet:
+        commit = git_out(repo, "rev-parse", "--short=12", BASE_TAG)
+        print(
+            f"prepared {repo} at base {commit} (extract "
+            f"{extracted - started:.1f} s, base commit "
+            f"{time.monotonic() - extracted:.1f} s)"
+        )
+    return repo

@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which stage commits the work repo holds, and whether they are current.
+
+The record lives in the repo's .git folder (never in the tree): for each
+stage, its commit and a fingerprint of its inputs (patch bytes, overlay files,
+parent commit). A stage is current when its tag, its parent and its inputs
+all still match; the current stages form a prefix of the series.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.series.config import Series, Stage
+from scripts.series.git import git, rev_parse
+from scripts.series.prepare import BASE_TAG
+
+STATE_FILE = "dsa-series-state.json"
+IN_PROGRESS_FILE = "dsa-series-applying"
+
+
+def stage_tag(stage: Stage) -> str:
+    return f"stage/{stage.id}"
+
+
+def _state_path(repo: Path) -> Path:
+    return repo / ".git" / STATE_FILE
+
+
+def in_progress_path(repo: Path) -> Path:
+    return repo / ".git" / IN_PROGRESS_FILE
+
+
+def load_state(repo: Path) -> dict[str, dict[str, str]]:
+    path = _state_path(repo)
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def save_state(repo: Path, state: dict[str, dict[str, str]]) -> None:
+    path = _state_path(repo)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def fingerprint(series: Series, stage: Stage, parent: str) -> str:
+    digest = hashlib.sha256(parent.encode())
+    patch = series.patches_dir / stage.patch
+    digest.update(patch.read_bytes() if patch.exists() else b"<missing>")
+    for overlay in stage.overlays:
+        digest.update(overlay.encode() + b"\0")
+        source = series.overlay_dir / overlay
+        digest.update(source.read_bytes() if source.exists() else b"<missing>")
+    return digest.hexdigest()
+
+
+def parent_of(repo: Path, commit: str) -> str | None:
+    result = git(repo, "rev-parse", "--verify", "--quiet", f"{commit}^", check=False)
+    return result.stdout.decode().strip() or None
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The stage commits on top of the base, as recorded and validated."""
+
+    base: str
+    applied: tuple[tuple[Stage, str], ...]  # (stage, commit) in series order
+    current: int  # how many of ``applied`` still match their inputs
+
+    @property
+    def tip(self) -> str:
+        return self.applied[-1][1] if self.applied else self.base
+
+    @property
+    def last_current(self) -> str:
+        return self.applied[self.current - 1][1] if self.current else self.base
+
+    def commit_of(self, stage_id: str) -> str | None:
+        for stage, commit in self.applied:
+            if stage.id == stage_id:
+                return commit
+        return None
+
+
+def read_chain(series: Series, repo: Path) -> Chain:
+    """Follow the recorded stages from the base while each one's parent links."""
+    base = rev_parse(repo, BASE_TAG)
+    assert base is not None, "prepare() makes the base tag"
+    state = load_state(repo)
+    applied: list[tuple[Stage, str]] = []
+    current = 0
+    parent = base
+    for stage in series.stages:
+        record = state.get(stage.id)
+        if not record or rev_parse(repo, stage_tag(stage)) != record["commit"]:
+            break
+        if parent_of(repo, record["commit"]) != parent:
+            break
+        if current == len(applied) and record["inputs"] == fingerprint(
+            series, stage, parent
+        ):
+            current += 1
+        applied.append((stage, record["commit"]))
+        parent = record["commit"]
+    return Chain(base=base, applied=tuple(applied), current=current)

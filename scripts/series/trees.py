@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-stage test trees: a git worktree of the work repo at each stage's commit.
+
+Tests of stage N run against the base plus stages 1..N, importable from this
+tree, while the work tree itself stays where the user left it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import Series
+from scripts.series.git import changed_files, git, rev_parse
+from scripts.series.prepare import BUILD_DIR_NAME, workdir
+from scripts.series.state import read_chain
+
+
+def stage_tree(series: Series, stage_id: str) -> Path:
+    """Return a clean tree at ``stage_id`` ("base" or a stage id)."""
+    repo = workdir(series)
+    chain = read_chain(series, repo)
+    current = {s.id: c for s, c in chain.applied[: chain.current]}
+    current["base"] = chain.base
+    if stage_id not in current:
+        raise SeriesError(f"stage {stage_id} is not applied and current; run apply")
+    commit = current[stage_id]
+    tree = series.root / BUILD_DIR_NAME / "trees" / series.base.label / stage_id
+    if not (tree / ".git").exists():
+        tree.parent.mkdir(parents=True, exist_ok=True)
+        git(repo, "worktree", "prune")
+        git(repo, "worktree", "add", "-q", "--detach", "--force", str(tree), commit)
+        return tree
+    if rev_parse(tree, "HEAD") != commit:
+        if changed_files(tree):
+            raise SeriesError(f"test tree {tree} has edits; delete it to rebuild")
+        git(tree, "checkout", "-q", "--detach", commit)
+    return tree
