@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ROCm platform shim flips exactly the checks the indexer reads, feeds
+vLLM's real dispatch code, and restores everything afterwards."""
+
+import pytest
+import torch
+
+from harness.rocm_platform import emulate_rocm
+from harness.tree import applied_tree
+
+TREE = applied_tree("base")
+
+
+@pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
+def test_platform_checks_follow_the_arch(arch):
+    from vllm._aiter_ops import is_aiter_found_and_supported, rocm_aiter_ops
+    from vllm.platforms import current_platform
+
+    with emulate_rocm(arch):
+        assert current_platform.is_rocm()
+        assert is_aiter_found_and_supported()
+        assert rocm_aiter_ops.is_enabled()
+        assert rocm_aiter_ops.is_indexer_top_k_enabled() is (arch == "gfx950")
+    assert not current_platform.is_rocm()
+    assert not is_aiter_found_and_supported()
+
+
+def test_aiter_off_disables_aiter_but_keeps_rocm():
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.platforms import current_platform
+
+    with emulate_rocm("gfx950", aiter=False):
+        assert current_platform.is_rocm()
+        assert not rocm_aiter_ops.is_enabled()
+        assert not rocm_aiter_ops.is_indexer_top_k_supported(
+            is_prefill=True, compress_ratio=4, num_rows=8)
+
+
+def test_vllm_routes_prefill_logits_through_the_aiter_module():
+    """rocm_fp8_mqa_logits takes AITER's module when it is found; the
+    stand-in computes vLLM's torch reference, so both paths agree."""
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse as ops
+
+    torch.manual_seed(0)
+    m, n, h, d = 6, 20, 4, 32
+    q = torch.randn(m, h, d).to(ops.FP8_DTYPE)
+    k = torch.randn(n, d).to(ops.FP8_DTYPE)
+    scale = torch.rand(n, 1) + 0.5
+    weights = torch.randn(m, h)
+    ks = torch.zeros(m, dtype=torch.int32)
+    ke = torch.arange(n - m + 1, n + 1, dtype=torch.int32)
+    reference = ops.fp8_mqa_logits_torch(q, (k, scale), weights, ks, ke)
+    with emulate_rocm("gfx950"):
+        assert ops.mqa_logits_module() is not None
+        via_aiter = ops.rocm_fp8_mqa_logits(q, (k, scale), weights, ks, ke)
+    assert torch.equal(via_aiter, reference)
+    # vLLM caches the module lookup; the shim must not leave the stand-in there.
+    assert ops.mqa_logits_module.cache_info().currsize == 0

@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run a function on N ranks of a real vLLM TP group over gloo (CPU).
+
+Workers are forked after the parent has imported vLLM (8 ranks start in well
+under a second; spawning would re-import vLLM in each). Each worker joins
+vLLM's distributed state, so ``get_tp_group()`` and its ``device_group`` are
+the real objects the patched code uses.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+WORKER_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any],
+            args: tuple[Any, ...], results: Any) -> None:
+    try:
+        import torch
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.distributed import parallel_state
+
+        torch.set_num_threads(1)
+        config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+        with set_current_vllm_config(config):
+            parallel_state.init_distributed_environment(
+                world_size, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo"
+            )
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=world_size
+            )
+            try:
+                results.put((rank, "ok", fn(rank, world_size, *args)))
+            finally:
+                parallel_state.destroy_model_parallel()
+                parallel_state.destroy_distributed_environment()
+    except BaseException:  # report everything, including assertion errors
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()  # flush the result before the hard exit below
+        os._exit(0)  # skip atexit/pytest teardown inherited through fork
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
+              timeout_s: float = WORKER_TIMEOUT_S) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on every rank; return the results
+    in rank order. A failure on any rank raises with that rank's traceback."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    port = _free_port()
+    workers = [
+        context.Process(target=_worker, args=(r, world_size, port, fn, args, results))
+        for r in range(world_size)
+    ]
+    for worker in workers:
+        worker.start()
+    collected: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(collected) < world_size and not errors:
+            try:
+                rank, status, value = results.get(timeout=1)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout_s} s waiting for ranks")
+                elif not any(w.is_alive() for w in workers) and results.empty():
+                    errors.append("every rank exited, some without a result")
+                continue
+            if status == "ok":
+                collected[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+    finally:
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [collected[r] for r in range(world_size)]
