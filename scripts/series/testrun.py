@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which pytest runs test a stage's tree, and the summary of their results.
+
+A stage's tree holds the base plus stages 1..N, so it runs the base tests,
+the tests of every stage up to N (a later stage must not break an earlier
+one) and the regression selection of vLLM's own tests. Results come back as
+JUnit XML, one file per run, and are summed into one table.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scripts.series.config import Series
+from scripts.series.prepare import BUILD_DIR_NAME
+
+TREE_ENV = "DSA_VLLM_TREE"
+STAGES_ENV = "DSA_STAGES"
+
+# CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
+# Triton kernels through the interpreter, and bytecode written so a tree is
+# compiled once rather than on every import.
+CPU_ENV = {
+    "CUDA_VISIBLE_DEVICES": "",
+    "TRITON_INTERPRET": "1",
+    "PYTHONDONTWRITEBYTECODE": "",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "PYTHONWARNINGS": "ignore:`torch.jit.script_method` is deprecated",
+}
+
+
+@dataclass(frozen=True)
+class PytestRun:
+    """One pytest invocation: arguments (after ``python -m pytest``), env, and
+    where it writes its JUnit XML."""
+
+    label: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    junit: Path
+
+
+def results_dir(series: Series) -> Path:
+    return series.root / BUILD_DIR_NAME / "results" / series.base.label
+
+
+def stage_runs(series: Series, stage_id: str, tree: Path) -> list[PytestRun]:
+    """The pytest runs for one stage's tree ("base" or a stage id)."""
+    applied = series.stages_upto(stage_id)
+    stages = ["base", *(s.id for s in applied)]
+    out = results_dir(series) / stage_id
+    own_dirs = [str(series.tests_dir / "base")]
+    own_dirs += [str(series.tests_dir / s.tests) for s in applied]
+    env = {**CPU_ENV, TREE_ENV: str(tree), STAGES_ENV: ",".join(stages)}
+    runs = [
+        PytestRun(
+            "series tests",
+            (*own_dirs, f"--junitxml={out / 'series.xml'}", "-q"),
+            env,
+            out / "series.xml",
+        )
+    ]
+    for suite in series.regression:
+        junit = out / f"{suite.name}.xml"
+        plugin = ("-p", suite.plugin) if suite.plugin else ()
+        runs.append(
+            PytestRun(
+                f"vLLM tests ({suite.name})",
+                (
+                    "--noconftest",
+                    f"--rootdir={tree}",
+                    "-p", "no:cacheprovider",
+                    *plugin,
+                    f"--junitxml={junit}",
+                    "-q",
+                    *(str(tree / p) for p in suite.paths),
+                ),
+                # vLLM's tests import `tests.*` helpers from the tree root;
+                # the plugin lives in our tests/ folder.
+                {**env, "PYTHONPATH": f"{tree}:{series.tests_dir}"},
+                junit,
+            )
+        )
+    return runs
+
+
+def tooling_run(series: Series) -> PytestRun:
+    junit = results_dir(series) / "tooling.xml"
+    return PytestRun(
+        "tooling tests",
+        (str(series.tests_dir / "tooling"), f"--junitxml={junit}", "-q"),
+        {},
+        junit,
+    )
+
+
+@dataclass
+class Tally:
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    skip_reasons: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, other: Tally) -> None:
+        self.passed += other.passed
+        self.failed += other.failed
+        self.skipped += other.skipped
+        self.skip_reasons.update(other.skip_reasons)
+        self.failures += other.failures
+
+
+def read_junit(path: Path) -> Tally:
+    """Count a JUnit XML file; a missing or broken file counts as a failure."""
+    tally = Tally()
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        tally.failed = 1
+        tally.failures.append(f"{path.name}: no results ({exc})")
+        return tally
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            tally.failed += 1
+            tally.failures.append(name)
+        elif (skip := case.find("skipped")) is not None:
+            tally.skipped += 1
+            reason = (skip.get("message") or "no reason given").strip()
+            tally.skip_reasons[reason.removeprefix("Skipped: ")] += 1
+        else:
+            tally.passed += 1
+    # Collection errors appear as <testsuite errors=N> without test cases.
+    for suite in root.iter("testsuite"):
+        errors = int(suite.get("errors", 0))
+        listed = sum(1 for c in suite.iter("testcase") if c.find("error") is not None)
+        if errors > listed:
+            tally.failed += errors - listed
+            tally.failures.append(f"{path.name}: {errors - listed} collection error(s)")
+    return tally
+
+
+def format_summary(rows: list[tuple[str, Tally]]) -> str:
+    """A Markdown table: stage, passed, failed, skipped, and the skip reasons."""
+    lines = [
+        "| stage | passed | failed | skipped | skip reasons |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for stage, tally in rows:
+        reasons = "; ".join(f"{n}× {r}" for r, n in tally.skip_reasons.most_common())
+        lines.append(
+            f"| {stage} | {tally.passed} | {tally.failed} | {tally.skipped} | "
+            f"{reasons or '-'} |"
+        )
+    failures = [f for _, tally in rows for f in tally.failures]
+    if failures:
+        lines += ["", "Failed:"] + [f"- {f}" for f in failures]
+    return "\n".join(lines)
