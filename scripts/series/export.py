@@ -37,9 +37,9 @@ FORMAT_PATCH_FLAGS = (
 BACKUP_REF = "refs/dsa-series/before-refresh"
 
 
-def format_stage_patch(repo: Path, stage: Stage, commit: str) -> bytes:
-    """The canonical patch bytes for a stage commit, overlays left out."""
-    excludes = [f":(exclude){path}" for path in stage.overlays]
+def format_stage_patch(series: Series, repo: Path, stage: Stage, commit: str) -> bytes:
+    """The canonical patch bytes for a stage commit, overlay modules left out."""
+    excludes = [f":(exclude){path}" for s in series.stages for path in s.overlays]
     out = git(repo, "format-patch", *FORMAT_PATCH_FLAGS, f"{commit}^..{commit}",
               "--", ".", *excludes).stdout
     if not out:
@@ -64,17 +64,26 @@ def _warn_new_files(stage: Stage, patch: Path) -> None:
         )
 
 
-def write_stage(series: Series, repo: Path, stage: Stage, commit: str) -> None:
-    patch = series.patches_dir / stage.patch
-    patch.write_bytes(format_stage_patch(repo, stage, commit))
-    _warn_new_files(stage, patch)
+def _write_stage(
+    series: Series, repo: Path, stage: Stage, commit: str, overlays_from: str
+) -> bool:
+    """Write a stage's patch (from its commit) and overlays (from the commit
+    ``overlays_from``); return whether any file changed."""
+    outputs = {series.patches_dir / stage.patch:
+               format_stage_patch(series, repo, stage, commit)}
     for overlay in stage.overlays:
-        data = overlay_bytes(repo, commit, overlay)
+        data = overlay_bytes(repo, overlays_from, overlay)
         if data is None:
-            raise SeriesError(f"stage {stage.id}: overlay {overlay} is not in its commit")
-        target = series.overlay_dir / overlay
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+            raise SeriesError(f"stage {stage.id}: overlay {overlay} is not in the tree")
+        outputs[series.overlay_dir / overlay] = data
+    changed = False
+    for path, data in outputs.items():
+        if not path.exists() or path.read_bytes() != data:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            changed = True
+    _warn_new_files(stage, series.patches_dir / stage.patch)
+    return changed
 
 
 def stale_files(series: Series) -> list[str]:
@@ -90,7 +99,7 @@ def stale_files(series: Series) -> list[str]:
     stale = []
     for stage, commit in chain.applied:
         patch = series.patches_dir / stage.patch
-        if patch.read_bytes() != format_stage_patch(repo, stage, commit):
+        if patch.read_bytes() != format_stage_patch(series, repo, stage, commit):
             stale.append(str(patch.relative_to(series.root)))
         for overlay in stage.overlays:
             source = series.overlay_dir / overlay
@@ -99,28 +108,44 @@ def stale_files(series: Series) -> list[str]:
     return stale
 
 
-def refresh(series: Series) -> list[Stage]:
-    """Turn the work tree's state into patch files; return the stages written.
+def _refuse_cross_stage_overlay_edits(
+    series: Series, repo: Path, commits: list[tuple[Stage, str]]
+) -> None:
+    owner = {path: s for s in series.stages for path in s.overlays}
+    for stage, commit in commits:
+        touched = git(repo, "diff", "--name-only", f"{commit}^", commit).stdout
+        for path in touched.decode().split():
+            if path in owner and owner[path] is not stage:
+                raise SeriesError(
+                    f"stage {stage.id}'s commit changes {path}, an overlay of stage "
+                    f"{owner[path].id}; put that change in stage "
+                    f"{owner[path].id} (apply --upto {owner[path].id}, edit, "
+                    "refresh) or in a module of stage "
+                    f"{stage.id}'s own"
+                )
 
-    Uncommitted edits are folded into the top stage. Commits on top of the
-    last applied stage become the next stages in series.toml (one commit per
-    stage, their patch files not written yet). Afterwards the stages are
-    re-applied from the new files, and the result must equal the tree that
-    was exported; the exported state stays at refs/dsa-series/before-refresh.
+
+def refresh(series: Series) -> list[Stage]:
+    """Turn the work tree's state into patch files; return the stages changed.
+
+    Commits on top of the last applied stage become the next stages in
+    series.toml (one commit per stage, their patch files not written yet).
+    Uncommitted edits go to the top stage, except edits to an overlay module,
+    which go to the stage that owns it. Afterwards the stages are re-applied
+    from the new files, and the result must equal the tree that was exported;
+    that state stays at refs/dsa-series/before-refresh either way.
     """
     from scripts.series.apply import apply
 
     repo = workdir(series)
     chain = read_chain(series, repo)
-    head = rev_parse(repo, "HEAD")
-    assert head is not None
-    extra = git(repo, "rev-list", "--reverse", f"{chain.tip}..HEAD").stdout.split()
     if git(repo, "merge-base", "--is-ancestor", chain.tip, "HEAD",
            check=False).returncode != 0:
         raise SeriesError(
             f"HEAD is not on top of the last applied stage ({chain.tip[:12]}); "
             "check out the series branch first"
         )
+    extra = git(repo, "rev-list", "--reverse", f"{chain.tip}..HEAD").stdout.split()
     new_stages = series.stages[len(chain.applied) :]
     if len(extra) > len(new_stages):
         raise SeriesError(
@@ -134,10 +159,11 @@ def refresh(series: Series) -> list[Stage]:
                 f"stage {stage.id} already has {stage.patch} but is not applied; "
                 "run apply, then redo your edits on top"
             )
-    commits = [(s, c) for s, c in chain.applied]
+    commits = list(chain.applied)
     commits += [(s, c.decode()) for s, c in zip(new_stages, extra)]
     if not commits:
         raise SeriesError("nothing to refresh: no stage is applied")
+    _refuse_cross_stage_overlay_edits(series, repo, commits)
     if changed_files(repo):
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "--no-verify", "--amend", "--no-edit")
@@ -147,28 +173,21 @@ def refresh(series: Series) -> list[Stage]:
     git(repo, "update-ref", BACKUP_REF, "HEAD")
     exported_tree = rev_parse(repo, "HEAD^{tree}")
 
-    written = []
-    for stage, commit in commits:
-        patch = series.patches_dir / stage.patch
-        before = patch.read_bytes() if patch.exists() else None
-        write_stage(series, repo, stage, commit)
-        if patch.read_bytes() != before:
-            written.append(stage)
+    final = commits[-1][1]
+    changed = [s for s, c in commits if _write_stage(series, repo, s, c, final)]
 
     # Rebuild the stages from the files just written, as a fresh apply would.
     state = load_state(repo)
     for stage, commit in commits:
-        state.setdefault(stage.id, {})["commit"] = commit
-        state[stage.id]["inputs"] = "refreshed"
+        state[stage.id] = {"commit": commit, "inputs": "refreshed"}
         git(repo, "tag", "-f", stage_tag(stage), commit)
     save_state(repo, state)
-    git(repo, "checkout", "-q", "-B", BRANCH, commits[0][1] + "^")
+    git(repo, "checkout", "-q", "-B", BRANCH, chain.base)
     apply(series, commits[-1][0].id, quiet=True)
-    rebuilt_tree = rev_parse(repo, "HEAD^{tree}")
-    if rebuilt_tree != exported_tree:
+    if rev_parse(repo, "HEAD^{tree}") != exported_tree:
         diff = git(repo, "diff", "--name-only", BACKUP_REF, "HEAD").stdout.decode()
         raise SeriesError(
             "the re-applied stages differ from the tree that was exported in: "
             f"{diff.split()}; your work is kept at {BACKUP_REF}"
         )
-    return written
+    return changed

@@ -28,6 +28,10 @@ _FIXED_CONFIG = (
     "init.defaultBranch=series",
     "i18n.commitEncoding=UTF-8",
     "gc.auto=0",
+    # Committer of the one commit made without an explicit identity: the
+    # amend that folds tree edits into a stage (its author is kept).
+    f"user.name={TOOL_IDENTITY[0]}",
+    f"user.email={TOOL_IDENTITY[1]}",
 )
 
 

@@ -34,14 +34,17 @@ class PatchInfo:
 
 
 def read_patch(path: Path) -> PatchInfo:
-    """Parse a ``git format-patch`` file; error if it has no author or subject."""
+    """Parse a ``git format-patch`` file; error if it has no author or subject.
+
+    ``mailinfo -b`` drops only a "[PATCH ...]" prefix, so vLLM-style titles
+    such as "[ROCm][Perf] ..." keep their tags."""
     if not path.exists():
         raise SeriesError(f"patch file {path} does not exist")
     data = path.read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         msg_file = Path(tmp) / "msg"
         result = subprocess.run(
-            ["git", "mailinfo", "-k", "-u", str(msg_file), str(Path(tmp) / "diff")],
+            ["git", "mailinfo", "-b", "-u", str(msg_file), str(Path(tmp) / "diff")],
             input=data,
             capture_output=True,
             env=git_env(),

@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Small synthetic series projects: a base, stages made by plain git, and the
+tooling pointed at them. Nothing here downloads anything."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scripts.series.config import Series, load_series
+from scripts.series.git import git_env
+
+BASE_FILES = {
+    "vllm/__init__.py": "",
+    "vllm/envs.py": "".join(f"VAR_{i} = {i}\n" for i in range(40)),
+    "vllm/ops.py": "".join(f"def op_{i}():\n    return {i}\n\n\n" for i in range(30)),
+    "README.md": "synthetic vLLM\n",
+    ".gitignore": "/vllm/_version.py\n",
+    "vllm/_version.py": "__version__ = '0.0.1'\n",
+}
+
+
+def sh(cwd: Path, *args: str, date: str = "2026-01-02T03:04:05+00:00") -> str:
+    env = git_env()
+    env.update(GIT_AUTHOR_NAME="Ada Dev", GIT_AUTHOR_EMAIL="ada@example.com",
+               GIT_COMMITTER_NAME="Ada Dev", GIT_COMMITTER_EMAIL="ada@example.com",
+               GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date)
+    return subprocess.run(args, cwd=cwd, env=env, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def write_files(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+class Project:
+    """A series repo (patches/, vllm_overlay/) over a local git base."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.root = tmp / "series"
+        self.upstream = tmp / "upstream"
+        self.scratch = tmp / "scratch"
+        self.stages: list[dict] = []
+        write_files(self.upstream, BASE_FILES)
+        sh(self.upstream, "git", "init", "-q", "-b", "main")
+        sh(self.upstream, "git", "add", "-A", "-f")
+        sh(self.upstream, "git", "commit", "-q", "-m", "upstream base")
+        sh(self.upstream, "git", "tag", "v1")
+        (self.root / "patches").mkdir(parents=True)
+        (self.root / "vllm_overlay").mkdir()
+        (self.root / "tests").mkdir()
+        sh(self.tmp, "git", "clone", "-q", str(self.upstream), str(self.scratch))
+        self.write_series()
+
+    @property
+    def series_file(self) -> Path:
+        return self.root / "patches" / "series.toml"
+
+    def write_series(self) -> None:
+        text = f'[base]\nname = "vllm"\ngit = "{self.upstream}"\nrev = "v1"\n'
+        for stage in self.stages:
+            overlays = ", ".join(f'"{o}"' for o in stage["overlays"])
+            text += textwrap.dedent(f"""
+                [[stage]]
+                id = "{stage['id']}"
+                title = "{stage['title']}"
+                patch = "{stage['patch']}"
+                overlays = [{overlays}]
+                tests = "stage_{stage['id']}"
+                """)
+        self.series_file.write_text(text)
+
+    def series(self) -> Series:
+        return load_series(self.series_file)
+
+    def add_stage(
+        self,
+        stage_id: str,
+        edits: dict[str, tuple[str, str]],
+        overlays: dict[str, str] | None = None,
+        *,
+        title: str | None = None,
+        body: str = "Why this stage exists.",
+        date: str = "2026-02-03T04:05:06+00:00",
+    ) -> Path:
+        """Make a stage the way a developer would: edit, commit with a
+        Signed-off-by, ``git format-patch`` (default flags) the glue."""
+        overlays = overlays or {}
+        for rel, (old, new) in edits.items():
+            path = self.scratch / rel
+            text = path.read_text()
+            assert old in text, f"{old!r} not in {rel}"
+            path.write_text(text.replace(old, new, 1))
+        write_files(self.scratch, overlays)
+        title = title or f"Stage {stage_id}"
+        sh(self.scratch, "git", "add", "-A")
+        sh(self.scratch, "git", "commit", "-q", "-s", "-m", title, "-m", body,
+           date=date)
+        excludes = [f":(exclude){o}" for o in overlays]
+        patch_text = sh(self.scratch, "git", "format-patch", "-1", "--stdout",
+                        "HEAD", "--", ".", *excludes)
+        name = f"{stage_id}-{title.lower().replace(' ', '-')}.patch"
+        patch = self.root / "patches" / name
+        patch.write_text(patch_text)
+        write_files(self.root / "vllm_overlay", overlays)
+        self.stages.append(dict(id=stage_id, title=title, patch=name,
+                                overlays=list(overlays)))
+        self.write_series()
+        return patch
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Project:
+    return Project(tmp_path)
+
+
+@pytest.fixture
+def two_stages(project: Project) -> Project:
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
+        {"vllm/cp_indexer.py": "def split():\n    return 'striped'\n"},
+        title="Striped indexer",
+    )
+    project.add_stage(
+        "0002",
+        {
+            "vllm/envs.py": ("CP_INDEXER = False\n", "CP_INDEXER = True\n"),
+            "vllm/ops.py": ("def op_20():\n    return 20\n",
+                            "def op_20():\n    return 2020\n"),
+        },
+        title="Top-k gate",
+    )
+    return project

@@ -1,0 +1,245 @@
+# SPDX-License-Identifier: Apache-2.0
+"""apply: order, zero fuzz, failure reporting, dirty trees, idempotence,
+interruption, determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.series import SeriesError
+from scripts.series.apply import StageApplyError, apply
+from scripts.series.git import changed_files, git_out
+from scripts.series.prepare import workdir
+from scripts.series.state import in_progress_path
+from scripts.series.status import format_status, tree_status
+from tests.tooling.conftest import Project
+
+
+def _log(repo):
+    return git_out(repo, "log", "--format=%s|%an|%ad", "--date=iso-strict").splitlines()
+
+
+def test_stages_apply_in_order_one_commit_each(two_stages: Project):
+    repo = apply(two_stages.series())
+    assert _log(repo) == [
+        "Top-k gate|Ada Dev|2026-02-03T04:05:06+00:00",
+        "Striped indexer|Ada Dev|2026-02-03T04:05:06+00:00",
+        f"vllm from {two_stages.upstream} at v1|dsa-indexer-series|"
+        "2000-01-01T00:00:00+00:00",
+    ]
+    message = git_out(repo, "log", "-1", "--format=%B", "stage/0001")
+    assert message.startswith("Striped indexer\n\nWhy this stage exists.")
+    assert "Signed-off-by: Ada Dev <ada@example.com>" in message
+    assert (repo / "vllm/cp_indexer.py").read_text() == "def split():\n    return 'striped'\n"
+    assert "CP_INDEXER = True" in (repo / "vllm/envs.py").read_text()
+    assert "return 2020" in (repo / "vllm/ops.py").read_text()
+    assert not changed_files(repo)
+
+
+def test_stage_order_matters(two_stages: Project):
+    """Stage 0002 edits a line stage 0001 adds: applied alone it must fail."""
+    two_stages.stages.reverse()
+    two_stages.stages[0]["id"], two_stages.stages[1]["id"] = "0001", "0002"
+    two_stages.write_series()
+    with pytest.raises(StageApplyError, match="stage 0001 .*file vllm/envs.py, hunk 1"):
+        apply(two_stages.series())
+
+
+def test_commit_ids_are_the_same_on_every_machine(two_stages: Project, tmp_path):
+    first = apply(two_stages.series())
+    ids = git_out(first, "rev-parse", "base", "stage/0001", "stage/0002")
+    # A second checkout of the same series elsewhere.
+    import shutil
+
+    other = tmp_path / "elsewhere"
+    shutil.copytree(two_stages.root, other, ignore=shutil.ignore_patterns("build"))
+    from scripts.series.config import load_series
+
+    second = apply(load_series(other / "patches" / "series.toml"))
+    assert second != first
+    assert git_out(second, "rev-parse", "base", "stage/0001", "stage/0002") == ids
+
+
+def test_a_failing_hunk_is_named_and_the_tree_stays_at_the_last_good_stage(
+    two_stages: Project,
+):
+    patch = two_stages.root / "patches" / two_stages.stages[1]["patch"]
+    # Break the context of the second file's hunk: it no longer matches vLLM.
+    text = patch.read_text().replace(" def op_21():", " def op_twenty_one():")
+    patch.write_text(text)
+    with pytest.raises(StageApplyError) as failure:
+        apply(two_stages.series())
+    message = str(failure.value)
+    assert "stage 0002 (Top-k gate)" in message
+    assert two_stages.stages[1]["patch"] in message
+    assert "file vllm/ops.py, hunk 1 (@@ -" in message
+    repo = workdir(two_stages.series())
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse", "stage/0001")
+    assert not changed_files(repo), "a failed stage must leave no partial edits"
+    assert "CP_INDEXER = False" in (repo / "vllm/envs.py").read_text()
+    assert not in_progress_path(repo).exists()
+
+
+def test_uncommitted_edits_are_never_overwritten(two_stages: Project):
+    series = two_stages.series()
+    repo = apply(series, "0001")
+    (repo / "vllm/ops.py").write_text("my precious edit\n")
+    (repo / "notes.txt").write_text("also mine\n")
+    with pytest.raises(SeriesError, match="uncommitted edits") as refusal:
+        apply(series)
+    assert "refresh" in str(refusal.value)
+    assert "vllm/ops.py" in str(refusal.value)
+    assert (repo / "vllm/ops.py").read_text() == "my precious edit\n"
+    assert (repo / "notes.txt").read_text() == "also mine\n"
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse", "stage/0001")
+
+
+def test_reapplying_an_up_to_date_tree_is_a_no_op(two_stages: Project, capsys):
+    series = two_stages.series()
+    repo = apply(series)
+    head = git_out(repo, "rev-parse", "HEAD")
+    reflog = git_out(repo, "reflog")
+    mtime = (repo / "vllm/envs.py").stat().st_mtime_ns
+    capsys.readouterr()
+    apply(series)
+    assert capsys.readouterr().out.splitlines() == [
+        "stage 0001: up to date",
+        "stage 0002: up to date",
+    ]
+    assert git_out(repo, "rev-parse", "HEAD") == head
+    assert git_out(repo, "reflog") == reflog
+    assert (repo / "vllm/envs.py").stat().st_mtime_ns == mtime
+
+
+def test_a_changed_stage_is_reapplied_with_the_ones_after_it(two_stages: Project):
+    series = two_stages.series()
+    repo = apply(series)
+    old_0001 = git_out(repo, "rev-parse", "stage/0001")
+    overlay = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    overlay.write_text("def split():\n    return 'stripes of 1024'\n")
+    apply(series)
+    assert git_out(repo, "rev-parse", "stage/0001") != old_0001
+    assert "1024" in (repo / "vllm/cp_indexer.py").read_text()
+    assert git_out(repo, "rev-parse", "stage/0002^") == git_out(
+        repo, "rev-parse", "stage/0001")
+
+
+def test_apply_upto_and_back_keeps_the_commits(two_stages: Project):
+    series = two_stages.series()
+    repo = apply(series)
+    tip = git_out(repo, "rev-parse", "HEAD")
+    apply(series, "0001")
+    assert "CP_INDEXER = False" in (repo / "vllm/envs.py").read_text()
+    apply(series, "base")
+    assert not (repo / "vllm/cp_indexer.py").exists()
+    apply(series)
+    assert git_out(repo, "rev-parse", "HEAD") == tip
+
+
+def test_an_interrupted_apply_resumes_and_ends_identical(two_stages: Project,
+                                                          monkeypatch, tmp_path):
+    """Kill the apply after stage 0002's patch and overlays are in the tree but
+    before its commit; the re-run must finish with the same commits as an
+    uninterrupted apply."""
+    import scripts.series.apply as apply_module
+
+    series = two_stages.series()
+    real_git = apply_module.git
+
+    def git_interrupted_at_commit(repo, *args, **kwargs):
+        if args[0] == "commit" and (repo / "vllm/ops.py").read_text().count("2020"):
+            raise KeyboardInterrupt
+        return real_git(repo, *args, **kwargs)
+
+    monkeypatch.setattr(apply_module, "git", git_interrupted_at_commit)
+    with pytest.raises(KeyboardInterrupt):
+        apply(series)
+    repo = workdir(series)
+    assert changed_files(repo), "the interruption left a half-applied stage"
+    monkeypatch.setattr(apply_module, "git", real_git)
+    apply(series)
+    assert not changed_files(repo)
+    interrupted_ids = git_out(repo, "rev-parse", "stage/0001", "stage/0002")
+
+    import shutil
+
+    from scripts.series.config import load_series
+
+    clean = tmp_path / "clean"
+    shutil.copytree(two_stages.root, clean, ignore=shutil.ignore_patterns("build"))
+    clean_repo = apply(load_series(clean / "patches" / "series.toml"))
+    assert git_out(clean_repo, "rev-parse", "stage/0001", "stage/0002") == \
+        interrupted_ids
+
+
+def test_commits_on_top_are_not_overwritten(two_stages: Project):
+    from tests.tooling.conftest import sh
+
+    series = two_stages.series()
+    repo = apply(series, "0001")
+    (repo / "vllm/ops.py").write_text("committed work\n")
+    sh(repo, "git", "commit", "-qam", "my work")
+    with pytest.raises(SeriesError, match="commits on top of the series"):
+        apply(series)
+    assert (repo / "vllm/ops.py").read_text() == "committed work\n"
+
+
+def test_overlay_errors_are_clear(project: Project):
+    project.add_stage("0001", {"vllm/envs.py": ("VAR_1 = 1\n", "VAR_1 = 11\n")},
+                      {"vllm/new_module.py": "x = 1\n"})
+    (project.root / "vllm_overlay/vllm/new_module.py").unlink()
+    with pytest.raises(StageApplyError, match="overlay vllm/new_module.py is missing"):
+        apply(project.series())
+    repo = workdir(project.series())
+    assert not changed_files(repo)
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse", "base")
+
+
+def test_an_overlay_may_not_replace_a_vllm_file(project: Project):
+    project.add_stage("0001", {"vllm/envs.py": ("VAR_1 = 1\n", "VAR_1 = 11\n")})
+    project.stages[0]["overlays"] = ["vllm/ops.py"]
+    project.write_series()
+    (project.root / "vllm_overlay/vllm").mkdir(parents=True)
+    (project.root / "vllm_overlay/vllm/ops.py").write_text("replaced\n")
+    with pytest.raises(StageApplyError, match="would overwrite a file"):
+        apply(project.series())
+    assert "def op_1" in (workdir(project.series()) / "vllm/ops.py").read_text()
+
+
+def test_a_file_that_is_not_a_patch_is_reported(project: Project):
+    project.add_stage("0001", {"vllm/envs.py": ("VAR_1 = 1\n", "VAR_1 = 11\n")})
+    (project.root / "patches" / project.stages[0]["patch"]).write_text("hello\n")
+    with pytest.raises(SeriesError, match="no Author, Email, Date, Subject header"):
+        apply(project.series())
+
+
+def test_a_work_dir_of_another_base_is_not_touched(two_stages: Project):
+    from tests.tooling.conftest import sh
+
+    series = two_stages.series()
+    repo = apply(series)
+    (two_stages.upstream / "README.md").write_text("moved on\n")
+    sh(two_stages.upstream, "git", "commit", "-qam", "newer")
+    sh(two_stages.upstream, "git", "tag", "-f", "v1")
+    with pytest.raises(SeriesError, match="does not hold this base"):
+        apply(two_stages.series())
+    assert (repo / "README.md").read_text() == "synthetic vLLM\n"
+
+
+def test_status_reports_stages_and_edits(two_stages: Project):
+    series = two_stages.series()
+    text = format_status(series, tree_status(series))
+    assert "not prepared" in text
+    repo = apply(series, "0001")
+    status = tree_status(series)
+    assert [(s.id, s.state) for s in status.stages] == [
+        ("0001", "applied"), ("0002", "not applied")]
+    assert status.head_stage == "0001" and not status.edited_files
+    (repo / "vllm/ops.py").write_text("edit\n")
+    overlay = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    overlay.write_text("changed = True\n")
+    status = tree_status(series)
+    assert [(s.id, s.state) for s in status.stages] == [
+        ("0001", "stale"), ("0002", "not applied")]
+    assert status.edited_files == ("vllm/ops.py",)
+    assert "uncommitted edits in 1 file(s)" in format_status(series, status)

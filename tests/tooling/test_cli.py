@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The command line: results on stdout, errors as one line without traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from scripts.series.config import REPO_ROOT
+from tests.tooling.conftest import Project
+
+
+def _cli(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.series", "--series",
+         str(project.series_file), *args],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )
+
+
+def test_apply_status_tree_and_check(two_stages: Project):
+    applied = _cli(two_stages, "apply")
+    assert applied.returncode == 0, applied.stderr
+    assert "stage 0002: applied (Top-k gate)" in applied.stdout
+    status = _cli(two_stages, "status")
+    assert "0002  applied" in status.stdout and "<- HEAD" in status.stdout
+    tree = _cli(two_stages, "tree", "0001")
+    assert tree.returncode == 0
+    assert tree.stdout.strip().endswith("trees/vllm-git-v1/0001")
+    check = _cli(two_stages, "check")
+    assert check.returncode == 1
+    assert "stale" in check.stdout
+    assert _cli(two_stages, "refresh").returncode == 0
+    assert _cli(two_stages, "check").returncode == 0
+
+
+def test_errors_are_one_line_without_a_traceback(two_stages: Project):
+    (two_stages.root / "patches" / two_stages.stages[0]["patch"]).write_text("x\n")
+    result = _cli(two_stages, "apply")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_stage_and_bad_series_file(project: Project):
+    result = _cli(project, "apply", "--upto", "0042")
+    assert result.returncode == 1
+    assert "unknown stage '0042'" in result.stderr
+    project.series_file.write_text("[base]\nname = 1\n")
+    result = _cli(project, "status")
+    assert result.returncode == 1
+    assert "base.name: expected a non-empty string" in result.stderr

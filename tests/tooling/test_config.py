@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A malformed series file is refused with the file and the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts.series.config import (
+    SERIES_FILE,
+    GitBase,
+    SdistBase,
+    SeriesFileError,
+    load_series,
+)
+
+BASE = ('[base]\nname = "vllm"\nversion = "0.32.0"\n'
+        'sha256 = "' + "ab" * 32 + '"\n')
+STAGE = ('[[stage]]\nid = "0001"\ntitle = "CP indexer"\npatch = "0001-cp.patch"\n'
+         'overlays = ["vllm/cp.py"]\ntests = "stage_0001"\n')
+
+
+def _load(tmp_path: Path, text: str):
+    path = tmp_path / "patches" / "series.toml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    return load_series(path)
+
+
+def test_the_repository_series_file_is_valid():
+    series = load_series(SERIES_FILE)
+    assert isinstance(series.base, SdistBase)
+    assert series.base.version == "0.32.0"
+    assert series.base.sha256 == (
+        "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad")
+    assert series.regression, "the regression selection is listed in series.toml"
+
+
+def test_a_valid_file_parses(tmp_path):
+    series = _load(tmp_path, BASE + STAGE + STAGE.replace("0001", "0002")
+                   .replace('overlays = ["vllm/cp.py"]', 'depends_on = ["0001"]'))
+    assert [s.id for s in series.stages] == ["0001", "0002"]
+    assert series.stages[1].depends_on == ("0001",)
+    assert series.stages[0].upstream_status == "not-submitted"
+    assert [s.id for s in series.stages_upto("0001")] == ["0001"]
+    assert series.stages_upto("base") == ()
+
+
+def test_a_git_base_parses(tmp_path):
+    series = _load(tmp_path, '[base]\nname = "vllm"\ngit = "../vllm"\nrev = "main"\n')
+    assert isinstance(series.base, GitBase)
+    assert series.base.path == (tmp_path / "vllm").resolve()
+    assert series.base.label == "vllm-git-main"
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("", "base: missing"),
+        ("[base\n", "not valid TOML"),
+        (BASE.replace('version = "0.32.0"\n', ""), "base.version: missing"),
+        (BASE.replace("ab" * 32, "abc"), "base.sha256: expected 64 hex digits"),
+        (BASE + 'git = "/x"\nrev = "y"\n', "either version + sha256 or git + rev"),
+        (BASE + "mirror = 1\n", "base.mirror: unknown field"),
+        (BASE + STAGE.replace('id = "0001"', 'id = "1"'), "stage[0].id: expected four"),
+        (BASE + STAGE + STAGE, "stage[1].id: duplicate stage id"),
+        (BASE + STAGE.replace("0001", "0002") + STAGE, "stage[1].id: '0001' comes after"),
+        (BASE + STAGE.replace('title = "CP indexer"\n', ""), "stage[0].title: missing"),
+        (BASE + STAGE.replace('"0001-cp.patch"', "3"), "stage[0].patch: expected a non-empty"),
+        (BASE + STAGE.replace('"0001-cp.patch"', '"cp.diff"'), "stage[0].patch: expected a .patch"),
+        (BASE + STAGE.replace('"vllm/cp.py"', '"../cp.py"'), "stage[0].overlays: '../cp.py' must be"),
+        (BASE + STAGE.replace('overlays = ["vllm/cp.py"]', "overlays = 3"),
+         "stage[0].overlays: expected a list"),
+        (BASE + STAGE + 'depends_on = ["0009"]\n', "stage[0].depends_on: '0009' is not"),
+        (BASE + STAGE + 'upstream = { status = "maybe" }\n',
+         "stage[0].upstream.status: expected one of"),
+        (BASE + STAGE + "colour = 1\n", "stage[0].colour: unknown field"),
+        ("stage = 1\n" + BASE, "stage: expected an array"),
+        (BASE + '[[regression]]\nname = "x"\npaths = []\n', "regression[0].paths"),
+    ],
+)
+def test_malformed_files_name_the_field(tmp_path, text, field):
+    with pytest.raises(SeriesFileError) as error:
+        _load(tmp_path, text)
+    assert "series.toml: " in str(error.value)
+    assert field in str(error.value)
+
+
+def test_a_missing_file_is_reported(tmp_path):
+    with pytest.raises(SeriesFileError, match="series file not found"):
+        load_series(tmp_path / "nope.toml")

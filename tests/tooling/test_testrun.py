@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The test plan for a stage and the summary of JUnit results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scripts.series.testrun import (
+    Tally,
+    format_summary,
+    read_junit,
+    stage_runs,
+)
+from tests.tooling.conftest import Project
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="{errors}" failures="1" skipped="3"
+ tests="7">
+<testcase classname="t.a" name="ok1"/>
+<testcase classname="t.a" name="ok2"/>
+<testcase classname="t.a" name="bad"><failure message="boom"/></testcase>
+<testcase classname="t.b" name="s1"><skipped message="needs gfx950"/></testcase>
+<testcase classname="t.b" name="s2"><skipped message="needs gfx950"/></testcase>
+<testcase classname="t.b" name="s3"><skipped message="Skipped: CUDA required"/>
+</testcase>
+<testcase classname="t.c" name="err"><error message="fixture"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_junit_is_counted_with_skip_reasons(tmp_path: Path):
+    path = tmp_path / "r.xml"
+    path.write_text(JUNIT.format(errors=1))
+    tally = read_junit(path)
+    assert (tally.passed, tally.failed, tally.skipped) == (2, 2, 3)
+    assert tally.skip_reasons == {"needs gfx950": 2, "CUDA required": 1}
+    assert tally.failures == ["t.a::bad", "t.c::err"]
+
+
+def test_collection_errors_count_as_failures(tmp_path: Path):
+    path = tmp_path / "r.xml"
+    path.write_text(JUNIT.format(errors=3))
+    tally = read_junit(path)
+    assert tally.failed == 4
+    assert "r.xml: 2 collection error(s)" in tally.failures
+
+
+def test_missing_results_are_a_failure(tmp_path: Path):
+    tally = read_junit(tmp_path / "never-written.xml")
+    assert tally.failed == 1 and "no results" in tally.failures[0]
+
+
+def test_summary_table_lists_every_stage_and_reason():
+    good = Tally(passed=5, skipped=2)
+    good.skip_reasons.update({"needs gfx950": 2})
+    bad = Tally(passed=1, failed=1, failures=["t::x"])
+    table = format_summary([("base", good), ("0001", bad)])
+    assert "| base | 5 | 0 | 2 | 2× needs gfx950 |" in table
+    assert "| 0001 | 1 | 1 | 0 | - |" in table
+    assert table.endswith("Failed:\n- t::x")
+
+
+def test_a_stage_tree_runs_its_own_and_earlier_stages_tests(two_stages: Project):
+    series = two_stages.series()
+    tree = Path("/trees/0002")
+    runs = stage_runs(series, "0002", tree)
+    own = runs[0]
+    assert [a for a in own.args if not a.startswith("-")] == [
+        str(series.tests_dir / "base"),
+        str(series.tests_dir / "stage_0001"),
+        str(series.tests_dir / "stage_0002"),
+    ]
+    assert own.env["DSA_VLLM_TREE"] == str(tree)
+    assert own.env["DSA_STAGES"] == "base,0001,0002"
+    assert own.env["CUDA_VISIBLE_DEVICES"] == ""
+    assert stage_runs(series, "base", tree)[0].env["DSA_STAGES"] == "base"
