@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """nox sessions: thin wrappers over scripts/series (see README).
 
-    nox -s apply-and-test     fetch, apply every stage, test each stage's tree
-    nox -s apply [-- STAGE]   the patched tree, optionally only up to STAGE
-    nox -s "tests(base)"      test one stage's tree (also tests(0001), ...)
-    nox -s lint               pre-commit on every file
-    nox -s check-patches      committed patches == a fresh export
-    nox -s refresh | status   write patches/ from the tree | show the tree
+nox -s apply-and-test     fetch, apply every stage, test each stage's tree
+nox -s apply [-- STAGE]   the patched tree, optionally only up to STAGE
+nox -s "tests(base)"      test one stage's tree (also tests(0001), ...)
+nox -s lint               pre-commit on every file
+nox -s check-patches      committed patches == a fresh export
+nox -s refresh | status   write patches/ from the tree | show the tree
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def _find_links() -> list[str]:
     if not links:
         out = subprocess.run(
             [sys.executable, "-m", "pip", "config", "list"],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         ).stdout
         for line in out.splitlines():
             key, _, value = line.partition("=")
@@ -70,7 +72,8 @@ def _install_cpu_deps(session: nox.Session) -> None:
     constraints = workdir(SERIES) / "requirements" / "common.txt"
     find_links = _find_links()
     key = hashlib.sha256(
-        REQUIREMENTS.read_bytes() + constraints.read_bytes()
+        REQUIREMENTS.read_bytes()
+        + constraints.read_bytes()
         + " ".join(find_links).encode()
     ).hexdigest()
     venv = Path(session.virtualenv.location)
@@ -80,9 +83,18 @@ def _install_cpu_deps(session: nox.Session) -> None:
     if session.venv_backend != "uv":
         session.install("uv")
     session.run(
-        "uv", "pip", "install", "--python", str(venv / "bin" / "python"),
-        "-r", str(REQUIREMENTS), "-c", str(constraints), *find_links,
-        env={"UV_COMPILE_BYTECODE": "1"}, external=True,
+        "uv",
+        "pip",
+        "install",
+        "--python",
+        str(venv / "bin" / "python"),
+        "-r",
+        str(REQUIREMENTS),
+        "-c",
+        str(constraints),
+        *find_links,
+        env={"UV_COMPILE_BYTECODE": "1"},
+        external=True,
     )
     stamp.write_text(key)
 
@@ -91,15 +103,25 @@ def _run_pytest(session: nox.Session, run: PytestRun) -> Tally:
     run.junit.parent.mkdir(parents=True, exist_ok=True)
     run.junit.unlink(missing_ok=True)
     session.log(f"{run.label}")
-    session.run("python", "-m", "pytest", *run.args, *session.posargs,
-                env=run.env, success_codes=[0, 1, 5])
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        *run.args,
+        *session.posargs,
+        env=run.env,
+        success_codes=[0, 1, 5],
+    )
     return read_junit(run.junit)
 
 
 def _test_stage(session: nox.Session, stage_id: str) -> Tally:
     tree = subprocess.run(
         [sys.executable, "-m", "scripts.series", "tree", stage_id],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if tree.returncode != 0:
         session.error(tree.stderr.strip())

@@ -115,8 +115,17 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
     with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".msg") as msg:
         msg.write(info.message)
         msg.flush()
-        git(repo, "commit", "-q", "--no-verify", "--allow-empty-message",
-            "--cleanup=verbatim", "-F", msg.name, identity=info.author)
+        git(
+            repo,
+            "commit",
+            "-q",
+            "--no-verify",
+            "--allow-empty-message",
+            "--cleanup=verbatim",
+            "-F",
+            msg.name,
+            identity=info.author,
+        )
     commit = rev_parse(repo, "HEAD")
     assert commit is not None
     git(repo, "tag", "-f", stage_tag(stage), commit)

@@ -18,10 +18,15 @@ from scripts.series.trees import stage_tree
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scripts.series",
-                                     description=__doc__)
-    parser.add_argument("--series", type=Path, default=SERIES_FILE,
-                        help="series file (default: patches/series.toml)")
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.series", description=__doc__
+    )
+    parser.add_argument(
+        "--series",
+        type=Path,
+        default=SERIES_FILE,
+        help="series file (default: patches/series.toml)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="download and verify the pinned sdist")
     fetch.add_argument("--offline", action="store_true")

@@ -40,8 +40,15 @@ BACKUP_REF = "refs/dsa-series/before-refresh"
 def format_stage_patch(series: Series, repo: Path, stage: Stage, commit: str) -> bytes:
     """The canonical patch bytes for a stage commit, overlay modules left out."""
     excludes = [f":(exclude){path}" for s in series.stages for path in s.overlays]
-    out = git(repo, "format-patch", *FORMAT_PATCH_FLAGS, f"{commit}^..{commit}",
-              "--", ".", *excludes).stdout
+    out = git(
+        repo,
+        "format-patch",
+        *FORMAT_PATCH_FLAGS,
+        f"{commit}^..{commit}",
+        "--",
+        ".",
+        *excludes,
+    ).stdout
     if not out:
         raise SeriesError(
             f"stage {stage.id}: its commit changes no vLLM file outside its "
@@ -69,8 +76,11 @@ def _write_stage(
 ) -> bool:
     """Write a stage's patch (from its commit) and overlays (from the commit
     ``overlays_from``); return whether any file changed."""
-    outputs = {series.patches_dir / stage.patch:
-               format_stage_patch(series, repo, stage, commit)}
+    outputs = {
+        series.patches_dir / stage.patch: format_stage_patch(
+            series, repo, stage, commit
+        )
+    }
     for overlay in stage.overlays:
         data = overlay_bytes(repo, overlays_from, overlay)
         if data is None:
@@ -139,8 +149,12 @@ def refresh(series: Series) -> list[Stage]:
 
     repo = workdir(series)
     chain = read_chain(series, repo)
-    if git(repo, "merge-base", "--is-ancestor", chain.tip, "HEAD",
-           check=False).returncode != 0:
+    if (
+        git(
+            repo, "merge-base", "--is-ancestor", chain.tip, "HEAD", check=False
+        ).returncode
+        != 0
+    ):
         raise SeriesError(
             f"HEAD is not on top of the last applied stage ({chain.tip[:12]}); "
             "check out the series branch first"
@@ -160,7 +174,7 @@ def refresh(series: Series) -> list[Stage]:
                 "run apply, then redo your edits on top"
             )
     commits = list(chain.applied)
-    commits += [(s, c.decode()) for s, c in zip(new_stages, extra)]
+    commits += [(s, c.decode()) for s, c in zip(new_stages, extra, strict=False)]
     if not commits:
         raise SeriesError("nothing to refresh: no stage is applied")
     _refuse_cross_stage_overlay_edits(series, repo, commits)

@@ -92,8 +92,11 @@ class _Progress:
             return
         percent = 100 * done / self.total
         if self.tty:
-            print(f"\r{self.name}: {percent:5.1f}% of {self.total / (1 << 20):.1f} "
-                  f"MiB", end="", file=sys.stderr)
+            print(
+                f"\r{self.name}: {percent:5.1f}% of {self.total / (1 << 20):.1f} MiB",
+                end="",
+                file=sys.stderr,
+            )
         elif int(percent // 10) > self.last_decile:
             self.last_decile = int(percent // 10)
             print(f"{self.name}: {percent:3.0f}% ({mib:.1f} MiB)", file=sys.stderr)

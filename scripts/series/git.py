@@ -104,6 +104,7 @@ def changed_files(repo: Path) -> list[str]:
 
 
 def rev_parse(repo: Path, ref: str) -> str | None:
-    result = git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}",
-                 check=False)
+    result = git(
+        repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False
+    )
     return result.stdout.decode().strip() or None

@@ -98,8 +98,9 @@ def failing_hunk(info: PatchInfo, git_stderr: str) -> str:
             if hunk.path == path and hunk.old_start == line:
                 return f"file {path}, hunk {hunk.number} ({hunk.header})"
         return f"file {path}, hunk at line {line}"
-    missing = re.search(r"error: (\S+): (does not exist in index|No such file)",
-                        git_stderr)
+    missing = re.search(
+        r"error: (\S+): (does not exist in index|No such file)", git_stderr
+    )
     if missing:
         return f"file {missing.group(1)}: not in the tree"
     exists = re.search(r"error: (\S+): already exists", git_stderr)

@@ -43,8 +43,14 @@ def base_id(base: Base) -> str:
 def _resolve_git_rev(base: GitBase) -> str:
     if not is_repo(base.path) and not (base.path / "HEAD").exists():
         raise SeriesError(f"base.git: {base.path} is not a git repository")
-    result = git(base.path, "rev-parse", "--verify", "--quiet",
-                 f"{base.rev}^{{commit}}", check=False)
+    result = git(
+        base.path,
+        "rev-parse",
+        "--verify",
+        "--quiet",
+        f"{base.rev}^{{commit}}",
+        check=False,
+    )
     if result.returncode != 0:
         raise SeriesError(f"base.rev: {base.rev!r} is not a commit in {base.path}")
     return result.stdout.decode().strip()
@@ -123,8 +129,15 @@ def prepare(series: Series, *, offline: bool = False, quiet: bool = False) -> Pa
     identity = Identity(*TOOL_IDENTITY, date=BASE_DATE)
     git(staging, "init", "-q", "-b", BRANCH)
     git(staging, "add", "-A", "-f")
-    git(staging, "commit", "-q", "--no-verify", "-m", _base_message(series.base),
-        identity=identity)
+    git(
+        staging,
+        "commit",
+        "-q",
+        "--no-verify",
+        "-m",
+        _base_message(series.base),
+        identity=identity,
+    )
     git(staging, "tag", BASE_TAG)
     staging.rename(repo)
     if not quiet:

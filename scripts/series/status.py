@@ -31,12 +31,13 @@ class TreeStatus:
 def tree_status(series: Series) -> TreeStatus:
     repo = workdir(series)
     if not (repo / ".git").exists():
-        rows = tuple(StageStatus(s.id, s.title, "not applied", None)
-                     for s in series.stages)
-        return TreeStatus(False, rows, None, 0, ())
+        missing = tuple(
+            StageStatus(s.id, s.title, "not applied", None) for s in series.stages
+        )
+        return TreeStatus(False, missing, None, 0, ())
     chain = read_chain(series, repo)
     head = rev_parse(repo, "HEAD")
-    rows = []
+    rows: list[StageStatus] = []
     head_stage = "base" if head == chain.base else None
     for index, stage in enumerate(series.stages):
         commit = chain.commit_of(stage.id)
@@ -51,8 +52,7 @@ def tree_status(series: Series) -> TreeStatus:
     if head_stage is None:
         count = git(repo, "rev-list", "--count", f"{chain.tip}..HEAD", check=False)
         extra = int(count.stdout or 0)
-    return TreeStatus(True, tuple(rows), head_stage, extra,
-                      tuple(changed_files(repo)))
+    return TreeStatus(True, tuple(rows), head_stage, extra, tuple(changed_files(repo)))
 
 
 def format_status(series: Series, status: TreeStatus) -> str:

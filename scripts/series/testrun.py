@@ -72,7 +72,8 @@ def stage_runs(series: Series, stage_id: str, tree: Path) -> list[PytestRun]:
                 (
                     "--noconftest",
                     f"--rootdir={tree}",
-                    "-p", "no:cacheprovider",
+                    "-p",
+                    "no:cacheprovider",
                     *plugin,
                     f"--junitxml={junit}",
                     "-q",

@@ -17,8 +17,9 @@ def _max_over_tp(rank, world_size):
     assert group.world_size == world_size and group.rank_in_group == rank
     rows = torch.full((3, 5), -1, dtype=torch.int32)
     rows[rank % 3] = rank  # each rank owns one row; the rest stay -1
-    torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX,
-                                 group=group.device_group)
+    torch.distributed.all_reduce(
+        rows, op=torch.distributed.ReduceOp.MAX, group=group.device_group
+    )
     return rows
 
 

@@ -33,7 +33,8 @@ def test_aiter_off_disables_aiter_but_keeps_rocm():
         assert current_platform.is_rocm()
         assert not rocm_aiter_ops.is_enabled()
         assert not rocm_aiter_ops.is_indexer_top_k_supported(
-            is_prefill=True, compress_ratio=4, num_rows=8)
+            is_prefill=True, compress_ratio=4, num_rows=8
+        )
 
 
 def test_vllm_routes_prefill_logits_through_the_aiter_module():

@@ -46,7 +46,10 @@ def test_prefill_reference_matches_brute_force(seed):
 def test_reference_matches_torch_topk_on_full_rows():
     logits = torch.randn(8, 300)
     got = topk_reference.select_topk(
-        logits, torch.zeros(8, dtype=torch.int32), torch.full((8,), 300), K,
+        logits,
+        torch.zeros(8, dtype=torch.int32),
+        torch.full((8,), 300),
+        K,
         relative_to_start=True,
     )
     want = logits.topk(K, dim=1).indices
@@ -72,30 +75,39 @@ def test_decode_row_ends_follow_the_kernel(next_n, two_d):
     expected = seq_lens[r // next_n] - next_n + r % next_n + 1
     if two_d:
         per_row = expected.to(torch.int32).reshape(-1, next_n)
-        assert torch.equal(topk_reference.decode_row_ends(per_row, next_n, rows),
-                           expected)
+        assert torch.equal(
+            topk_reference.decode_row_ends(per_row, next_n, rows), expected
+        )
     else:
-        assert torch.equal(topk_reference.decode_row_ends(seq_lens, next_n, rows),
-                           expected)
+        assert torch.equal(
+            topk_reference.decode_row_ends(seq_lens, next_n, rows), expected
+        )
 
 
 def test_c_ops_are_registered_with_vllm_signatures():
     topk_reference.register_vllm_c_ops()
     logits, starts, ends = _random_rows(6, 64, 3)
     indices = torch.full((6, K), 99, dtype=torch.int32)
-    torch.ops._C.top_k_per_row_prefill(logits, starts, ends, indices, 6,
-                                       logits.stride(0), logits.stride(1), K)
+    torch.ops._C.top_k_per_row_prefill(
+        logits, starts, ends, indices, 6, logits.stride(0), logits.stride(1), K
+    )
     want = topk_reference.select_topk(logits, starts, ends, K, relative_to_start=True)
     assert torch.equal(indices, want)
     seq_lens = torch.tensor([30, 64, 3], dtype=torch.int32)
     out = torch.empty((6, K), dtype=torch.int32)
-    torch.ops._C.top_k_per_row_decode(logits, 2, seq_lens, out, 6,
-                                      logits.stride(0), logits.stride(1), K)
+    torch.ops._C.top_k_per_row_decode(
+        logits, 2, seq_lens, out, 6, logits.stride(0), logits.stride(1), K
+    )
     ends = topk_reference.decode_row_ends(seq_lens, 2, 6)
     topk_reference.assert_same_selection(
-        logits, out, topk_reference.select_topk(
-            logits, torch.zeros_like(ends), ends, K, relative_to_start=True),
-        ends, K)
+        logits,
+        out,
+        topk_reference.select_topk(
+            logits, torch.zeros_like(ends), ends, K, relative_to_start=True
+        ),
+        ends,
+        K,
+    )
 
 
 def test_aiter_stand_in_rejects_wrong_dtypes():
@@ -103,10 +115,12 @@ def test_aiter_stand_in_rejects_wrong_dtypes():
     indices = torch.empty((2, K), dtype=torch.int64)
     with pytest.raises(TypeError, match="int32"):
         topk_reference.aiter_top_k_per_row_prefill(
-            logits, starts, ends, indices, None, 2, 32, 1, k=K)
+            logits, starts, ends, indices, None, 2, 32, 1, k=K
+        )
     with pytest.raises(TypeError, match="float32"):
         topk_reference.aiter_top_k_per_row_prefill(
-            logits.double(), starts, ends, indices.int(), None, 2, 32, 1, k=K)
+            logits.double(), starts, ends, indices.int(), None, 2, 32, 1, k=K
+        )
 
 
 def test_vllm_aiter_prefill_path_localizes_to_the_in_tree_result():
@@ -121,10 +135,12 @@ def test_vllm_aiter_prefill_path_localizes_to_the_in_tree_result():
     with emulate_rocm("gfx950"):
         _launch_aiter_top_k_per_row_prefill(logits, starts, ends, via_aiter, K)
         in_tree = torch.empty((12, K), dtype=torch.int32)
-        torch.ops._C.top_k_per_row_prefill(logits, starts, ends, in_tree, 12,
-                                           logits.stride(0), logits.stride(1), K)
-    topk_reference.assert_same_selection(logits, via_aiter, in_tree, ends - starts,
-                                         K, offsets=starts)
+        torch.ops._C.top_k_per_row_prefill(
+            logits, starts, ends, in_tree, 12, logits.stride(0), logits.stride(1), K
+        )
+    topk_reference.assert_same_selection(
+        logits, via_aiter, in_tree, ends - starts, K, offsets=starts
+    )
 
 
 def test_fake_aiter_is_removed_after_use():

@@ -31,8 +31,7 @@ def _fp8_mqa_logits(q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke):
     """AITER's fp8_mqa_logits(Q, KV, kv_scales, weights, ks, ke) -> fp32 [M, N]."""
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_mqa_logits_torch
 
-    return fp8_mqa_logits_torch(q, (k_fp8, scale), weights, cu_seqlen_ks,
-                                cu_seqlen_ke)
+    return fp8_mqa_logits_torch(q, (k_fp8, scale), weights, cu_seqlen_ks, cu_seqlen_ke)
 
 
 def _module(name: str, **attrs: object) -> types.ModuleType:
@@ -50,8 +49,7 @@ def build_modules() -> dict[str, types.ModuleType]:
         top_k_per_row_prefill=topk_reference.aiter_top_k_per_row_prefill,
         top_k_per_row_decode=topk_reference.aiter_top_k_per_row_decode,
     )
-    logits = _module("aiter.ops.triton.fp8_mqa_logits",
-                     fp8_mqa_logits=_fp8_mqa_logits)
+    logits = _module("aiter.ops.triton.fp8_mqa_logits", fp8_mqa_logits=_fp8_mqa_logits)
     triton = _module("aiter.ops.triton", fp8_mqa_logits=logits)
     ops = _module("aiter.ops", topk=topk, triton=triton)
     return {

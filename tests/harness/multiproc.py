@@ -27,8 +27,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-            args: tuple[Any, ...], results: Any) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
     try:
         import torch
         from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
@@ -56,8 +62,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any],
         os._exit(0)  # skip atexit/pytest teardown inherited through fork
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
-              timeout_s: float = WORKER_TIMEOUT_S) -> list[Any]:
+def run_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float = WORKER_TIMEOUT_S,
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on every rank; return the results
     in rank order. A failure on any rank raises with that rank's traceback."""
     context = multiprocessing.get_context("fork")

@@ -73,47 +73,74 @@ def _check(logits: torch.Tensor, indices: torch.Tensor, k: int) -> None:
         raise ValueError(f"indices hold {indices.shape[-1]} columns, k={k}")
 
 
-def vllm_top_k_per_row_prefill(logits, row_starts, row_ends, indices, num_rows,
-                               stride0, stride1, k):
+def vllm_top_k_per_row_prefill(
+    logits, row_starts, row_ends, indices, num_rows, stride0, stride1, k
+):
     _check(logits, indices, k)
-    result = select_topk(logits[:num_rows], row_starts, row_ends, k,
-                         relative_to_start=True)
+    result = select_topk(
+        logits[:num_rows], row_starts, row_ends, k, relative_to_start=True
+    )
     _write(indices, result, num_rows)
 
 
-def vllm_top_k_per_row_decode(logits, next_n, seq_lens, indices, num_rows,
-                              stride0, stride1, k):
+def vllm_top_k_per_row_decode(
+    logits, next_n, seq_lens, indices, num_rows, stride0, stride1, k
+):
     _check(logits, indices, k)
     ends = decode_row_ends(seq_lens, next_n, num_rows)
-    result = select_topk(logits[:num_rows], torch.zeros_like(ends), ends, k,
-                         relative_to_start=True)
+    result = select_topk(
+        logits[:num_rows], torch.zeros_like(ends), ends, k, relative_to_start=True
+    )
     _write(indices, result, num_rows)
 
 
-def aiter_top_k_per_row_prefill(logits, rowStarts, rowEnds, indices, values,
-                                numRows, stride0, stride1, k=2048, workspace=None,
-                                stable=False):
+def aiter_top_k_per_row_prefill(
+    logits,
+    rowStarts,
+    rowEnds,
+    indices,
+    values,
+    numRows,
+    stride0,
+    stride1,
+    k=2048,
+    workspace=None,
+    stable=False,
+):
     _check(logits, indices, k)
     for name, t in (("rowStarts", rowStarts), ("rowEnds", rowEnds)):
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
-    result = select_topk(logits[:numRows], rowStarts, rowEnds, k,
-                         relative_to_start=False)
+    result = select_topk(
+        logits[:numRows], rowStarts, rowEnds, k, relative_to_start=False
+    )
     _write(indices, result, numRows)
     if values is not None:
         gathered = logits[:numRows].gather(1, result.clamp(min=0).to(torch.int64))
-        values[:numRows, :k] = torch.where(result >= 0, gathered,
-                                           torch.full_like(gathered, float("-inf")))
+        values[:numRows, :k] = torch.where(
+            result >= 0, gathered, torch.full_like(gathered, float("-inf"))
+        )
 
 
-def aiter_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0,
-                               stride1, k=2048, workspace=None, stable=False,
-                               values=None):
+def aiter_top_k_per_row_decode(
+    logits,
+    next_n,
+    seqLens,
+    indices,
+    numRows,
+    stride0,
+    stride1,
+    k=2048,
+    workspace=None,
+    stable=False,
+    values=None,
+):
     _check(logits, indices, k)
     if seqLens.dtype != torch.int32:
         raise TypeError(f"seqLens must be int32, got {seqLens.dtype}")
-    vllm_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0,
-                              stride1, k)
+    vllm_top_k_per_row_decode(
+        logits, next_n, seqLens, indices, numRows, stride0, stride1, k
+    )
 
 
 _LIBRARY: torch.library.Library | None = None

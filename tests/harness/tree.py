@@ -47,8 +47,10 @@ def applied_tree(stage: str = "base") -> AppliedTree:
             allow_module_level=True,
         )
     if stage not in tree.stages:
-        pytest.skip(f"stage {stage} is not applied in this tree (tree at "
-                    f"{tree.stage})", allow_module_level=True)
+        pytest.skip(
+            f"stage {stage} is not applied in this tree (tree at {tree.stage})",
+            allow_module_level=True,
+        )
     import vllm
 
     vllm_file = Path(vllm.__file__).resolve()

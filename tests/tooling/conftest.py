@@ -25,11 +25,17 @@ BASE_FILES = {
 
 def sh(cwd: Path, *args: str, date: str = "2026-01-02T03:04:05+00:00") -> str:
     env = git_env()
-    env.update(GIT_AUTHOR_NAME="Ada Dev", GIT_AUTHOR_EMAIL="ada@example.com",
-               GIT_COMMITTER_NAME="Ada Dev", GIT_COMMITTER_EMAIL="ada@example.com",
-               GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date)
-    return subprocess.run(args, cwd=cwd, env=env, check=True, capture_output=True,
-                          text=True).stdout
+    env.update(
+        GIT_AUTHOR_NAME="Ada Dev",
+        GIT_AUTHOR_EMAIL="ada@example.com",
+        GIT_COMMITTER_NAME="Ada Dev",
+        GIT_COMMITTER_EMAIL="ada@example.com",
+        GIT_AUTHOR_DATE=date,
+        GIT_COMMITTER_DATE=date,
+    )
+    return subprocess.run(
+        args, cwd=cwd, env=env, check=True, capture_output=True, text=True
+    ).stdout
 
 
 def write_files(root: Path, files: dict[str, str]) -> None:
@@ -69,11 +75,11 @@ class Project:
             overlays = ", ".join(f'"{o}"' for o in stage["overlays"])
             text += textwrap.dedent(f"""
                 [[stage]]
-                id = "{stage['id']}"
-                title = "{stage['title']}"
-                patch = "{stage['patch']}"
+                id = "{stage["id"]}"
+                title = "{stage["title"]}"
+                patch = "{stage["patch"]}"
                 overlays = [{overlays}]
-                tests = "stage_{stage['id']}"
+                tests = "stage_{stage["id"]}"
                 """)
         self.series_file.write_text(text)
 
@@ -101,17 +107,37 @@ class Project:
         write_files(self.scratch, overlays)
         title = title or f"Stage {stage_id}"
         sh(self.scratch, "git", "add", "-A")
-        sh(self.scratch, "git", "commit", "-q", "-s", "-m", title, "-m", body,
-           date=date)
+        sh(
+            self.scratch,
+            "git",
+            "commit",
+            "-q",
+            "-s",
+            "-m",
+            title,
+            "-m",
+            body,
+            date=date,
+        )
         excludes = [f":(exclude){o}" for o in overlays]
-        patch_text = sh(self.scratch, "git", "format-patch", "-1", "--stdout",
-                        "HEAD", "--", ".", *excludes)
+        patch_text = sh(
+            self.scratch,
+            "git",
+            "format-patch",
+            "-1",
+            "--stdout",
+            "HEAD",
+            "--",
+            ".",
+            *excludes,
+        )
         name = f"{stage_id}-{title.lower().replace(' ', '-')}.patch"
         patch = self.root / "patches" / name
         patch.write_text(patch_text)
         write_files(self.root / "vllm_overlay", overlays)
-        self.stages.append(dict(id=stage_id, title=title, patch=name,
-                                overlays=list(overlays)))
+        self.stages.append(
+            dict(id=stage_id, title=title, patch=name, overlays=list(overlays))
+        )
         self.write_series()
         return patch
 
@@ -133,8 +159,10 @@ def two_stages(project: Project) -> Project:
         "0002",
         {
             "vllm/envs.py": ("CP_INDEXER = False\n", "CP_INDEXER = True\n"),
-            "vllm/ops.py": ("def op_20():\n    return 20\n",
-                            "def op_20():\n    return 2020\n"),
+            "vllm/ops.py": (
+                "def op_20():\n    return 20\n",
+                "def op_20():\n    return 2020\n",
+            ),
         },
         title="Top-k gate",
     )

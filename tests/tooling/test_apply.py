@@ -30,7 +30,9 @@ def test_stages_apply_in_order_one_commit_each(two_stages: Project):
     message = git_out(repo, "log", "-1", "--format=%B", "stage/0001")
     assert message.startswith("Striped indexer\n\nWhy this stage exists.")
     assert "Signed-off-by: Ada Dev <ada@example.com>" in message
-    assert (repo / "vllm/cp_indexer.py").read_text() == "def split():\n    return 'striped'\n"
+    assert (
+        repo / "vllm/cp_indexer.py"
+    ).read_text() == "def split():\n    return 'striped'\n"
     assert "CP_INDEXER = True" in (repo / "vllm/envs.py").read_text()
     assert "return 2020" in (repo / "vllm/ops.py").read_text()
     assert not changed_files(repo)
@@ -74,7 +76,9 @@ def test_a_failing_hunk_is_named_and_the_tree_stays_at_the_last_good_stage(
     assert two_stages.stages[1]["patch"] in message
     assert "file vllm/ops.py, hunk 1 (@@ -" in message
     repo = workdir(two_stages.series())
-    assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse", "stage/0001")
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(
+        repo, "rev-parse", "stage/0001"
+    )
     assert not changed_files(repo), "a failed stage must leave no partial edits"
     assert "CP_INDEXER = False" in (repo / "vllm/envs.py").read_text()
     assert not in_progress_path(repo).exists()
@@ -91,7 +95,9 @@ def test_uncommitted_edits_are_never_overwritten(two_stages: Project):
     assert "vllm/ops.py" in str(refusal.value)
     assert (repo / "vllm/ops.py").read_text() == "my precious edit\n"
     assert (repo / "notes.txt").read_text() == "also mine\n"
-    assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse", "stage/0001")
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(
+        repo, "rev-parse", "stage/0001"
+    )
 
 
 def test_reapplying_an_up_to_date_tree_is_a_no_op(two_stages: Project, capsys):
@@ -121,7 +127,8 @@ def test_a_changed_stage_is_reapplied_with_the_ones_after_it(two_stages: Project
     assert git_out(repo, "rev-parse", "stage/0001") != old_0001
     assert "1024" in (repo / "vllm/cp_indexer.py").read_text()
     assert git_out(repo, "rev-parse", "stage/0002^") == git_out(
-        repo, "rev-parse", "stage/0001")
+        repo, "rev-parse", "stage/0001"
+    )
 
 
 def test_apply_upto_and_back_keeps_the_commits(two_stages: Project):
@@ -136,8 +143,9 @@ def test_apply_upto_and_back_keeps_the_commits(two_stages: Project):
     assert git_out(repo, "rev-parse", "HEAD") == tip
 
 
-def test_an_interrupted_apply_resumes_and_ends_identical(two_stages: Project,
-                                                          monkeypatch, tmp_path):
+def test_an_interrupted_apply_resumes_and_ends_identical(
+    two_stages: Project, monkeypatch, tmp_path
+):
     """Kill the apply after stage 0002's patch and overlays are in the tree but
     before its commit; the re-run must finish with the same commits as an
     uninterrupted apply."""
@@ -168,8 +176,9 @@ def test_an_interrupted_apply_resumes_and_ends_identical(two_stages: Project,
     clean = tmp_path / "clean"
     shutil.copytree(two_stages.root, clean, ignore=shutil.ignore_patterns("build"))
     clean_repo = apply(load_series(clean / "patches" / "series.toml"))
-    assert git_out(clean_repo, "rev-parse", "stage/0001", "stage/0002") == \
-        interrupted_ids
+    assert (
+        git_out(clean_repo, "rev-parse", "stage/0001", "stage/0002") == interrupted_ids
+    )
 
 
 def test_commits_on_top_are_not_overwritten(two_stages: Project):
@@ -185,8 +194,11 @@ def test_commits_on_top_are_not_overwritten(two_stages: Project):
 
 
 def test_overlay_errors_are_clear(project: Project):
-    project.add_stage("0001", {"vllm/envs.py": ("VAR_1 = 1\n", "VAR_1 = 11\n")},
-                      {"vllm/new_module.py": "x = 1\n"})
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_1 = 1\n", "VAR_1 = 11\n")},
+        {"vllm/new_module.py": "x = 1\n"},
+    )
     (project.root / "vllm_overlay/vllm/new_module.py").unlink()
     with pytest.raises(StageApplyError, match="overlay vllm/new_module.py is missing"):
         apply(project.series())
@@ -233,13 +245,17 @@ def test_status_reports_stages_and_edits(two_stages: Project):
     repo = apply(series, "0001")
     status = tree_status(series)
     assert [(s.id, s.state) for s in status.stages] == [
-        ("0001", "applied"), ("0002", "not applied")]
+        ("0001", "applied"),
+        ("0002", "not applied"),
+    ]
     assert status.head_stage == "0001" and not status.edited_files
     (repo / "vllm/ops.py").write_text("edit\n")
     overlay = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
     overlay.write_text("changed = True\n")
     status = tree_status(series)
     assert [(s.id, s.state) for s in status.stages] == [
-        ("0001", "stale"), ("0002", "not applied")]
+        ("0001", "stale"),
+        ("0002", "not applied"),
+    ]
     assert status.edited_files == ("vllm/ops.py",)
     assert "uncommitted edits in 1 file(s)" in format_status(series, status)

@@ -12,9 +12,17 @@ from tests.tooling.conftest import Project
 
 def _cli(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "scripts.series", "--series",
-         str(project.series_file), *args],
-        cwd=REPO_ROOT, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "scripts.series",
+            "--series",
+            str(project.series_file),
+            *args,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
     )
 
 

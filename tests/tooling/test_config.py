@@ -15,10 +15,11 @@ from scripts.series.config import (
     load_series,
 )
 
-BASE = ('[base]\nname = "vllm"\nversion = "0.32.0"\n'
-        'sha256 = "' + "ab" * 32 + '"\n')
-STAGE = ('[[stage]]\nid = "0001"\ntitle = "CP indexer"\npatch = "0001-cp.patch"\n'
-         'overlays = ["vllm/cp.py"]\ntests = "stage_0001"\n')
+BASE = '[base]\nname = "vllm"\nversion = "0.32.0"\nsha256 = "' + "ab" * 32 + '"\n'
+STAGE = (
+    '[[stage]]\nid = "0001"\ntitle = "CP indexer"\npatch = "0001-cp.patch"\n'
+    'overlays = ["vllm/cp.py"]\ntests = "stage_0001"\n'
+)
 
 
 def _load(tmp_path: Path, text: str):
@@ -33,13 +34,20 @@ def test_the_repository_series_file_is_valid():
     assert isinstance(series.base, SdistBase)
     assert series.base.version == "0.32.0"
     assert series.base.sha256 == (
-        "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad")
+        "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
+    )
     assert series.regression, "the regression selection is listed in series.toml"
 
 
 def test_a_valid_file_parses(tmp_path):
-    series = _load(tmp_path, BASE + STAGE + STAGE.replace("0001", "0002")
-                   .replace('overlays = ["vllm/cp.py"]', 'depends_on = ["0001"]'))
+    series = _load(
+        tmp_path,
+        BASE
+        + STAGE
+        + STAGE.replace("0001", "0002").replace(
+            'overlays = ["vllm/cp.py"]', 'depends_on = ["0001"]'
+        ),
+    )
     assert [s.id for s in series.stages] == ["0001", "0002"]
     assert series.stages[1].depends_on == ("0001",)
     assert series.stages[0].upstream_status == "not-submitted"
@@ -65,16 +73,35 @@ def test_a_git_base_parses(tmp_path):
         (BASE + "mirror = 1\n", "base.mirror: unknown field"),
         (BASE + STAGE.replace('id = "0001"', 'id = "1"'), "stage[0].id: expected four"),
         (BASE + STAGE + STAGE, "stage[1].id: duplicate stage id"),
-        (BASE + STAGE.replace("0001", "0002") + STAGE, "stage[1].id: '0001' comes after"),
+        (
+            BASE + STAGE.replace("0001", "0002") + STAGE,
+            "stage[1].id: '0001' comes after",
+        ),
         (BASE + STAGE.replace('title = "CP indexer"\n', ""), "stage[0].title: missing"),
-        (BASE + STAGE.replace('"0001-cp.patch"', "3"), "stage[0].patch: expected a non-empty"),
-        (BASE + STAGE.replace('"0001-cp.patch"', '"cp.diff"'), "stage[0].patch: expected a .patch"),
-        (BASE + STAGE.replace('"vllm/cp.py"', '"../cp.py"'), "stage[0].overlays: '../cp.py' must be"),
-        (BASE + STAGE.replace('overlays = ["vllm/cp.py"]', "overlays = 3"),
-         "stage[0].overlays: expected a list"),
-        (BASE + STAGE + 'depends_on = ["0009"]\n', "stage[0].depends_on: '0009' is not"),
-        (BASE + STAGE + 'upstream = { status = "maybe" }\n',
-         "stage[0].upstream.status: expected one of"),
+        (
+            BASE + STAGE.replace('"0001-cp.patch"', "3"),
+            "stage[0].patch: expected a non-empty",
+        ),
+        (
+            BASE + STAGE.replace('"0001-cp.patch"', '"cp.diff"'),
+            "stage[0].patch: expected a .patch",
+        ),
+        (
+            BASE + STAGE.replace('"vllm/cp.py"', '"../cp.py"'),
+            "stage[0].overlays: '../cp.py' must be",
+        ),
+        (
+            BASE + STAGE.replace('overlays = ["vllm/cp.py"]', "overlays = 3"),
+            "stage[0].overlays: expected a list",
+        ),
+        (
+            BASE + STAGE + 'depends_on = ["0009"]\n',
+            "stage[0].depends_on: '0009' is not",
+        ),
+        (
+            BASE + STAGE + 'upstream = { status = "maybe" }\n',
+            "stage[0].upstream.status: expected one of",
+        ),
         (BASE + STAGE + "colour = 1\n", "stage[0].colour: unknown field"),
         ("stage = 1\n" + BASE, "stage: expected an array"),
         (BASE + '[[regression]]\nname = "x"\npaths = []\n', "regression[0].paths"),

@@ -39,13 +39,15 @@ def test_exported_patches_are_canonical(two_stages: Project):
     assert "Signed-off-by: Ada Dev <ada@example.com>" in text
     index_lines = [line for line in text.splitlines() if line.startswith("index ")]
     assert index_lines and all(len(line.split()[1]) == 82 for line in index_lines)
-    assert not text.rstrip().endswith(git_out(two_stages.root.parent, "--version")
-                                      .split()[-1])  # --no-signature
+    assert not text.rstrip().endswith(
+        git_out(two_stages.root.parent, "--version").split()[-1]
+    )  # --no-signature
     assert "--full-index" in FORMAT_PATCH_FLAGS
 
 
-def test_user_git_config_does_not_change_the_bytes(two_stages: Project, monkeypatch,
-                                                   tmp_path):
+def test_user_git_config_does_not_change_the_bytes(
+    two_stages: Project, monkeypatch, tmp_path
+):
     series = two_stages.series()
     apply(series)
     refresh(series)
@@ -53,9 +55,11 @@ def test_user_git_config_does_not_change_the_bytes(two_stages: Project, monkeypa
     home = tmp_path / "home"
     home.mkdir()
     config = home / ".gitconfig"
-    config.write_text("[format]\n\tsignOff = true\n\tnumbered = true\n"
-                      "[diff]\n\tmnemonicPrefix = true\n\tnoprefix = true\n"
-                      "[core]\n\tabbrev = 7\n")
+    config.write_text(
+        "[format]\n\tsignOff = true\n\tnumbered = true\n"
+        "[diff]\n\tmnemonicPrefix = true\n\tnoprefix = true\n"
+        "[core]\n\tabbrev = 7\n"
+    )
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     refresh(series)
@@ -71,8 +75,9 @@ def test_check_detects_a_stale_patch(two_stages: Project):
     refresh(series)
     assert stale_files(series) == []
     patch = two_stages.root / "patches" / two_stages.stages[1]["patch"]
-    patch.write_text(patch.read_text().replace("Subject: Top-k gate",
-                                               "Subject: Top-k gate, edited"))
+    patch.write_text(
+        patch.read_text().replace("Subject: Top-k gate", "Subject: Top-k gate, edited")
+    )
     apply(series)  # the new message makes a new commit; the bytes still differ
     assert stale_files(series) == []
     patch.write_text(patch.read_text() + "\n")
@@ -97,14 +102,16 @@ def test_refresh_folds_tree_edits_into_the_top_stage(two_stages: Project):
     repo = apply(series)
     refresh(series)  # make the hand-made patches canonical first
     (repo / "vllm/ops.py").write_text(
-        (repo / "vllm/ops.py").read_text().replace("return 7\n", "return 77\n"))
+        (repo / "vllm/ops.py").read_text().replace("return 7\n", "return 77\n")
+    )
     (repo / "vllm/cp_indexer.py").write_text("def split():\n    return 'mirrored'\n")
     written = refresh(series)
     assert [s.id for s in written] == ["0001", "0002"]
     patch = read_patch(two_stages.root / "patches" / two_stages.stages[1]["patch"])
     assert patch.files == ("vllm/envs.py", "vllm/ops.py")
-    assert (two_stages.root / "vllm_overlay/vllm/cp_indexer.py").read_text() == \
-        "def split():\n    return 'mirrored'\n"
+    assert (
+        two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    ).read_text() == "def split():\n    return 'mirrored'\n"
     assert not changed_files(repo)
     head = git_out(repo, "rev-parse", "HEAD")
     apply(series)  # the tree is exactly what the files describe: a no-op
@@ -118,13 +125,19 @@ def test_refresh_turns_a_commit_on_top_into_the_next_stage(two_stages: Project):
     repo = apply(series)
     refresh(series)
     (repo / "vllm/ops.py").write_text(
-        (repo / "vllm/ops.py").read_text().replace("return 9\n", "return 99\n"))
+        (repo / "vllm/ops.py").read_text().replace("return 9\n", "return 99\n")
+    )
     (repo / "vllm/mxfp4.py").write_text("ROW_BYTES = 68\n")
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-q", "-s", "-m", "MXFP4 cache", "-m", "68-byte rows.")
-    two_stages.stages.append(dict(id="0003", title="MXFP4 cache",
-                                  patch="0003-mxfp4-cache.patch",
-                                  overlays=["vllm/mxfp4.py"]))
+    two_stages.stages.append(
+        dict(
+            id="0003",
+            title="MXFP4 cache",
+            patch="0003-mxfp4-cache.patch",
+            overlays=["vllm/mxfp4.py"],
+        )
+    )
     two_stages.write_series()
     series = two_stages.series()
     written = refresh(series)
@@ -132,10 +145,12 @@ def test_refresh_turns_a_commit_on_top_into_the_next_stage(two_stages: Project):
     patch = read_patch(two_stages.root / "patches/0003-mxfp4-cache.patch")
     assert patch.message.startswith("MXFP4 cache\n\n68-byte rows.")
     assert patch.files == ("vllm/ops.py",)
-    assert (two_stages.root / "vllm_overlay/vllm/mxfp4.py").read_text() == \
-        "ROW_BYTES = 68\n"
-    assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse",
-                                                         "stage/0003")
+    assert (
+        two_stages.root / "vllm_overlay/vllm/mxfp4.py"
+    ).read_text() == "ROW_BYTES = 68\n"
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(
+        repo, "rev-parse", "stage/0003"
+    )
 
 
 def test_refresh_refuses_commits_without_a_stage_entry(two_stages: Project):
@@ -154,11 +169,13 @@ def test_a_later_stage_may_not_edit_an_earlier_stages_overlay(two_stages: Projec
     (repo / "vllm/ops.py").write_text("x\n")
     (repo / "vllm/cp_indexer.py").write_text("rewritten by stage 0003\n")
     sh(repo, "git", "commit", "-qam", "stage three")
-    two_stages.stages.append(dict(id="0003", title="Three", patch="0003-three.patch",
-                                  overlays=[]))
+    two_stages.stages.append(
+        dict(id="0003", title="Three", patch="0003-three.patch", overlays=[])
+    )
     two_stages.write_series()
-    with pytest.raises(SeriesError, match="changes vllm/cp_indexer.py, an overlay "
-                                          "of stage 0001"):
+    with pytest.raises(
+        SeriesError, match="changes vllm/cp_indexer.py, an overlay of stage 0001"
+    ):
         refresh(two_stages.series())
     assert not (two_stages.root / "patches/0003-three.patch").exists()
 
@@ -168,5 +185,7 @@ def test_a_new_module_in_the_patch_gets_a_warning(two_stages: Project, capsys):
     repo = apply(series)
     (repo / "vllm/helper.py").write_text("logic = 'belongs in an overlay'\n")
     refresh(series)
-    assert "adds vllm/helper.py; new modules belong in vllm_overlay/" in \
-        capsys.readouterr().err
+    assert (
+        "adds vllm/helper.py; new modules belong in vllm_overlay/"
+        in capsys.readouterr().err
+    )

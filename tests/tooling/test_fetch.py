@@ -47,14 +47,23 @@ class Index:
             def do_GET(self):
                 index.requests.append(self.path)
                 if self.path == "/simple/vllm/":
-                    body = json.dumps({"files": [
-                        {"filename": "vllm-9.9.8.tar.gz", "url": "/x",
-                         "hashes": {}},
-                        {"filename": "vllm-9.9.9.tar.gz",
-                         "url": "../../files/vllm-9.9.9.tar.gz",
-                         "hashes": {"sha256": index.listed_sha},
-                         "size": index.listed_size},
-                    ]}).encode()
+                    body = json.dumps(
+                        {
+                            "files": [
+                                {
+                                    "filename": "vllm-9.9.8.tar.gz",
+                                    "url": "/x",
+                                    "hashes": {},
+                                },
+                                {
+                                    "filename": "vllm-9.9.9.tar.gz",
+                                    "url": "../../files/vllm-9.9.9.tar.gz",
+                                    "hashes": {"sha256": index.listed_sha},
+                                    "size": index.listed_size,
+                                },
+                            ]
+                        }
+                    ).encode()
                 elif self.path == "/files/vllm-9.9.9.tar.gz":
                     body = index.served
                 else:
