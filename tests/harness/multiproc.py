@@ -9,6 +9,7 @@ the real objects the patched code uses.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import queue
@@ -27,21 +28,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@functools.cache
+def cpu_vllm_config() -> Any:
+    """A default VllmConfig on the CPU device. Building one takes seconds, so
+    the parent builds it once and the forked ranks inherit it."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+
+
 def _worker(
     rank: int,
     world_size: int,
     port: int,
+    config: Any,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
     try:
         import torch
-        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.config import set_current_vllm_config
         from vllm.distributed import parallel_state
 
         torch.set_num_threads(1)
-        config = VllmConfig(device_config=DeviceConfig(device="cpu"))
         with set_current_vllm_config(config):
             parallel_state.init_distributed_environment(
                 world_size, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo"
@@ -73,8 +83,11 @@ def run_ranks(
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     port = _free_port()
+    config = cpu_vllm_config()
     workers = [
-        context.Process(target=_worker, args=(r, world_size, port, fn, args, results))
+        context.Process(
+            target=_worker, args=(r, world_size, port, config, fn, args, results)
+        )
         for r in range(world_size)
     ]
     for worker in workers:
