@@ -115,7 +115,7 @@ def _run_pytest(session: nox.Session, run: PytestRun) -> Tally:
     return read_junit(run.junit)
 
 
-def _test_stage(session: nox.Session, stage_id: str) -> Tally:
+def _stage_tree(session: nox.Session, stage_id: str) -> Path:
     tree = subprocess.run(
         [sys.executable, "-m", "scripts.series", "tree", stage_id],
         cwd=ROOT,
@@ -125,8 +125,14 @@ def _test_stage(session: nox.Session, stage_id: str) -> Tally:
     )
     if tree.returncode != 0:
         session.error(tree.stderr.strip())
+    return Path(tree.stdout.strip())
+
+
+def _test_stage(session: nox.Session, stage_id: str) -> Tally:
+    tree = _stage_tree(session, stage_id)
+    base_tree = _stage_tree(session, "base")
     tally = Tally()
-    for run in stage_runs(SERIES, stage_id, Path(tree.stdout.strip())):
+    for run in stage_runs(SERIES, stage_id, tree, base_tree):
         tally.add(_run_pytest(session, run))
     return tally
 
@@ -176,6 +182,22 @@ def lint(session: nox.Session) -> None:
     """pre-commit on every file (ruff, ruff-format, typos, mypy, headers)."""
     session.install("pre-commit")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
+
+
+@nox.session(name="cost-model")
+def cost_model(session: nox.Session) -> None:
+    """Stage 0001's row-assignment cost model: docs/cp_indexer_cost_model.*"""
+    _series(session, "apply")
+    _install_cpu_deps(session)
+    session.install("matplotlib")
+    tree = _stage_tree(session, "0001")
+    session.run(
+        "python",
+        "scripts/cp_indexer_cost_model.py",
+        "--tree",
+        str(tree),
+        env={"CUDA_VISIBLE_DEVICES": ""},
+    )
 
 
 @nox.session(name="check-patches", venv_backend="none")

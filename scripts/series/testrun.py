@@ -19,6 +19,8 @@ from scripts.series.prepare import BUILD_DIR_NAME
 
 TREE_ENV = "DSA_VLLM_TREE"
 STAGES_ENV = "DSA_STAGES"
+# The base's tree, for tests that compare a stage with the base it patches.
+BASE_TREE_ENV = "DSA_BASE_TREE"
 
 # CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
 # Triton kernels through the interpreter, and bytecode written so a tree is
@@ -47,14 +49,21 @@ def results_dir(series: Series) -> Path:
     return series.root / BUILD_DIR_NAME / "results" / series.base.label
 
 
-def stage_runs(series: Series, stage_id: str, tree: Path) -> list[PytestRun]:
+def stage_runs(
+    series: Series, stage_id: str, tree: Path, base_tree: Path
+) -> list[PytestRun]:
     """The pytest runs for one stage's tree ("base" or a stage id)."""
     applied = series.stages_upto(stage_id)
     stages = ["base", *(s.id for s in applied)]
     out = results_dir(series) / stage_id
     own_dirs = [str(series.tests_dir / "base")]
     own_dirs += [str(series.tests_dir / s.tests) for s in applied]
-    env = {**CPU_ENV, TREE_ENV: str(tree), STAGES_ENV: ",".join(stages)}
+    env = {
+        **CPU_ENV,
+        TREE_ENV: str(tree),
+        STAGES_ENV: ",".join(stages),
+        BASE_TREE_ENV: str(base_tree),
+    }
     runs = [
         PytestRun(
             "series tests",

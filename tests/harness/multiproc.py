@@ -48,6 +48,7 @@ def _worker(
 ) -> None:
     try:
         import torch
+
         from vllm.config import set_current_vllm_config
         from vllm.distributed import parallel_state
 

@@ -55,6 +55,7 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
     monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1" if aiter else "0")
     aiter_ops.rocm_aiter_ops.refresh_env_variables()
     mla_sparse.mqa_logits_module.cache_clear()
+    mla_sparse.paged_mqa_logits_module.cache_clear()
     try:
         if aiter:
             with fake_aiter.installed():
@@ -63,5 +64,6 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
             yield
     finally:
         mla_sparse.mqa_logits_module.cache_clear()
+        mla_sparse.paged_mqa_logits_module.cache_clear()
         monkeypatch.undo()
         aiter_ops.rocm_aiter_ops.refresh_env_variables()

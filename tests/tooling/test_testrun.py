@@ -63,7 +63,7 @@ def test_summary_table_lists_every_stage_and_reason():
 def test_a_stage_tree_runs_its_own_and_earlier_stages_tests(two_stages: Project):
     series = two_stages.series()
     tree = Path("/trees/0002")
-    runs = stage_runs(series, "0002", tree)
+    runs = stage_runs(series, "0002", tree, Path("/trees/base"))
     own = runs[0]
     assert [a for a in own.args if not a.startswith("-")] == [
         str(series.tests_dir / "base"),
@@ -73,4 +73,21 @@ def test_a_stage_tree_runs_its_own_and_earlier_stages_tests(two_stages: Project)
     assert own.env["DSA_VLLM_TREE"] == str(tree)
     assert own.env["DSA_STAGES"] == "base,0001,0002"
     assert own.env["CUDA_VISIBLE_DEVICES"] == ""
-    assert stage_runs(series, "base", tree)[0].env["DSA_STAGES"] == "base"
+    assert own.env["DSA_BASE_TREE"] == "/trees/base"
+    assert stage_runs(series, "base", tree, tree)[0].env["DSA_STAGES"] == "base"
+
+
+def test_the_regression_selection_runs_on_every_stage_tree():
+    from scripts.series.config import load_series
+
+    series = load_series()
+    tree = Path("/trees/x")
+    runs = stage_runs(series, "base", tree, tree)
+    assert len(runs) == 1 + len(series.regression)
+    for suite, run in zip(series.regression, runs[1:], strict=True):
+        assert "--noconftest" in run.args
+        assert [a for a in run.args if a.startswith("/trees")] == [
+            str(tree / p) for p in suite.paths
+        ]
+        if suite.plugin:
+            assert run.args[run.args.index(suite.plugin) - 1] == "-p"

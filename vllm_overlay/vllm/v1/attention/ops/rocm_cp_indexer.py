@@ -71,6 +71,15 @@ class CPIndexerSplit:
     first_row: int  # the first prefill row of the batch (decode rows come first)
     num_rows: int  # real prefill rows, CUDA-graph padding excluded
 
+    @classmethod
+    def for_prefill(
+        cls, world_size: int, max_stripe: int, first_row: int, num_rows: int
+    ) -> CPIndexerSplit:
+        """Stripes of ``max_stripe`` rows, smaller when the prefill is too
+        short for two mirrored rounds over the ranks."""
+        stripe = min(max_stripe, max(1, num_rows // (2 * world_size)))
+        return cls(world_size, stripe, first_row, num_rows)
+
     def owner(self, rows: torch.Tensor) -> torch.Tensor:
         """The rank that scores each of ``rows`` (batch row indices)."""
         phase = ((rows - self.first_row) // self.stripe) % (2 * self.world_size)
@@ -102,11 +111,12 @@ def plan_cp_indexer_split(
         return None
     if num_prefill_tokens < tp_size:
         return None
-    stripe = min(
+    return CPIndexerSplit.for_prefill(
+        tp_size,
         rocm_aiter_ops.get_cp_indexer_stripe_size(),
-        max(1, num_prefill_tokens // (2 * tp_size)),
+        num_decode_tokens,
+        num_prefill_tokens,
     )
-    return CPIndexerSplit(tp_size, stripe, num_decode_tokens, num_prefill_tokens)
 
 
 class ChunkRows:

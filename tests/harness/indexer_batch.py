@@ -1,0 +1,245 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Indexer batches built the way vLLM builds them, and the real indexer op.
+
+The metadata comes from vLLM's own ``DeepseekV32IndexerMetadataBuilder``
+(``build()`` with a ``CommonAttentionMetadata``), the K cache is filled by
+vLLM's own insert kernel (Triton, interpreted on the CPU), and
+``rocm_aiter_sparse_attn_indexer`` runs inside a real forward context. Only
+the CPU's missing pieces are stood in: the compute-unit count and the
+AITER/``_C`` kernels (see ``rocm_platform``).
+
+A request is ``(context, query)``: ``context`` tokens already in the cache,
+``query`` new tokens this step. Decode requests (query == 1) come first, as
+vLLM orders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+HEADS = 4
+HEAD_DIM = 128
+BLOCK_SIZE = 64
+QUANT_BLOCK = 128
+SCALE_FMT = "ue8m0"
+MAX_MODEL_LEN = 4096
+MAX_TOKENS = 2048
+LAYER = "model.layers.0.self_attn.indexer.k_cache"
+
+
+def shrink_logits_budget(monkeypatch, elements: int) -> None:
+    """Chunk prefills at ``elements`` logits instead of at least 1 MiB, so
+    that a few hundred tokens make several chunks. vLLM multiplies the MiB
+    value by 2**20 and divides by 4; a Fraction keeps that arithmetic exact."""
+    from fractions import Fraction
+
+    import vllm.envs as envs
+
+    monkeypatch.setattr(
+        envs,
+        "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB",
+        Fraction(4 * elements, 1 << 20),
+        raising=False,
+    )
+
+
+def make_vllm_config(tp_size: int = 1, cudagraph_mode=None):
+    from vllm.config import (
+        DeviceConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=MAX_TOKENS,
+            max_num_seqs=16,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+    )
+    # Set after construction: on a CPU platform VllmConfig turns graphs off.
+    config.compilation_config.cudagraph_mode = cudagraph_mode
+    # The builder reads only max_model_len from the model config; a real
+    # ModelConfig would need a Hugging Face checkpoint.
+    object.__setattr__(
+        config, "model_config", SimpleNamespace(max_model_len=MAX_MODEL_LEN)
+    )
+    config.attention_config.sparse_mla_prefill_workspace_factor = 5
+    return config
+
+
+def make_builder(vllm_config, monkeypatch):
+    import vllm.v1.attention.backends.mla.indexer as indexer
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    # The CPU platform has no compute-unit count; gfx950 has 256.
+    monkeypatch.setattr(indexer, "num_compute_units", lambda device_index: 256)
+    spec = MLAAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=HEAD_DIM + HEAD_DIM // QUANT_BLOCK * 4,
+        dtype=torch.uint8,
+    )
+    with set_current_vllm_config(vllm_config):
+        return indexer.DeepseekV32IndexerMetadataBuilder(
+            spec,
+            [LAYER],
+            vllm_config,
+            torch.device("cpu"),
+            block_table_width=MAX_MODEL_LEN // BLOCK_SIZE,
+        )
+
+
+@dataclass
+class IndexerBatch:
+    vllm_config: object
+    metadata: object
+    kv_cache: torch.Tensor
+    hidden_states: torch.Tensor
+    q_fp8: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    row_ends: torch.Tensor  # causal key count of each real row
+
+
+def build_batch(
+    builder,
+    requests: list[tuple[int, int]],
+    *,
+    padding: int = 0,
+    seed: int = 0,
+    cache_new_keys: bool = False,
+) -> IndexerBatch:
+    """Fill the cache with each request's context and build the step's
+    metadata; ``padding`` rows mimic a CUDA-graph padded batch.
+
+    With ``cache_new_keys`` the step's own keys are cached here too, for a
+    run with ``skip_k_cache_insert`` (as vLLM does when another layer owns
+    the insert): multi-rank tests build once and fork."""
+    from vllm.v1.attention.backends.utils import CommonAttentionMetadata
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        FP8_DTYPE,
+        indexer_k_quant_and_cache_triton,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = MAX_MODEL_LEN // BLOCK_SIZE
+    num_reqs = len(requests)
+    kv_cache = torch.zeros(
+        (num_reqs * blocks_per_req, BLOCK_SIZE, HEAD_DIM + 4), dtype=torch.uint8
+    )
+    block_table = torch.arange(num_reqs * blocks_per_req, dtype=torch.int32).view(
+        num_reqs, blocks_per_req
+    )
+
+    def slots(req: int, positions: torch.Tensor) -> torch.Tensor:
+        blocks = block_table[req, positions // BLOCK_SIZE].to(torch.int64)
+        return blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+
+    new_slots, row_ends = [], []
+    for req, (context, query) in enumerate(requests):
+        if context:
+            cached = torch.randn(context, HEAD_DIM, generator=gen).to(torch.bfloat16)
+            indexer_k_quant_and_cache_triton(
+                cached,
+                kv_cache,
+                slots(req, torch.arange(context)),
+                QUANT_BLOCK,
+                SCALE_FMT,
+            )
+        positions = torch.arange(context, context + query)
+        new_slots.append(slots(req, positions))
+        row_ends.append(positions + 1)
+    num_tokens = sum(q for _, q in requests)
+    rows = num_tokens + padding
+    q_fp8 = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(FP8_DTYPE)
+    k = torch.randn(rows, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    weights = torch.randn(rows, HEADS, generator=gen)
+    if cache_new_keys:
+        indexer_k_quant_and_cache_triton(
+            k[:num_tokens], kv_cache, torch.cat(new_slots), QUANT_BLOCK, SCALE_FMT
+        )
+    query_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
+    query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=seq_lens,
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=torch.cat(new_slots),
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )
+    metadata = builder.build(0, common)
+    return IndexerBatch(
+        vllm_config=builder.vllm_config,
+        metadata=metadata,
+        kv_cache=kv_cache,
+        hidden_states=torch.zeros(rows, 8),
+        q_fp8=q_fp8,
+        k=k,
+        weights=weights,
+        num_decode_tokens=metadata.num_decode_tokens,
+        num_prefill_tokens=metadata.num_prefill_tokens,
+        row_ends=torch.cat(row_ends),
+    )
+
+
+def run_indexer(
+    batch: IndexerBatch,
+    topk: int,
+    *,
+    candidate_blocks: torch.Tensor | None = None,
+    candidate_block_size: int = 0,
+    skip_k_cache_insert: bool = False,
+) -> torch.Tensor:
+    """Call the real ``rocm_aiter_sparse_attn_indexer``; return its buffer."""
+    from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        rocm_aiter_sparse_attn_indexer,
+    )
+    from vllm.v1.worker import workspace
+
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+    if not torch.accelerator.is_available():
+        # The workspace frees the accelerator's cache when it grows; the CPU
+        # has none to free.
+        torch.accelerator.empty_cache = lambda: None
+    buffer = torch.full((batch.hidden_states.shape[0], topk), 12345, dtype=torch.int32)
+    context = create_forward_context({LAYER: batch.metadata}, batch.vllm_config)
+    with override_forward_context(context):
+        rocm_aiter_sparse_attn_indexer(
+            batch.hidden_states,
+            LAYER,
+            batch.kv_cache.clone(),
+            batch.q_fp8,
+            None if skip_k_cache_insert else batch.k,
+            batch.weights,
+            QUANT_BLOCK,
+            SCALE_FMT,
+            topk,
+            HEAD_DIM,
+            MAX_MODEL_LEN,
+            MAX_TOKENS,
+            buffer,
+            skip_k_cache_insert=skip_k_cache_insert,
+            candidate_blocks=candidate_blocks,
+            candidate_block_size=candidate_block_size,
+        )
+    return buffer
