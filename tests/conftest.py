@@ -4,8 +4,11 @@
 import os
 import sys
 
+from harness import compiled_stub
 from harness.tree import TREE_ENV
 
 _tree = os.environ.get(TREE_ENV)
-if _tree and _tree not in sys.path:
-    sys.path.insert(0, _tree)
+if _tree:
+    if _tree not in sys.path:
+        sys.path.insert(0, _tree)
+    compiled_stub.install()

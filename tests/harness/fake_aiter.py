@@ -51,10 +51,10 @@ def read_paged_k(
 
     pages = kv_cache.reshape(kv_cache.shape[0], -1)
     block_size = pages.shape[1] // (head_dim + 4)
-    tokens = torch.arange(count)
+    tokens = torch.arange(count, device=kv_cache.device)
     page = pages[blocks[tokens // block_size].to(torch.int64)]
     slot = tokens % block_size
-    dims = torch.arange(head_dim)
+    dims = torch.arange(head_dim, device=kv_cache.device)
     offsets = (
         (slot // _TILE * _TILE * head_dim)[:, None]
         + (dims // _TILE * _TILE * _TILE)[None, :]

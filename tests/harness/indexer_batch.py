@@ -46,7 +46,17 @@ def shrink_logits_budget(monkeypatch, elements: int) -> None:
     )
 
 
-def make_vllm_config(tp_size: int = 1, cudagraph_mode=None):
+def max_model_len(vllm_config) -> int:
+    return vllm_config.model_config.max_model_len
+
+
+def make_vllm_config(
+    tp_size: int = 1,
+    cudagraph_mode=None,
+    device: str = "cpu",
+    max_len: int = MAX_MODEL_LEN,
+    max_tokens: int = MAX_TOKENS,
+):
     from vllm.config import (
         DeviceConfig,
         ParallelConfig,
@@ -55,27 +65,26 @@ def make_vllm_config(tp_size: int = 1, cudagraph_mode=None):
     )
 
     config = VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
+        device_config=DeviceConfig(device=device),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=MAX_TOKENS,
+            max_num_batched_tokens=max_tokens,
             max_num_seqs=16,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=max_len,
             is_encoder_decoder=False,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
     )
-    # Set after construction: on a CPU platform VllmConfig turns graphs off.
+    # Set after construction: VllmConfig adjusts it to the platform.
     config.compilation_config.cudagraph_mode = cudagraph_mode
     # The builder reads only max_model_len from the model config; a real
     # ModelConfig would need a Hugging Face checkpoint.
-    object.__setattr__(
-        config, "model_config", SimpleNamespace(max_model_len=MAX_MODEL_LEN)
-    )
+    model = SimpleNamespace(max_model_len=max_len)
+    object.__setattr__(config, "model_config", model)
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     return config
 
 
-def make_builder(vllm_config, monkeypatch):
+def make_builder(vllm_config, monkeypatch, device: str = "cpu"):
     import vllm.v1.attention.backends.mla.indexer as indexer
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -93,8 +102,8 @@ def make_builder(vllm_config, monkeypatch):
             spec,
             [LAYER],
             vllm_config,
-            torch.device("cpu"),
-            block_table_width=MAX_MODEL_LEN // BLOCK_SIZE,
+            torch.device(device),
+            block_table_width=max_model_len(vllm_config) // BLOCK_SIZE,
         )
 
 
@@ -119,6 +128,7 @@ def build_batch(
     padding: int = 0,
     seed: int = 0,
     cache_new_keys: bool = False,
+    heads: int = HEADS,
 ) -> IndexerBatch:
     """Fill the cache with each request's context and build the step's
     metadata; ``padding`` rows mimic a CUDA-graph padded batch.
@@ -133,10 +143,13 @@ def build_batch(
     )
 
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_req = MAX_MODEL_LEN // BLOCK_SIZE
+    device = builder.device
+    blocks_per_req = max_model_len(builder.vllm_config) // BLOCK_SIZE
     num_reqs = len(requests)
     kv_cache = torch.zeros(
-        (num_reqs * blocks_per_req, BLOCK_SIZE, HEAD_DIM + 4), dtype=torch.uint8
+        (num_reqs * blocks_per_req, BLOCK_SIZE, HEAD_DIM + 4),
+        dtype=torch.uint8,
+        device=device,
     )
     block_table = torch.arange(num_reqs * blocks_per_req, dtype=torch.int32).view(
         num_reqs, blocks_per_req
@@ -151,9 +164,9 @@ def build_batch(
         if context:
             cached = torch.randn(context, HEAD_DIM, generator=gen).to(torch.bfloat16)
             indexer_k_quant_and_cache_triton(
-                cached,
+                cached.to(device),
                 kv_cache,
-                slots(req, torch.arange(context)),
+                slots(req, torch.arange(context)).to(device),
                 QUANT_BLOCK,
                 SCALE_FMT,
             )
@@ -162,35 +175,37 @@ def build_batch(
         row_ends.append(positions + 1)
     num_tokens = sum(q for _, q in requests)
     rows = num_tokens + padding
-    q_fp8 = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(FP8_DTYPE)
+    q_fp8 = torch.randn(rows, heads, HEAD_DIM, generator=gen).to(FP8_DTYPE)
     k = torch.randn(rows, HEAD_DIM, generator=gen).to(torch.bfloat16)
-    weights = torch.randn(rows, HEADS, generator=gen)
+    weights = torch.randn(rows, heads, generator=gen)
+    q_fp8, k, weights = q_fp8.to(device), k.to(device), weights.to(device)
+    slot_mapping = torch.cat(new_slots).to(device)
     if cache_new_keys:
         indexer_k_quant_and_cache_triton(
-            k[:num_tokens], kv_cache, torch.cat(new_slots), QUANT_BLOCK, SCALE_FMT
+            k[:num_tokens], kv_cache, slot_mapping, QUANT_BLOCK, SCALE_FMT
         )
     query_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
     seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int32)
     query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(query_lens, 0)
     common = CommonAttentionMetadata(
-        query_start_loc=query_start_loc,
-        query_start_loc_cpu=query_start_loc.clone(),
-        seq_lens=seq_lens,
+        query_start_loc=query_start_loc.to(device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens=seq_lens.to(device),
         num_reqs=num_reqs,
         num_actual_tokens=num_tokens,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
-        block_table_tensor=block_table,
-        slot_mapping=torch.cat(new_slots),
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
+        block_table_tensor=block_table.to(device),
+        slot_mapping=slot_mapping,
+        seq_lens_cpu_upper_bound=seq_lens,
     )
     metadata = builder.build(0, common)
     return IndexerBatch(
         vllm_config=builder.vllm_config,
         metadata=metadata,
         kv_cache=kv_cache,
-        hidden_states=torch.zeros(rows, 8),
+        hidden_states=torch.zeros(rows, 8, device=device),
         q_fp8=q_fp8,
         k=k,
         weights=weights,
@@ -215,13 +230,15 @@ def run_indexer(
     )
     from vllm.v1.worker import workspace
 
+    device = batch.q_fp8.device
     if not workspace.is_workspace_manager_initialized():
-        workspace.init_workspace_manager(torch.device("cpu"))
+        workspace.init_workspace_manager(device)
     if not torch.accelerator.is_available():
         # The workspace frees the accelerator's cache when it grows; the CPU
         # has none to free.
         torch.accelerator.empty_cache = lambda: None
-    buffer = torch.full((batch.hidden_states.shape[0], topk), 12345, dtype=torch.int32)
+    rows = batch.hidden_states.shape[0]
+    buffer = torch.full((rows, topk), 12345, dtype=torch.int32, device=device)
     context = create_forward_context({LAYER: batch.metadata}, batch.vllm_config)
     with override_forward_context(context):
         rocm_aiter_sparse_attn_indexer(
@@ -235,8 +252,8 @@ def run_indexer(
             SCALE_FMT,
             topk,
             HEAD_DIM,
-            MAX_MODEL_LEN,
-            MAX_TOKENS,
+            max_model_len(batch.vllm_config),
+            batch.vllm_config.scheduler_config.max_num_batched_tokens,
             buffer,
             skip_k_cache_insert=skip_k_cache_insert,
             candidate_blocks=candidate_blocks,

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run a function on N ranks of a real vLLM TP group over gloo (CPU).
+"""Run a function on N ranks of a real vLLM TP group: gloo on the CPU, or
+NCCL with one GPU per rank.
 
 Workers are forked after the parent has imported vLLM (8 ranks start in well
 under a second; spawning would re-import vLLM in each). Each worker joins
@@ -29,19 +30,19 @@ def _free_port() -> int:
 
 
 @functools.cache
-def cpu_vllm_config() -> Any:
-    """A default VllmConfig on the CPU device. Building one takes seconds, so
-    the parent builds it once and the forked ranks inherit it."""
+def default_vllm_config(device: str) -> Any:
+    """A default VllmConfig on ``device``. Building one takes seconds, so the
+    parent builds it once and the forked ranks inherit it."""
     from vllm.config import DeviceConfig, VllmConfig
 
-    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+    return VllmConfig(device_config=DeviceConfig(device=device))
 
 
 def _worker(
     rank: int,
     world_size: int,
     port: int,
-    config: Any,
+    device: str,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
@@ -53,9 +54,12 @@ def _worker(
         from vllm.distributed import parallel_state
 
         torch.set_num_threads(1)
-        with set_current_vllm_config(config):
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        backend = "nccl" if device == "cuda" else "gloo"
+        with set_current_vllm_config(default_vllm_config(device)):
             parallel_state.init_distributed_environment(
-                world_size, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo"
+                world_size, rank, f"tcp://127.0.0.1:{port}", rank, backend=backend
             )
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=world_size
@@ -77,17 +81,21 @@ def run_ranks(
     world_size: int,
     fn: Callable[..., Any],
     *args: Any,
+    device: str = "cpu",
     timeout_s: float = WORKER_TIMEOUT_S,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on every rank; return the results
-    in rank order. A failure on any rank raises with that rank's traceback."""
+    in rank order. A failure on any rank raises with that rank's traceback.
+
+    ``device="cuda"`` gives each rank its own GPU and NCCL; the parent must
+    not have initialised CUDA before (forked children cannot use it then)."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     port = _free_port()
-    config = cpu_vllm_config()
+    default_vllm_config(device)
     workers = [
         context.Process(
-            target=_worker, args=(r, world_size, port, config, fn, args, results)
+            target=_worker, args=(r, world_size, port, device, fn, args, results)
         )
         for r in range(world_size)
     ]

@@ -34,7 +34,8 @@ def select_topk(
     ends = torch.clamp(row_ends.to(torch.int64).reshape(-1)[:rows], min=0)
     ends = torch.minimum(ends, torch.full_like(ends, width))
     lengths = torch.clamp(ends - starts, min=0)
-    cols = torch.arange(width)
+    device = logits.device
+    cols = torch.arange(width, device=device)
     valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
     # float64 so that every valid column (even one at -inf) ranks above every
     # invalid one: rows no longer than k must return all their columns.
@@ -44,14 +45,16 @@ def select_topk(
     picked = torch.topk(keyed, take, dim=1).indices
     if relative_to_start:
         picked = picked - starts[:, None]
-    out = torch.full((rows, k), -1, dtype=torch.int64)
+    out = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     out[:, :take] = picked
-    keep = torch.arange(k)[None, :] < torch.clamp(lengths, max=k)[:, None]
+    keep = (
+        torch.arange(k, device=device)[None, :] < torch.clamp(lengths, max=k)[:, None]
+    )
     return torch.where(keep, out, torch.full_like(out, -1)).to(torch.int32)
 
 
 def decode_row_ends(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Tensor:
-    r = torch.arange(rows)
+    r = torch.arange(rows, device=seq_lens.device)
     if seq_lens.dim() == 2:
         ends = seq_lens.reshape(-1).to(torch.int64)[:rows]
     else:
@@ -161,8 +164,9 @@ def register_vllm_c_ops() -> None:
         "top_k_per_row_decode(Tensor logits, int next_n, Tensor seqLens, "
         "Tensor(a!) indices, int numRows, int stride0, int stride1, int topK) -> ()"
     )
-    lib.impl("top_k_per_row_prefill", vllm_top_k_per_row_prefill, "CPU")
-    lib.impl("top_k_per_row_decode", vllm_top_k_per_row_decode, "CPU")
+    for device in ("CPU", "CUDA"):
+        lib.impl("top_k_per_row_prefill", vllm_top_k_per_row_prefill, device)
+        lib.impl("top_k_per_row_decode", vllm_top_k_per_row_decode, device)
     _LIBRARY = lib
 
 
