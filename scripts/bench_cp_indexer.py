@@ -72,7 +72,9 @@ def _bench_rank(rank: int, world_size: int, runs: int, warmup: int) -> dict:
                 )
                 with emulate_rocm("gfx950"):
                     config = indexer_batch.make_vllm_config(
-                        tp_size=world_size, device=device, max_len=rows,
+                        tp_size=world_size,
+                        device=device,
+                        max_len=rows,
                         max_tokens=rows,
                     )
                     builder = indexer_batch.make_builder(config, monkeypatch, device)
@@ -92,15 +94,15 @@ def _bench_rank(rank: int, world_size: int, runs: int, warmup: int) -> dict:
         half = torch.zeros(rows // world_size, TOPK, dtype=torch.int32, device=device)
         gathered = torch.zeros(rows, TOPK, dtype=torch.int32, device=device)
         entry["all_reduce_max"] = _time_ms(
-            lambda: torch.distributed.all_reduce(
-                merged, op=torch.distributed.ReduceOp.MAX, group=group
+            lambda t=merged: torch.distributed.all_reduce(
+                t, op=torch.distributed.ReduceOp.MAX, group=group
             ),
             runs * 4,
             warmup,
         )
         entry["all_gather_halves"] = _time_ms(
-            lambda: torch.distributed.all_gather_into_tensor(
-                gathered, half, group=group
+            lambda out=gathered, part=half: torch.distributed.all_gather_into_tensor(
+                out, part, group=group
             ),
             runs * 4,
             warmup,
@@ -113,10 +115,16 @@ def _versions() -> dict:
     import torch
     import triton
 
-    gpu = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-        capture_output=True, text=True, check=False,
-    ).stdout.strip().splitlines()
+    gpu = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     return {
         "gpus": gpu,
         "torch": torch.__version__,
@@ -201,8 +209,9 @@ def main() -> int:
 
     compiled_stub.install()
 
-    per_rank = run_ranks(WORLD, _bench_rank, args.runs, args.warmup, device="cuda",
-                         timeout_s=1800)
+    per_rank = run_ranks(
+        WORLD, _bench_rank, args.runs, args.warmup, device="cuda", timeout_s=1800
+    )
     command = "python scripts/bench_cp_indexer.py " + " ".join(sys.argv[1:])
     _report(per_rank, _versions(), command, args.out)
     return 0

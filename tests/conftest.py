@@ -4,7 +4,7 @@
 import os
 import sys
 
-from harness import compiled_stub
+from harness import compiled_stub, triton_fp8_shim
 from harness.tree import TREE_ENV
 
 _tree = os.environ.get(TREE_ENV)
@@ -12,3 +12,5 @@ if _tree:
     if _tree not in sys.path:
         sys.path.insert(0, _tree)
     compiled_stub.install()
+if os.environ.get("TRITON_INTERPRET") == "1":
+    triton_fp8_shim.install()

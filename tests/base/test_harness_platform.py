@@ -57,3 +57,26 @@ def test_vllm_routes_prefill_logits_through_the_aiter_module():
     assert torch.equal(via_aiter, reference)
     # vLLM caches the module lookup; the shim must not leave the stand-in there.
     assert ops.mqa_logits_module.cache_info().currsize == 0
+
+
+def test_the_torch_k_cache_writer_matches_vllms_insert_kernel():
+    """The harness writes long test contexts with torch; its bytes must be
+    the ones vLLM's Triton insert kernel writes, and the reader must invert
+    them."""
+    from harness.indexer_k_cache import read_paged_k, write_paged_k
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        indexer_k_quant_and_cache_triton,
+    )
+
+    torch.manual_seed(3)
+    keys = (torch.randn(70, 128) * torch.rand(70, 1) * 40).to(torch.bfloat16)
+    keys[5] = 0  # all-zero key: the 1e-4 floor
+    slots = torch.randperm(3 * 64)[:70].to(torch.int64)
+    by_kernel = torch.zeros(3, 64, 132, dtype=torch.uint8)
+    by_torch = torch.zeros_like(by_kernel)
+    indexer_k_quant_and_cache_triton(keys, by_kernel, slots, 128, "ue8m0")
+    write_paged_k(by_torch, slots, keys)
+    assert torch.equal(by_torch, by_kernel)
+    blocks = torch.arange(3, dtype=torch.int32)
+    decoded = read_paged_k(by_torch, blocks, 3 * 64, 128)[slots]
+    torch.testing.assert_close(decoded, keys.float(), rtol=0.07, atol=1e-3)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from harness import topk_reference
+from harness.indexer_k_cache import read_paged_k
 
 MODULES = (
     "aiter",
@@ -31,7 +32,6 @@ MODULES = (
 # AITER leaves logits past a row's end undefined; the stand-in fills them with
 # a huge score so that a top-k reading past the end is caught.
 POISON = 1e30
-_TILE = 16  # the 16x16 SHUFFLE tiles of vLLM's ROCm indexer K cache
 
 
 def _fp8_mqa_logits(q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke):
@@ -39,32 +39,6 @@ def _fp8_mqa_logits(q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke):
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_mqa_logits_torch
 
     return fp8_mqa_logits_torch(q, (k_fp8, scale), weights, cu_seqlen_ks, cu_seqlen_ke)
-
-
-def read_paged_k(
-    kv_cache: torch.Tensor, blocks: torch.Tensor, count: int, head_dim: int
-) -> torch.Tensor:
-    """Dequantised fp32 keys ``[count, head_dim]`` of one sequence from the
-    paged FP8 cache in SHUFFLE layout (values in 16x16 tiles, then fp32
-    scales), as vLLM's ``indexer_k_quant_and_cache_triton`` writes it."""
-    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import FP8_DTYPE
-
-    pages = kv_cache.reshape(kv_cache.shape[0], -1)
-    block_size = pages.shape[1] // (head_dim + 4)
-    tokens = torch.arange(count, device=kv_cache.device)
-    page = pages[blocks[tokens // block_size].to(torch.int64)]
-    slot = tokens % block_size
-    dims = torch.arange(head_dim, device=kv_cache.device)
-    offsets = (
-        (slot // _TILE * _TILE * head_dim)[:, None]
-        + (dims // _TILE * _TILE * _TILE)[None, :]
-        + (slot % _TILE * _TILE)[:, None]
-        + (dims % _TILE)[None, :]
-    )
-    values = page.gather(1, offsets).view(FP8_DTYPE).to(torch.float32)
-    scale_bytes = page[:, block_size * head_dim :].reshape(-1, block_size, 4)
-    scales = scale_bytes[torch.arange(count), slot].contiguous().view(torch.float32)
-    return values * scales
 
 
 def _deepgemm_fp8_paged_mqa_logits(
@@ -83,7 +57,6 @@ def _deepgemm_fp8_paged_mqa_logits(
     """AITER's paged decode logits: row (b, j) of ``next_n`` scores keys
     ``[0, context_lens[b] - next_n + j + 1)``; the rest of the row is left
     undefined (here: POISON)."""
-    import torch
 
     batch, next_n, heads, head_dim = q_fp8.shape
     out_logits.fill_(POISON)

@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import torch
 
+from harness.indexer_k_cache import write_paged_k
+
 HEADS = 4
 HEAD_DIM = 128
 BLOCK_SIZE = 64
@@ -56,6 +58,7 @@ def make_vllm_config(
     device: str = "cpu",
     max_len: int = MAX_MODEL_LEN,
     max_tokens: int = MAX_TOKENS,
+    num_speculative_tokens: int = 0,
 ):
     from vllm.config import (
         DeviceConfig,
@@ -80,6 +83,13 @@ def make_vllm_config(
     # ModelConfig would need a Hugging Face checkpoint.
     model = SimpleNamespace(max_model_len=max_len)
     object.__setattr__(config, "model_config", model)
+    if num_speculative_tokens:
+        # MTP: the builder reads the draft count and the verification mode.
+        spec = SimpleNamespace(
+            num_speculative_tokens=num_speculative_tokens,
+            enable_adaptive_verification=False,
+        )
+        object.__setattr__(config, "speculative_config", spec)
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     return config
 
@@ -129,13 +139,15 @@ def build_batch(
     seed: int = 0,
     cache_new_keys: bool = False,
     heads: int = HEADS,
+    torch_context: bool = False,
 ) -> IndexerBatch:
     """Fill the cache with each request's context and build the step's
     metadata; ``padding`` rows mimic a CUDA-graph padded batch.
 
     With ``cache_new_keys`` the step's own keys are cached here too, for a
     run with ``skip_k_cache_insert`` (as vLLM does when another layer owns
-    the insert): multi-rank tests build once and fork."""
+    the insert): multi-rank tests build once and fork. ``torch_context``
+    writes the context with the torch writer (for long contexts)."""
     from vllm.v1.attention.backends.utils import CommonAttentionMetadata
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         FP8_DTYPE,
@@ -144,16 +156,18 @@ def build_batch(
 
     gen = torch.Generator().manual_seed(seed)
     device = builder.device
-    blocks_per_req = max_model_len(builder.vllm_config) // BLOCK_SIZE
     num_reqs = len(requests)
+    # Pages for the tokens each request has; the rest of its table row is 0.
+    pages = [-(-(c + q) // BLOCK_SIZE) for c, q in requests]
     kv_cache = torch.zeros(
-        (num_reqs * blocks_per_req, BLOCK_SIZE, HEAD_DIM + 4),
-        dtype=torch.uint8,
-        device=device,
+        (sum(pages), BLOCK_SIZE, HEAD_DIM + 4), dtype=torch.uint8, device=device
     )
-    block_table = torch.arange(num_reqs * blocks_per_req, dtype=torch.int32).view(
-        num_reqs, blocks_per_req
-    )
+    width = max_model_len(builder.vllm_config) // BLOCK_SIZE
+    block_table = torch.zeros((num_reqs, width), dtype=torch.int32)
+    first = 0
+    for req, count in enumerate(pages):
+        block_table[req, :count] = torch.arange(first, first + count)
+        first += count
 
     def slots(req: int, positions: torch.Tensor) -> torch.Tensor:
         blocks = block_table[req, positions // BLOCK_SIZE].to(torch.int64)
@@ -163,13 +177,13 @@ def build_batch(
     for req, (context, query) in enumerate(requests):
         if context:
             cached = torch.randn(context, HEAD_DIM, generator=gen).to(torch.bfloat16)
-            indexer_k_quant_and_cache_triton(
-                cached.to(device),
-                kv_cache,
-                slots(req, torch.arange(context)).to(device),
-                QUANT_BLOCK,
-                SCALE_FMT,
-            )
+            cached_slots = slots(req, torch.arange(context)).to(device)
+            if torch_context:
+                write_paged_k(kv_cache, cached_slots, cached.to(device))
+            else:
+                indexer_k_quant_and_cache_triton(
+                    cached.to(device), kv_cache, cached_slots, QUANT_BLOCK, SCALE_FMT
+                )
         positions = torch.arange(context, context + query)
         new_slots.append(slots(req, positions))
         row_ends.append(positions + 1)

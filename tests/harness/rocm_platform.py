@@ -9,16 +9,33 @@ through the stand-ins in ``fake_aiter`` and ``topk_reference``.
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from harness import fake_aiter, topk_reference
 
 ARCHS = ("gfx950", "gfx942")
+
+
+def real_gfx950_with_aiter() -> bool:
+    """Whether this machine really is ROCm gfx950 with AITER installed, for
+    the tests that need the hardware. Asks rocminfo rather than torch, so the
+    GPU is not initialised in a process that later forks ranks."""
+    if torch.version.hip is None or importlib.util.find_spec("aiter") is None:
+        return False
+    rocminfo = shutil.which("rocminfo")
+    if rocminfo is None:
+        return False
+    out = subprocess.run([rocminfo], capture_output=True, text=True, check=False)
+    return "gfx950" in out.stdout
 
 
 def _platform_module(arch: str) -> types.ModuleType:

@@ -220,8 +220,9 @@ def test_no_collective_runs_when_nothing_is_split():
 
 _BASE_RUN = """
 import sys, torch, pytest
-from harness import indexer_batch
+from harness import indexer_batch, triton_fp8_shim
 from harness.rocm_platform import emulate_rocm
+triton_fp8_shim.install()  # as tests/conftest.py does for this process
 with pytest.MonkeyPatch.context() as mp:
     indexer_batch.shrink_logits_budget(mp, 4096)
     with emulate_rocm("gfx950"):

@@ -11,16 +11,13 @@ Both require the merged split result to equal the single-rank result."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from harness import indexer_batch
 from harness.multiproc import run_ranks
-from harness.rocm_platform import emulate_rocm
+from harness.rocm_platform import emulate_rocm, real_gfx950_with_aiter
 from harness.tree import applied_tree
 
 TREE = applied_tree("0001")
@@ -34,17 +31,6 @@ SCENARIOS = {
 }
 
 
-def _gfx950_with_aiter() -> bool:
-    """Checked without initialising the GPU in this (forking) process."""
-    if torch.version.hip is None or importlib.util.find_spec("aiter") is None:
-        return False
-    rocminfo = shutil.which("rocminfo")
-    if rocminfo is None:
-        return False
-    out = subprocess.run([rocminfo], capture_output=True, text=True, check=False)
-    return "gfx950" in out.stdout
-
-
 def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -54,7 +40,7 @@ requires_two_nvidia_gpus = pytest.mark.skipif(
     reason=f"needs {WORLD} NVIDIA GPUs for NCCL (run on the H200 x2 device)",
 )
 requires_two_gfx950_gpus = pytest.mark.skipif(
-    _gpus() < WORLD or not _gfx950_with_aiter(),
+    _gpus() < WORLD or not real_gfx950_with_aiter(),
     reason=f"needs {WORLD} gfx950 GPUs (MI355X) with AITER installed",
 )
 

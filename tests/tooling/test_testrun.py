@@ -60,7 +60,16 @@ def test_summary_table_lists_every_stage_and_reason():
     assert table.endswith("Failed:\n- t::x")
 
 
-def test_a_stage_tree_runs_its_own_and_earlier_stages_tests(two_stages: Project):
+def test_a_middle_stage_runs_its_own_tests(two_stages: Project):
+    series = two_stages.series()
+    run = stage_runs(series, "0001", Path("/t"), Path("/b"))[0]
+    assert [a for a in run.args if not a.startswith("-")] == [
+        str(series.tests_dir / "base"),
+        str(series.tests_dir / "stage_0001"),
+    ]
+
+
+def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
     series = two_stages.series()
     tree = Path("/trees/0002")
     runs = stage_runs(series, "0002", tree, Path("/trees/base"))

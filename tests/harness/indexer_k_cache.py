@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ROCm indexer's paged FP8 K cache, in torch: read it, and write it the
+way vLLM's ``indexer_k_quant_and_cache_triton`` does (for long test contexts,
+where the interpreted kernel takes ~7 ms a token). A base test checks the
+writer byte for byte against that kernel.
+
+A page holds ``block_size`` keys: their FP8 values in 16x16 SHUFFLE tiles
+(``block_size * head_dim`` bytes), then one fp32 scale per key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE = 16
+
+
+def _value_offsets(slot: torch.Tensor, head_dim: int) -> torch.Tensor:
+    dims = torch.arange(head_dim, device=slot.device)
+    return (
+        (slot // TILE * TILE * head_dim)[:, None]
+        + (dims // TILE * TILE * TILE)[None, :]
+        + (slot % TILE * TILE)[:, None]
+        + (dims % TILE)[None, :]
+    )
+
+
+def read_paged_k(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, count: int, head_dim: int
+) -> torch.Tensor:
+    """Dequantised fp32 keys ``[count, head_dim]`` of one sequence."""
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import FP8_DTYPE
+
+    pages = kv_cache.reshape(kv_cache.shape[0], -1)
+    block_size = pages.shape[1] // (head_dim + 4)
+    tokens = torch.arange(count, device=kv_cache.device)
+    page = pages[blocks[tokens // block_size].to(torch.int64)]
+    slot = tokens % block_size
+    values = page.gather(1, _value_offsets(slot, head_dim)).view(FP8_DTYPE)
+    scale_bytes = page[:, block_size * head_dim :].reshape(-1, block_size, 4)
+    scales = scale_bytes[torch.arange(count), slot].contiguous().view(torch.float32)
+    return values.to(torch.float32) * scales
+
+
+def write_paged_k(kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Quantise ``keys`` [n, head_dim] and store them at ``slots``: a
+    power-of-two scale (ue8m0) of max(amax, 1e-4) / 448 per key."""
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import FP8_DTYPE
+
+    head_dim = keys.shape[1]
+    pages = kv_cache.view(kv_cache.shape[0], -1)
+    block_size = pages.shape[1] // (head_dim + 4)
+    keys = keys.to(torch.float32)
+    fp8_max = 224.0 if FP8_DTYPE == torch.float8_e4m3fnuz else 448.0
+    scale = torch.clamp(keys.abs().amax(dim=1), min=1e-4) / fp8_max
+    scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    values = (keys / scale[:, None]).to(FP8_DTYPE).view(torch.uint8)
+    block = (slots // block_size).to(torch.int64)
+    slot = slots % block_size
+    flat = block[:, None] * pages.shape[1] + _value_offsets(slot, head_dim)
+    pages.view(-1)[flat.reshape(-1)] = values.reshape(-1)
+    scale_at = block * pages.shape[1] + block_size * head_dim + slot * 4
+    scale_bytes = scale.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4)
+    pages.view(-1)[(scale_at[:, None] + torch.arange(4, device=slots.device)).reshape(-1)] = (
+        scale_bytes.reshape(-1)
+    )

@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stage 0002: the top-k dispatch table through the real patched gate, and
+the chunk's longest row carried as a host int by vLLM's metadata builder."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+from harness import indexer_batch
+from harness.rocm_platform import emulate_rocm
+from harness.tree import applied_tree
+
+TREE = applied_tree("0002")
+
+from vllm.v1.attention.ops import rocm_indexer_topk_gate as gate  # noqa: E402
+
+MAX_MODEL_LEN = 163840
+PLATFORMS = ["gfx950", "gfx942", "cuda"]  # "cuda": not ROCm (no emulation)
+PHASES = ["decode", "prefill 32767", "prefill 32768"]
+
+
+def _platform(arch: str, aiter: bool):
+    if arch == "cuda":
+        return contextlib.nullcontext()
+    return emulate_rocm(arch, aiter=aiter)
+
+
+def _decide(phase: str, ratio: int, k: int, full_graph: bool) -> bool:
+    if phase == "decode":
+        # The op passes a replay-safe bound under FULL graphs (max_model_len),
+        # the batch's longest context otherwise.
+        bound = MAX_MODEL_LEN if full_graph else 4096 // ratio
+        return gate.decode_uses_aiter_top_k(
+            compress_ratio=ratio, topk_tokens=k, num_rows=8,
+            num_columns=MAX_MODEL_LEN // ratio, max_valid_seq_len=bound,
+        )
+    longest = int(phase.split()[1])
+    return gate.prefill_uses_aiter_top_k(
+        compress_ratio=ratio, topk_tokens=k, num_rows=512, longest_row=longest
+    )
+
+
+def _base_rule(phase: str, ratio: int, k: int, full_graph: bool) -> bool:
+    """What vLLM 0.32.0's op decided (rocm_aiter_ops is unchanged by the
+    series): only compressed indexers ever took AITER's top-k."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    if phase == "decode":
+        bound = MAX_MODEL_LEN if full_graph else 4096 // ratio
+        return bool(rocm_aiter_ops.is_indexer_top_k_supported(
+            is_prefill=False, compress_ratio=ratio, num_rows=8,
+            max_valid_seq_len=bound,
+        )) and not rocm_aiter_ops.dsv4_indexer_prefers_native_top_k(
+            num_rows=8, num_columns=MAX_MODEL_LEN // ratio, topk_tokens=k
+        )
+    return bool(rocm_aiter_ops.is_indexer_top_k_supported(
+        is_prefill=True, compress_ratio=ratio, num_rows=512
+    ))
+
+
+# AITER on/off is a ROCm switch: the non-ROCm rows take it as on.
+TABLE = [
+    row
+    for row in itertools.product(
+        PLATFORMS, [True, False], [1, 4], [2048, 512, 1024], PHASES, [True, False]
+    )
+    if row[0] != "cuda" or row[1]
+]
+
+
+@pytest.mark.parametrize(("arch", "aiter", "ratio", "k", "phase", "full_graph"), TABLE)
+def test_dispatch_table(arch, aiter, ratio, k, phase, full_graph):
+    with _platform(arch, aiter):
+        got = _decide(phase, ratio, k, full_graph)
+        base = _base_rule(phase, ratio, k, full_graph)
+    if ratio == 1 and k == 2048 and arch == "gfx950" and aiter:
+        assert got is (phase != "prefill 32767"), "decode always, prefill from 32K"
+    else:
+        assert got is base, "must behave exactly as on the base"
+    if ratio == 1:
+        assert base is False  # the base never sent the uncompressed indexer
+
+
+def test_the_threshold_is_32k_keys():
+    assert gate.AITER_PREFILL_MIN_KEYS == 32768
+    assert gate.DSA_TOPK == 2048
+
+
+@pytest.mark.parametrize(
+    ("requests", "chunk_logits"),
+    [
+        ([(0, 60)], 4096),  # one sequence sliced into chunks
+        ([(30, 1), (0, 20), (9, 14), (40, 16)], 4096),  # decode, then packed
+        ([(100, 40), (0, 8), (2, 70)], 2000),
+    ],
+)
+def test_chunks_carry_their_longest_row(monkeypatch, requests, chunk_logits):
+    """Through vLLM's own builder: every chunk's max_seqlen_k is the key
+    count of its longest row (computed here from the requests alone)."""
+    indexer_batch.shrink_logits_budget(monkeypatch, chunk_logits)
+    with emulate_rocm("gfx950"):
+        config = indexer_batch.make_vllm_config()
+        builder = indexer_batch.make_builder(config, monkeypatch)
+        batch = indexer_batch.build_batch(builder, requests)
+    chunks = batch.metadata.prefill.chunks
+    assert len(chunks) >= 2 or len(requests) == 1
+    for chunk in chunks:
+        rows = batch.row_ends[chunk.token_start : chunk.token_end]
+        assert isinstance(chunk.max_seqlen_k, int)
+        assert chunk.max_seqlen_k == int(rows.max())
+        assert torch.equal(chunk.cu_seqlen_ke - chunk.cu_seqlen_ks, rows.int())
+
+
+def test_longest_row_of_a_query_slice():
+    starts = torch.tensor([0, 5, 105])  # query rows: 5 then 100
+    seq_lens = torch.tensor([9, 40000])  # 4 cached keys, then 39,900
+    # Rows 5..60 of the chunk are rows 0..55 of the second request.
+    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 5, 60) == 39900 + 55
+    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 0, 3) == 4 + 3
+    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 0, 105) == 40000
+    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 105, 105) == 0
