@@ -12,8 +12,9 @@ from harness.tree import applied_tree
 TREE = applied_tree("base")
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("checks the Triton interpreter (TRITON_INTERPRET=1)",
-                allow_module_level=True)
+    pytest.skip(
+        "checks the Triton interpreter (TRITON_INTERPRET=1)", allow_module_level=True
+    )
 
 from vllm.triton_utils import tl, triton  # noqa: E402
 

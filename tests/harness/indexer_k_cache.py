@@ -42,7 +42,9 @@ def read_paged_k(
     return values.to(torch.float32) * scales
 
 
-def write_paged_k(kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
+def write_paged_k(
+    kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor
+) -> None:
     """Quantise ``keys`` [n, head_dim] and store them at ``slots``: a
     power-of-two scale (ue8m0) of max(amax, 1e-4) / 448 per key."""
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import FP8_DTYPE
@@ -51,7 +53,7 @@ def write_paged_k(kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
     pages = kv_cache.view(kv_cache.shape[0], -1)
     block_size = pages.shape[1] // (head_dim + 4)
     keys = keys.to(torch.float32)
-    fp8_max = 224.0 if FP8_DTYPE == torch.float8_e4m3fnuz else 448.0
+    fp8_max = 224.0 if torch.float8_e4m3fnuz == FP8_DTYPE else 448.0
     scale = torch.clamp(keys.abs().amax(dim=1), min=1e-4) / fp8_max
     scale = torch.exp2(torch.ceil(torch.log2(scale)))
     values = (keys / scale[:, None]).to(FP8_DTYPE).view(torch.uint8)
@@ -61,6 +63,6 @@ def write_paged_k(kv_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
     pages.view(-1)[flat.reshape(-1)] = values.reshape(-1)
     scale_at = block * pages.shape[1] + block_size * head_dim + slot * 4
     scale_bytes = scale.to(torch.float32).contiguous().view(torch.uint8).view(-1, 4)
-    pages.view(-1)[(scale_at[:, None] + torch.arange(4, device=slots.device)).reshape(-1)] = (
-        scale_bytes.reshape(-1)
-    )
+    pages.view(-1)[
+        (scale_at[:, None] + torch.arange(4, device=slots.device)).reshape(-1)
+    ] = scale_bytes.reshape(-1)

@@ -11,29 +11,28 @@ are left to the interpreter.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
-_FP8 = {
-    "fp8e4nv": torch.float8_e4m3fn,
-    "fp8e5": torch.float8_e5m2,
-    "fp8e4b8": torch.float8_e4m3fnuz,
-    "fp8e5b16": torch.float8_e5m2fnuz,
-}
-_INPUTS = {"fp32": np.float32, "fp16": np.float16}
-
 
 def install() -> None:
     """Patch the interpreter once per process (no-op when already done)."""
+    import numpy as np
+    import torch
     from triton.runtime import interpreter
+
+    fp8_types = {
+        "fp8e4nv": torch.float8_e4m3fn,
+        "fp8e5": torch.float8_e5m2,
+        "fp8e4b8": torch.float8_e4m3fnuz,
+        "fp8e5b16": torch.float8_e5m2fnuz,
+    }
+    input_types = {"fp32": np.float32, "fp16": np.float16}
 
     original = interpreter._convert_float
     if getattr(original, "_dsa_fp8_shim", False):
         return
 
     def convert_float(input, input_dtype, output_dtype, rounding_mode):
-        target = _FP8.get(output_dtype.name)
-        source = _INPUTS.get(input_dtype.name)
+        target = fp8_types.get(output_dtype.name)
+        source = input_types.get(input_dtype.name)
         if target is None or source is None:
             return original(input, input_dtype, output_dtype, rounding_mode)
         values = torch.from_numpy(np.ascontiguousarray(input).view(source).copy())

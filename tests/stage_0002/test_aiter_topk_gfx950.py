@@ -35,11 +35,21 @@ def test_real_aiter_prefill_matches_in_tree():
     in_tree = torch.empty_like(via_aiter)
     _launch_aiter_top_k_per_row_prefill(logits, starts, ends, via_aiter, K)
     torch.ops._C.top_k_per_row_prefill(
-        logits, starts, ends, in_tree, len(lengths), logits.stride(0),
-        logits.stride(1), K,
+        logits,
+        starts,
+        ends,
+        in_tree,
+        len(lengths),
+        logits.stride(0),
+        logits.stride(1),
+        K,
     )
     topk_reference.assert_same_selection(
-        logits.cpu(), via_aiter.cpu(), in_tree.cpu(), (ends - starts).cpu(), K,
+        logits.cpu(),
+        via_aiter.cpu(),
+        in_tree.cpu(),
+        (ends - starts).cpu(),
+        K,
         offsets=starts.cpu(),
     )
 
@@ -58,8 +68,14 @@ def test_real_aiter_decode_matches_in_tree(width, next_n):
     in_tree = torch.empty_like(via_aiter)
     rocm_aiter_ops.indexer_top_k_decode(logits, 1, ends, via_aiter, K)
     torch.ops._C.top_k_per_row_decode(
-        logits, next_n, seq_lens, in_tree, rows, logits.stride(0),
-        logits.stride(1), K,
+        logits,
+        next_n,
+        seq_lens,
+        in_tree,
+        rows,
+        logits.stride(0),
+        logits.stride(1),
+        K,
     )
     topk_reference.assert_same_selection(
         logits.cpu(), via_aiter.cpu(), in_tree.cpu(), ends.cpu(), K

@@ -83,11 +83,18 @@ def test_decode_takes_aiter_with_exact_row_ends(monkeypatch, width, next_n):
     rows = logits.shape[0]
     in_tree = torch.empty((rows, K), dtype=torch.int32)
     topk_reference.vllm_top_k_per_row_decode(
-        logits, rows // decode.seq_lens.shape[0], decode.seq_lens, in_tree, rows,
-        logits.stride(0), logits.stride(1), K,
+        logits,
+        rows // decode.seq_lens.shape[0],
+        decode.seq_lens,
+        in_tree,
+        rows,
+        logits.stride(0),
+        logits.stride(1),
+        K,
     )
-    topk_reference.assert_same_selection(logits, buffer[:rows], in_tree,
-                                         batch.row_ends, K)
+    topk_reference.assert_same_selection(
+        logits, buffer[:rows], in_tree, batch.row_ends, K
+    )
 
 
 def _prefill(monkeypatch, min_keys: int):
@@ -138,11 +145,22 @@ def test_aiter_prefill_wrapper_matches_in_tree_on_long_packed_rows(device):
     in_tree = torch.empty_like(via_aiter)
     with emulate_rocm("gfx950"):
         _launch_aiter_top_k_per_row_prefill(logits, starts, ends, via_aiter, K)
-        torch.ops._C.top_k_per_row_prefill(logits, starts, ends, in_tree,
-                                           len(lengths), logits.stride(0),
-                                           logits.stride(1), K)
+        torch.ops._C.top_k_per_row_prefill(
+            logits,
+            starts,
+            ends,
+            in_tree,
+            len(lengths),
+            logits.stride(0),
+            logits.stride(1),
+            K,
+        )
     topk_reference.assert_same_selection(
-        logits.cpu(), via_aiter.cpu(), in_tree.cpu(), (ends - starts).cpu(), K,
+        logits.cpu(),
+        via_aiter.cpu(),
+        in_tree.cpu(),
+        (ends - starts).cpu(),
+        K,
         offsets=starts.cpu(),
     )
     _assert_rows_valid(via_aiter.cpu(), torch.tensor(lengths))

@@ -35,8 +35,11 @@ def _decide(phase: str, ratio: int, k: int, full_graph: bool) -> bool:
         # the batch's longest context otherwise.
         bound = MAX_MODEL_LEN if full_graph else 4096 // ratio
         return gate.decode_uses_aiter_top_k(
-            compress_ratio=ratio, topk_tokens=k, num_rows=8,
-            num_columns=MAX_MODEL_LEN // ratio, max_valid_seq_len=bound,
+            compress_ratio=ratio,
+            topk_tokens=k,
+            num_rows=8,
+            num_columns=MAX_MODEL_LEN // ratio,
+            max_valid_seq_len=bound,
         )
     longest = int(phase.split()[1])
     return gate.prefill_uses_aiter_top_k(
@@ -51,15 +54,21 @@ def _base_rule(phase: str, ratio: int, k: int, full_graph: bool) -> bool:
 
     if phase == "decode":
         bound = MAX_MODEL_LEN if full_graph else 4096 // ratio
-        return bool(rocm_aiter_ops.is_indexer_top_k_supported(
-            is_prefill=False, compress_ratio=ratio, num_rows=8,
-            max_valid_seq_len=bound,
-        )) and not rocm_aiter_ops.dsv4_indexer_prefers_native_top_k(
+        return bool(
+            rocm_aiter_ops.is_indexer_top_k_supported(
+                is_prefill=False,
+                compress_ratio=ratio,
+                num_rows=8,
+                max_valid_seq_len=bound,
+            )
+        ) and not rocm_aiter_ops.dsv4_indexer_prefers_native_top_k(
             num_rows=8, num_columns=MAX_MODEL_LEN // ratio, topk_tokens=k
         )
-    return bool(rocm_aiter_ops.is_indexer_top_k_supported(
-        is_prefill=True, compress_ratio=ratio, num_rows=512
-    ))
+    return bool(
+        rocm_aiter_ops.is_indexer_top_k_supported(
+            is_prefill=True, compress_ratio=ratio, num_rows=512
+        )
+    )
 
 
 # AITER on/off is a ROCm switch: the non-ROCm rows take it as on.
