@@ -128,6 +128,14 @@ class ChunkRows:
         self.token_start = token_start
         self.token_end = token_end
         self.local = local
+        self._device_local: torch.Tensor | None = None
+
+    def _index(self, device: torch.device) -> torch.Tensor:
+        """``local`` on ``device``, copied there once per chunk."""
+        assert self.local is not None
+        if self._device_local is None or self._device_local.device != device:
+            self._device_local = self.local.to(device)
+        return self._device_local
 
     @property
     def empty(self) -> bool:
@@ -136,7 +144,7 @@ class ChunkRows:
     def _select(self, chunk_rows: torch.Tensor) -> torch.Tensor:
         if self.local is None:
             return chunk_rows
-        return chunk_rows.index_select(0, self.local.to(chunk_rows.device))
+        return chunk_rows.index_select(0, self._index(chunk_rows.device))
 
     def of_batch(self, batch_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor with one row per batch token."""
@@ -160,7 +168,7 @@ class ChunkRows:
         if self.local is None:
             return
         rows = topk_indices_buffer[self.token_start : self.token_end, : out.shape[1]]
-        rows.index_copy_(0, self.local.to(rows.device), out)
+        rows.index_copy_(0, self._index(rows.device), out)
 
 
 class CPIndexerPrefill:
