@@ -208,6 +208,13 @@ def check_patches(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def export(session: nox.Session) -> None:
+    """Each stage (-- STAGE: one) as an upstream PR: build/export/, pr/<id>."""
+    _series(session, "apply")
+    _series(session, "export", *session.posargs)
+
+
+@nox.session(venv_backend="none")
 def refresh(session: nox.Session) -> None:
     """Write patches/ and vllm_overlay/ from the work tree's stage commits."""
     _series(session, "refresh")

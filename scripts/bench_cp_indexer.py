@@ -169,7 +169,7 @@ def _report(per_rank: list[dict], versions: dict, command: str, out: Path) -> No
     out.mkdir(parents=True, exist_ok=True)
     (out / "cp_indexer_bench_2gpu.md").write_text("\n".join(lines) + "\n")
     (out / "cp_indexer_bench_2gpu.json").write_text(
-        json.dumps({"versions": versions, "per_rank": per_rank}, indent=1)
+        json.dumps({"versions": versions, "per_rank": per_rank}, indent=1) + "\n"
     )
     import matplotlib
 

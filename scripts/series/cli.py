@@ -12,6 +12,7 @@ from scripts.series.apply import apply
 from scripts.series.config import SERIES_FILE, SdistBase, load_series
 from scripts.series.export import refresh, stale_files
 from scripts.series.fetch import fetch_sdist
+from scripts.series.pr_export import export_stages
 from scripts.series.prepare import prepare
 from scripts.series.status import format_status, tree_status
 from scripts.series.trees import stage_tree
@@ -38,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("refresh", help="write patches/ and vllm_overlay/ from the tree")
     sub.add_parser("check", help="fail if patch files differ from a fresh export")
     sub.add_parser("status", help="which stages are applied; edits beyond them")
+    pr = sub.add_parser("export", help="each stage as one upstream PR commit")
+    pr.add_argument("stage", nargs="?", help="only this stage (and what it needs)")
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
     return parser
@@ -68,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
             print("patch files match a fresh export of the stage commits")
         elif args.command == "status":
             print(format_status(series, tree_status(series)))
+        elif args.command == "export":
+            for pr in export_stages(series, args.stage):
+                where = (
+                    f"needs {pr.needs} first"
+                    if pr.needs
+                    else "applies on the base alone"
+                )
+                print(f"{pr.stage.id}: {pr.branch} {pr.commit[:12]} ({where})")
+                print(f"  {pr.patch}\n  {pr.description}")
         elif args.command == "tree":
             print(stage_tree(series, args.stage))
     except SeriesError as exc:

@@ -73,15 +73,20 @@ def git(
     identity: Identity | None = None,
     check: bool = True,
     input: bytes | None = None,
+    index_file: Path | None = None,
 ) -> subprocess.CompletedProcess[bytes]:
-    """Run ``git -C repo args``; raise SeriesError with git's message on failure."""
+    """Run ``git -C repo args``; raise SeriesError with git's message on failure.
+
+    ``index_file`` points git at a separate index (plumbing that must not
+    touch the work tree)."""
     command = ["git", "-C", str(repo)]
     for item in _FIXED_CONFIG:
         command += ["-c", item]
     command += list(args)
-    result = subprocess.run(
-        command, env=git_env(identity), capture_output=True, input=input
-    )
+    env = git_env(identity)
+    if index_file is not None:
+        env["GIT_INDEX_FILE"] = str(index_file)
+    result = subprocess.run(command, env=env, capture_output=True, input=input)
     if check and result.returncode != 0:
         message = result.stderr.decode(errors="replace").strip()
         raise SeriesError(f"git {' '.join(args[:2])} failed in {repo}: {message}")

@@ -73,12 +73,14 @@ class Project:
         text = f'[base]\nname = "vllm"\ngit = "{self.upstream}"\nrev = "v1"\n'
         for stage in self.stages:
             overlays = ", ".join(f'"{o}"' for o in stage["overlays"])
+            depends = ", ".join(f'"{d}"' for d in stage.get("depends_on", []))
             text += textwrap.dedent(f"""
                 [[stage]]
                 id = "{stage["id"]}"
                 title = "{stage["title"]}"
                 patch = "{stage["patch"]}"
                 overlays = [{overlays}]
+                depends_on = [{depends}]
                 tests = "stage_{stage["id"]}"
                 """)
         self.series_file.write_text(text)
@@ -95,6 +97,7 @@ class Project:
         title: str | None = None,
         body: str = "Why this stage exists.",
         date: str = "2026-02-03T04:05:06+00:00",
+        depends_on: tuple[str, ...] = (),
     ) -> Path:
         """Make a stage the way a developer would: edit, commit with a
         Signed-off-by, ``git format-patch`` (default flags) the glue."""
@@ -136,7 +139,13 @@ class Project:
         patch.write_text(patch_text)
         write_files(self.root / "vllm_overlay", overlays)
         self.stages.append(
-            dict(id=stage_id, title=title, patch=name, overlays=list(overlays))
+            dict(
+                id=stage_id,
+                title=title,
+                patch=name,
+                overlays=list(overlays),
+                depends_on=list(depends_on),
+            )
         )
         self.write_series()
         return patch
@@ -165,5 +174,6 @@ def two_stages(project: Project) -> Project:
             ),
         },
         title="Top-k gate",
+        depends_on=("0001",),
     )
     return project

@@ -42,6 +42,7 @@ def test_stage_order_matters(two_stages: Project):
     """Stage 0002 edits a line stage 0001 adds: applied alone it must fail."""
     two_stages.stages.reverse()
     two_stages.stages[0]["id"], two_stages.stages[1]["id"] = "0001", "0002"
+    two_stages.stages[0]["depends_on"] = []
     two_stages.write_series()
     with pytest.raises(StageApplyError, match="stage 0001 .*file vllm/envs.py, hunk 1"):
         apply(two_stages.series())
