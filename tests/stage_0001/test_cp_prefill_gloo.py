@@ -218,27 +218,34 @@ def test_no_collective_runs_when_nothing_is_split():
         assert result["candidate rows"] == [None] * len(result["candidate rows"])
 
 
+BYTE_IDENTITY_SCENARIOS = ["mixed decode and prefill", "multiple chunks"]
+
+# Runs in a separate process on the base tree: each scenario's buffer, saved.
 _BASE_RUN = """
 import sys, torch, pytest
 from harness import indexer_batch, triton_fp8_shim
 from harness.rocm_platform import emulate_rocm
 triton_fp8_shim.install()  # as tests/conftest.py does for this process
-with pytest.MonkeyPatch.context() as mp:
-    indexer_batch.shrink_logits_budget(mp, 4096)
-    with emulate_rocm("gfx950"):
-        builder = indexer_batch.make_builder(indexer_batch.make_vllm_config(2), mp)
-        batch = indexer_batch.build_batch(builder, eval(sys.argv[2]), padding=3)
-        torch.save(indexer_batch.run_indexer(batch, 16), sys.argv[1])
+outputs = {}
+for name, requests in eval(sys.argv[2]).items():
+    with pytest.MonkeyPatch.context() as mp:
+        indexer_batch.shrink_logits_budget(mp, 4096)
+        with emulate_rocm("gfx950"):
+            config = indexer_batch.make_vllm_config(2)
+            builder = indexer_batch.make_builder(config, mp)
+            batch = indexer_batch.build_batch(builder, requests, padding=3)
+            outputs[name] = indexer_batch.run_indexer(batch, 16)
+torch.save(outputs, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("name", ["mixed decode and prefill", "multiple chunks"])
-def test_flag_off_is_byte_identical_to_the_base(tmp_path, monkeypatch, name):
+@pytest.fixture(scope="module")
+def base_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The base tree's buffers for the byte-identity scenarios (one process)."""
     base_tree = os.environ.get("DSA_BASE_TREE")
     if not base_tree or not Path(base_tree).is_dir():
         pytest.skip("needs the base tree (DSA_BASE_TREE); run through nox")
-    requests = SCENARIOS[name][0]
-    out_file = tmp_path / "base.pt"
+    out_file = tmp_path_factory.mktemp("base") / "base.pt"
     tests_dir = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
@@ -246,20 +253,26 @@ def test_flag_off_is_byte_identical_to_the_base(tmp_path, monkeypatch, name):
         "DSA_STAGES": "base",
         "PYTHONPATH": f"{base_tree}:{tests_dir}",
     }
+    requests = {name: SCENARIOS[name][0] for name in BYTE_IDENTITY_SCENARIOS}
     subprocess.run(
         [sys.executable, "-c", _BASE_RUN, str(out_file), repr(requests)],
         env=env,
         check=True,
-        cwd=tmp_path,
+        cwd=out_file.parent,
     )
+    return torch.load(out_file)
+
+
+@pytest.mark.parametrize("name", BYTE_IDENTITY_SCENARIOS)
+def test_flag_off_is_byte_identical_to_the_base(base_outputs, monkeypatch, name):
     indexer_batch.shrink_logits_budget(monkeypatch, LOGITS)
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
     with emulate_rocm("gfx950"):
         builder = indexer_batch.make_builder(
             indexer_batch.make_vllm_config(2), monkeypatch
         )
-        batch = indexer_batch.build_batch(builder, requests, padding=3)
+        batch = indexer_batch.build_batch(builder, SCENARIOS[name][0], padding=3)
         here = indexer_batch.run_indexer(batch, TOPK)
-    base = torch.load(out_file)
+    base = base_outputs[name]
     assert here.dtype == base.dtype and here.shape == base.shape
     assert here.numpy().tobytes() == base.numpy().tobytes()
