@@ -195,3 +195,42 @@ def assert_same_selection(
         got_v = sorted(values[[i + shift for i in got[:n]]].tolist())
         want_v = sorted(values[[i + shift for i in want[:n]]].tolist())
         assert got_v == want_v, f"row {row}: different selection"
+
+
+def assert_prefill_paths_agree(
+    lengths: list[int], k: int, device: str, seed: int
+) -> None:
+    """vLLM's AITER prefill wrapper (AITER's top-k, then vLLM's Triton
+    localisation) and the in-tree op select the same columns for packed rows
+    of ``lengths`` keys, and each row holds min(L, k) sequence-local indices
+    then -1. Uses whichever AITER and ``_C`` the process has (stand-ins or
+    real)."""
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        _launch_aiter_top_k_per_row_prefill,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor(lengths, dtype=torch.int32)
+    starts = (torch.cumsum(sizes, 0) - sizes).to(torch.int32).to(device)
+    ends = starts + sizes.to(device)
+    logits = torch.randn(len(lengths), int(ends.max()), generator=gen).to(device)
+    via_aiter = torch.empty((len(lengths), k), dtype=torch.int32, device=device)
+    in_tree = torch.empty_like(via_aiter)
+    _launch_aiter_top_k_per_row_prefill(logits, starts, ends, via_aiter, k)
+    torch.ops._C.top_k_per_row_prefill(
+        logits,
+        starts,
+        ends,
+        in_tree,
+        len(lengths),
+        logits.stride(0),
+        logits.stride(1),
+        k,
+    )
+    assert_same_selection(
+        logits.cpu(), via_aiter.cpu(), in_tree.cpu(), sizes, k, offsets=starts.cpu()
+    )
+    for row, size in enumerate(lengths):
+        n = min(size, k)
+        got = via_aiter[row].cpu()
+        assert got[n:].eq(-1).all() and got[:n].min() >= 0 and got[:n].max() < size

@@ -22,35 +22,8 @@ K = 2048
 
 
 def test_real_aiter_prefill_matches_in_tree():
-    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
-        _launch_aiter_top_k_per_row_prefill,
-    )
-
-    torch.manual_seed(0)
-    lengths = [40000, 2600, 33000, 100]
-    starts = torch.tensor([0, 40000, 42600, 75600], dtype=torch.int32).cuda()
-    ends = starts + torch.tensor(lengths, dtype=torch.int32).cuda()
-    logits = torch.randn(len(lengths), int(ends.max()), device="cuda")
-    via_aiter = torch.empty((len(lengths), K), dtype=torch.int32, device="cuda")
-    in_tree = torch.empty_like(via_aiter)
-    _launch_aiter_top_k_per_row_prefill(logits, starts, ends, via_aiter, K)
-    torch.ops._C.top_k_per_row_prefill(
-        logits,
-        starts,
-        ends,
-        in_tree,
-        len(lengths),
-        logits.stride(0),
-        logits.stride(1),
-        K,
-    )
-    topk_reference.assert_same_selection(
-        logits.cpu(),
-        via_aiter.cpu(),
-        in_tree.cpu(),
-        (ends - starts).cpu(),
-        K,
-        offsets=starts.cpu(),
+    topk_reference.assert_prefill_paths_agree(
+        [40000, 2600, 33000, 100], K, "cuda", seed=0
     )
 
 

@@ -16,9 +16,6 @@ TREE = applied_tree("0002")
 
 from vllm._aiter_ops import rocm_aiter_ops  # noqa: E402
 from vllm.v1.attention.ops import rocm_indexer_topk_gate as gate  # noqa: E402
-from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (  # noqa: E402
-    _launch_aiter_top_k_per_row_prefill,
-)
 
 K = 2048
 
@@ -136,31 +133,7 @@ def test_aiter_prefill_wrapper_matches_in_tree_on_long_packed_rows(device):
     """vLLM's AITER prefill wrapper (stand-in top-k, then vLLM's Triton
     localisation kernel: interpreted on the CPU, compiled on a GPU) on rows
     longer than k, packed as in a chunk."""
-    torch.manual_seed(7)
-    lengths = [2600, 3100, 2049, 4000]
-    starts = torch.tensor([0, 2600, 5700, 7749], dtype=torch.int32, device=device)
-    ends = starts + torch.tensor(lengths, dtype=torch.int32, device=device)
-    logits = torch.randn(len(lengths), int(ends.max()), device=device)
-    via_aiter = torch.empty((len(lengths), K), dtype=torch.int32, device=device)
-    in_tree = torch.empty_like(via_aiter)
     with emulate_rocm("gfx950"):
-        _launch_aiter_top_k_per_row_prefill(logits, starts, ends, via_aiter, K)
-        torch.ops._C.top_k_per_row_prefill(
-            logits,
-            starts,
-            ends,
-            in_tree,
-            len(lengths),
-            logits.stride(0),
-            logits.stride(1),
-            K,
+        topk_reference.assert_prefill_paths_agree(
+            [2600, 3100, 2049, 4000], K, device, seed=7
         )
-    topk_reference.assert_same_selection(
-        logits.cpu(),
-        via_aiter.cpu(),
-        in_tree.cpu(),
-        (ends - starts).cpu(),
-        K,
-        offsets=starts.cpu(),
-    )
-    _assert_rows_valid(via_aiter.cpu(), torch.tensor(lengths))
