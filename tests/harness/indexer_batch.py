@@ -229,6 +229,18 @@ def build_batch(
     )
 
 
+def ensure_workspace(device: torch.device) -> None:
+    """vLLM's workspace manager, which the model runner sets up."""
+    from vllm.v1.worker import workspace
+
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(device)
+    if not torch.accelerator.is_available():
+        # The workspace frees the accelerator's cache when it grows; the CPU
+        # has none to free.
+        torch.accelerator.empty_cache = lambda: None
+
+
 def run_indexer(
     batch: IndexerBatch,
     topk: int,
@@ -242,15 +254,9 @@ def run_indexer(
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         rocm_aiter_sparse_attn_indexer,
     )
-    from vllm.v1.worker import workspace
 
     device = batch.q_fp8.device
-    if not workspace.is_workspace_manager_initialized():
-        workspace.init_workspace_manager(device)
-    if not torch.accelerator.is_available():
-        # The workspace frees the accelerator's cache when it grows; the CPU
-        # has none to free.
-        torch.accelerator.empty_cache = lambda: None
+    ensure_workspace(device)
     rows = batch.hidden_states.shape[0]
     buffer = torch.full((rows, topk), 12345, dtype=torch.int32, device=device)
     context = create_forward_context({LAYER: batch.metadata}, batch.vllm_config)

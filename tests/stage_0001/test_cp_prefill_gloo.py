@@ -276,3 +276,40 @@ def test_flag_off_is_byte_identical_to_the_base(base_outputs, monkeypatch, name)
     base = base_outputs[name]
     assert here.dtype == base.dtype and here.shape == base.shape
     assert here.numpy().tobytes() == base.numpy().tobytes()
+
+
+def test_the_profiling_run_makes_no_collective(monkeypatch):
+    """vLLM's profiling (dummy) run calls the op without attention metadata;
+    with the split on it must return before any collective."""
+    from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        rocm_aiter_sparse_attn_indexer,
+    )
+
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    reduces: list = []
+    monkeypatch.setattr(
+        torch.distributed, "all_reduce", lambda *a, **k: reduces.append(a)
+    )
+    with emulate_rocm("gfx950"):
+        config = indexer_batch.make_vllm_config(tp_size=2)
+        indexer_batch.ensure_workspace(torch.device("cpu"))
+        buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
+        with override_forward_context(create_forward_context(None, config)):
+            out = rocm_aiter_sparse_attn_indexer(
+                torch.zeros(64, 8),
+                indexer_batch.LAYER,
+                torch.zeros(4, 64, 132, dtype=torch.uint8),
+                torch.zeros(64, 4, 128).to(torch.float8_e4m3fn),
+                torch.zeros(64, 128, dtype=torch.bfloat16),
+                torch.zeros(64, 4),
+                128,
+                "ue8m0",
+                TOPK,
+                128,
+                256,
+                64,
+                buffer,
+            )
+    assert reduces == []
+    assert out is buffer and buffer.eq(7).all()  # untouched by the dummy run
