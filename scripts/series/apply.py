@@ -48,14 +48,26 @@ def refuse_if_dirty(repo: Path) -> None:
 
 
 def _recover_interrupted(repo: Path) -> None:
-    """An apply was killed mid-stage: its partial edits are ours to discard."""
+    """An apply was killed mid-stage: set its partial edits aside in a git
+    stash (not deleted: anything made since is kept there too) and redo it."""
     marker = in_progress_path(repo)
     if not marker.exists():
         return
     stage_id = marker.read_text().strip()
-    print(f"an earlier apply of stage {stage_id} was interrupted; redoing it")
-    git(repo, "reset", "-q", "--hard", "HEAD")
-    _remove_untracked(repo)
+    if changed_files(repo):
+        git(
+            repo,
+            "stash",
+            "push",
+            "-q",
+            "--include-untracked",
+            "-m",
+            f"dsa-series: interrupted apply of stage {stage_id}",
+        )
+        print(
+            f"an earlier apply of stage {stage_id} was interrupted; its partial "
+            f"edits are in `git -C {repo} stash list`; redoing it"
+        )
     marker.unlink()
 
 

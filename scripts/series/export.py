@@ -17,7 +17,13 @@ from scripts.series.config import Series, Stage
 from scripts.series.git import changed_files, git, rev_parse
 from scripts.series.patchfile import read_patch
 from scripts.series.prepare import BRANCH, workdir
-from scripts.series.state import load_state, read_chain, save_state, stage_tag
+from scripts.series.state import (
+    Chain,
+    load_state,
+    read_chain,
+    save_state,
+    stage_tag,
+)
 
 FORMAT_PATCH_FLAGS = (
     "--stdout",
@@ -135,11 +141,34 @@ def _refuse_cross_stage_overlay_edits(
                 )
 
 
+def _stages_below_head(repo: Path, chain: Chain) -> list[tuple[Stage, str]]:
+    """The recorded stage commits that HEAD builds on (a prefix of the chain)."""
+
+    def is_ancestor(commit: str) -> bool:
+        result = git(repo, "merge-base", "--is-ancestor", commit, "HEAD", check=False)
+        return result.returncode == 0
+
+    if not is_ancestor(chain.base):
+        raise SeriesError(
+            f"HEAD does not build on the base ({chain.base[:12]}); check out the "
+            "series branch first"
+        )
+    below = []
+    for stage, commit in chain.applied:
+        if not is_ancestor(commit):
+            break
+        below.append((stage, commit))
+    return below
+
+
 def refresh(series: Series) -> list[Stage]:
     """Turn the work tree's state into patch files; return the stages changed.
 
-    Commits on top of the last applied stage become the next stages in
-    series.toml (one commit per stage, their patch files not written yet).
+    It works on the stages HEAD builds on, so the tree may be at an earlier
+    stage (``apply --upto``). Commits on top of them become the next stages
+    in series.toml (one commit per stage, their patch files not written yet).
+    It refuses when patches/ or vllm_overlay/ changed since the tree was
+    applied: the tree is then older than those files.
     Uncommitted edits go to the top stage, except edits to an overlay module,
     which go to the stage that owns it. Afterwards the stages are re-applied
     from the new files, and the result must equal the tree that was exported;
@@ -149,31 +178,34 @@ def refresh(series: Series) -> list[Stage]:
 
     repo = workdir(series)
     chain = read_chain(series, repo)
-    if (
-        git(
-            repo, "merge-base", "--is-ancestor", chain.tip, "HEAD", check=False
-        ).returncode
-        != 0
-    ):
+    below = _stages_below_head(repo, chain)
+    stale = below[chain.current :]
+    if stale:
+        files = [f"patches/{s.patch}" for s, _ in stale]
+        files += [f"vllm_overlay/{o}" for s, _ in stale for o in s.overlays]
         raise SeriesError(
-            f"HEAD is not on top of the last applied stage ({chain.tip[:12]}); "
-            "check out the series branch first"
+            f"{', '.join(files)} changed since the tree was applied, so the tree "
+            "is older than them and refresh would overwrite them; run apply to "
+            "rebuild the tree from them (commit or stash tree edits first)"
         )
-    extra = git(repo, "rev-list", "--reverse", f"{chain.tip}..HEAD").stdout.split()
-    new_stages = series.stages[len(chain.applied) :]
+    tip = below[-1][1] if below else chain.base
+    extra = git(repo, "rev-list", "--reverse", f"{tip}..HEAD").stdout.split()
+    new_stages = series.stages[len(below) :]
     if len(extra) > len(new_stages):
         raise SeriesError(
-            f"{len(extra)} commits sit on top of the last applied stage but "
-            f"series.toml lists {len(new_stages)} stage(s) after it; add a "
-            "[[stage]] entry for each commit, in order"
+            f"{len(extra)} commits sit on top of stage "
+            f"{below[-1][0].id if below else 'base'} but series.toml lists "
+            f"{len(new_stages)} stage(s) after it; add a [[stage]] entry for each "
+            "commit, in order"
         )
     for stage in new_stages[: len(extra)]:
         if (series.patches_dir / stage.patch).exists():
             raise SeriesError(
-                f"stage {stage.id} already has {stage.patch} but is not applied; "
-                "run apply, then redo your edits on top"
+                f"a commit on top of the tree would become stage {stage.id}, which "
+                f"already has {stage.patch}; apply up to the last stage and commit "
+                "on top of it"
             )
-    commits = list(chain.applied)
+    commits = list(below)
     commits += [(s, c.decode()) for s, c in zip(new_stages, extra, strict=False)]
     if not commits:
         raise SeriesError("nothing to refresh: no stage is applied")

@@ -76,10 +76,6 @@ class Chain:
     def tip(self) -> str:
         return self.applied[-1][1] if self.applied else self.base
 
-    @property
-    def last_current(self) -> str:
-        return self.applied[self.current - 1][1] if self.current else self.base
-
     def commit_of(self, stage_id: str) -> str | None:
         for stage, commit in self.applied:
             if stage.id == stage_id:

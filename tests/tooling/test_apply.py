@@ -168,6 +168,8 @@ def test_an_interrupted_apply_resumes_and_ends_identical(
     monkeypatch.setattr(apply_module, "git", real_git)
     apply(series)
     assert not changed_files(repo)
+    # The half-applied edits are set aside, not thrown away.
+    assert "interrupted apply of stage 0002" in git_out(repo, "stash", "list")
     interrupted_ids = git_out(repo, "rev-parse", "stage/0001", "stage/0002")
 
     import shutil

@@ -189,3 +189,45 @@ def test_a_new_module_in_the_patch_gets_a_warning(two_stages: Project, capsys):
         "adds vllm/helper.py; new modules belong in vllm_overlay/"
         in capsys.readouterr().err
     )
+
+
+def test_the_readme_flow_for_changing_an_earlier_stage(two_stages: Project):
+    """README, 'Changing a stage': apply up to a stage, edit, refresh, then
+    apply the rest on top."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    apply(series, "0001")
+    (repo / "vllm/ops.py").write_text(
+        (repo / "vllm/ops.py").read_text().replace("return 3\n", "return 33\n")
+    )
+    written = refresh(series)
+    assert [s.id for s in written] == ["0001"]
+    assert (
+        "vllm/ops.py"
+        in read_patch(two_stages.root / "patches" / two_stages.stages[0]["patch"]).files
+    )
+    apply(series)
+    text = (repo / "vllm/ops.py").read_text()
+    assert "return 33" in text and "return 2020" in text
+    # Stage 0002's patch names the blobs it changes, one of which stage 0001
+    # just changed: a last refresh brings its patch file up to date.
+    assert stale_files(series) == [f"patches/{two_stages.stages[1]['patch']}"]
+    assert [s.id for s in refresh(series)] == ["0002"]
+    assert stale_files(series) == []
+
+
+def test_refresh_keeps_hand_edits_to_the_series_files(two_stages: Project):
+    """A patch edited by hand after the tree was applied is newer than the
+    tree: refresh must not overwrite it with the tree's older state."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    patch = two_stages.root / "patches" / two_stages.stages[0]["patch"]
+    edited = patch.read_text().replace("Why this stage exists.", "Hand-edited.")
+    patch.write_text(edited)
+    (repo / "vllm/ops.py").write_text("tree edit\n")
+    with pytest.raises(SeriesError, match="changed since the tree was applied"):
+        refresh(series)
+    assert patch.read_text() == edited
+    assert (repo / "vllm/ops.py").read_text() == "tree edit\n"
