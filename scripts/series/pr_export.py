@@ -133,10 +133,7 @@ def export_stage(
 ) -> PullRequest:
     repo = workdir(series)
     chain = read_chain(series, repo)
-    current = dict((s.id, c) for s, c in chain.applied[: chain.current])
-    if stage.id not in current:
-        raise SeriesError(f"stage {stage.id} is not applied and current; run apply")
-    commit = current[stage.id]
+    commit = chain.current_commit(stage.id)
     diff = git(repo, "diff", "--full-index", "--binary", f"{commit}^", commit).stdout
     message = git_out(repo, "log", "-1", "--format=%B", commit)
     author = git_out(repo, "log", "-1", "--format=%an%n%ae%n%aI", commit).split("\n")

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import git, rev_parse
 from scripts.series.prepare import BASE_TAG
@@ -75,6 +76,15 @@ class Chain:
     @property
     def tip(self) -> str:
         return self.applied[-1][1] if self.applied else self.base
+
+    def current_commit(self, stage_id: str) -> str:
+        """The commit of ``stage_id`` ("base" or a stage applied and current)."""
+        if stage_id == "base":
+            return self.base
+        for stage, commit in self.applied[: self.current]:
+            if stage.id == stage_id:
+                return commit
+        raise SeriesError(f"stage {stage_id} is not applied and current; run apply")
 
     def commit_of(self, stage_id: str) -> str | None:
         for stage, commit in self.applied:

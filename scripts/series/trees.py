@@ -20,11 +20,9 @@ def stage_tree(series: Series, stage_id: str) -> Path:
     """Return a clean tree at ``stage_id`` ("base" or a stage id)."""
     repo = workdir(series)
     chain = read_chain(series, repo)
-    current = {s.id: c for s, c in chain.applied[: chain.current]}
-    current["base"] = chain.base
-    if stage_id not in current:
-        raise SeriesError(f"stage {stage_id} is not applied and current; run apply")
-    commit = current[stage_id]
+    if stage_id != "base":
+        series.stage(stage_id)  # an unknown id is an error of its own
+    commit = chain.current_commit(stage_id)
     tree = series.root / BUILD_DIR_NAME / "trees" / series.base.label / stage_id
     if not (tree / ".git").exists():
         tree.parent.mkdir(parents=True, exist_ok=True)

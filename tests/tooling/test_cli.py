@@ -55,6 +55,9 @@ def test_unknown_stage_and_bad_series_file(project: Project):
     result = _cli(project, "apply", "--upto", "0042")
     assert result.returncode == 1
     assert "unknown stage '0042'" in result.stderr
+    result = _cli(project, "tree", "0042")
+    assert result.returncode == 1
+    assert "unknown stage '0042'" in result.stderr
     project.series_file.write_text("[base]\nname = 1\n")
     result = _cli(project, "status")
     assert result.returncode == 1
