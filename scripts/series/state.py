@@ -95,8 +95,9 @@ class Chain:
 
 def read_chain(series: Series, repo: Path) -> Chain:
     """Follow the recorded stages from the base while each one's parent links."""
-    base = rev_parse(repo, BASE_TAG)
-    assert base is not None, "prepare() makes the base tag"
+    base = rev_parse(repo, BASE_TAG) if (repo / ".git").exists() else None
+    if base is None:
+        raise SeriesError(f"{repo} is not prepared yet; run apply first")
     state = load_state(repo)
     applied: list[tuple[Stage, str]] = []
     current = 0

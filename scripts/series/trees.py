@@ -18,10 +18,10 @@ from scripts.series.state import read_chain
 
 def stage_tree(series: Series, stage_id: str) -> Path:
     """Return a clean tree at ``stage_id`` ("base" or a stage id)."""
-    repo = workdir(series)
-    chain = read_chain(series, repo)
     if stage_id != "base":
         series.stage(stage_id)  # an unknown id is an error of its own
+    repo = workdir(series)
+    chain = read_chain(series, repo)
     commit = chain.current_commit(stage_id)
     tree = series.root / BUILD_DIR_NAME / "trees" / series.base.label / stage_id
     if not (tree / ".git").exists():

@@ -51,6 +51,14 @@ def test_errors_are_one_line_without_a_traceback(two_stages: Project):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_commands_before_any_apply_say_so(two_stages: Project):
+    for command in (["tree", "base"], ["check"], ["refresh"], ["export"]):
+        result = _cli(two_stages, *command)
+        assert result.returncode == 1, command
+        assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+        assert "not prepared yet; run apply first" in result.stderr
+
+
 def test_unknown_stage_and_bad_series_file(project: Project):
     result = _cli(project, "apply", "--upto", "0042")
     assert result.returncode == 1
