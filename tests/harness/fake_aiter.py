@@ -28,6 +28,8 @@ MODULES = (
     "aiter.ops.triton",
     "aiter.ops.triton.fp8_mqa_logits",
     "aiter.ops.triton.pa_mqa_logits",
+    "aiter.ops.triton.attention",
+    "aiter.ops.triton.attention.pa_mqa_logits_mxfp4",
 )
 # AITER leaves logits past a row's end undefined; the stand-in fills them with
 # a huge score so that a top-k reading past the end is caught.
@@ -72,6 +74,24 @@ def _deepgemm_fp8_paged_mqa_logits(
             out_logits[row, :end] = scores @ weights[row]
 
 
+# The MXFP4 page geometry the stand-in's cache_format reports: runs of 16
+# tokens in 16-byte chunks (the FP8 SHUFFLE tile), scale_lanes left to its
+# default of 64 // n_per_tile. AITER on gfx950 reports its own; the writer
+# takes whatever RocmPagedMxfp4CacheLayout can express.
+MXFP4_CACHE_FORMAT = {"n_per_tile": 16, "d_per_tile": 16}
+
+
+def _cache_format(num_heads: int, head_dim: int, page_entries: int) -> dict:
+    """AITER's pa_mqa_logits_mxfp4.cache_format(): the K page geometry."""
+    return dict(MXFP4_CACHE_FORMAT)
+
+
+def _select_config(num_heads: int, head_dim: int, rows: int, page_entries: int):
+    """AITER's decode launch config; the builder reads only ``target_wgs`` to
+    size its schedule buffer (256 workgroups: one per gfx950 CU)."""
+    return {"target_wgs": 256}
+
+
 def _module(name: str, **attrs: object) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
@@ -92,7 +112,19 @@ def build_modules() -> dict[str, types.ModuleType]:
         "aiter.ops.triton.pa_mqa_logits",
         deepgemm_fp8_paged_mqa_logits=_deepgemm_fp8_paged_mqa_logits,
     )
-    triton = _module("aiter.ops.triton", fp8_mqa_logits=logits, pa_mqa_logits=paged)
+    mxfp4 = _module(
+        "aiter.ops.triton.attention.pa_mqa_logits_mxfp4",
+        cache_format=_cache_format,
+        select_config=_select_config,
+        SCHED_SLOT_CAP=1024,
+    )
+    attention = _module("aiter.ops.triton.attention", pa_mqa_logits_mxfp4=mxfp4)
+    triton = _module(
+        "aiter.ops.triton",
+        fp8_mqa_logits=logits,
+        pa_mqa_logits=paged,
+        attention=attention,
+    )
     ops = _module("aiter.ops", topk=topk, triton=triton)
     return {
         "aiter": _module("aiter", ops=ops),
@@ -101,6 +133,8 @@ def build_modules() -> dict[str, types.ModuleType]:
         "aiter.ops.triton": triton,
         "aiter.ops.triton.fp8_mqa_logits": logits,
         "aiter.ops.triton.pa_mqa_logits": paged,
+        "aiter.ops.triton.attention": attention,
+        "aiter.ops.triton.attention.pa_mqa_logits_mxfp4": mxfp4,
     }
 
 

@@ -60,6 +60,7 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     import vllm._aiter_ops as aiter_ops
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as mla_sparse
+    import vllm.v1.attention.ops.rocm_paged_mxfp4_indexer as mxfp4_ops
     from vllm.platforms import current_platform
 
     topk_reference.register_vllm_c_ops()
@@ -71,8 +72,14 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
     monkeypatch.setattr(aiter_ops, "IS_AITER_FOUND", aiter)
     monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1" if aiter else "0")
     aiter_ops.rocm_aiter_ops.refresh_env_variables()
-    mla_sparse.mqa_logits_module.cache_clear()
-    mla_sparse.paged_mqa_logits_module.cache_clear()
+    caches = (
+        mla_sparse.mqa_logits_module,
+        mla_sparse.paged_mqa_logits_module,
+        mxfp4_ops._aiter,
+        mxfp4_ops.rocm_paged_mxfp4_cache_layout,
+    )
+    for cache in caches:
+        cache.cache_clear()
     try:
         if aiter:
             with fake_aiter.installed():
@@ -80,7 +87,7 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
         else:
             yield
     finally:
-        mla_sparse.mqa_logits_module.cache_clear()
-        mla_sparse.paged_mqa_logits_module.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
         monkeypatch.undo()
         aiter_ops.rocm_aiter_ops.refresh_env_variables()
