@@ -30,7 +30,7 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
 KEYS, ROWS, HEADS, HEAD_DIM, TOPK, NEEDLES = 1024, 16, 16, 128, 64, 8
 LAYOUT = RocmPagedMxfp4CacheLayout(16, 16, 4)
 # Measured (see docs/stage_0003.md): mean overlap with the bf16 top-k is
-# about 0.85 for MXFP4 and 0.97 for FP8 on this data, seeds 0-2. Keys at
+# 0.88 for MXFP4 and 0.97 for FP8 on this data, seeds 0 and 1. Keys at
 # the top-k boundary are within MXFP4's rounding of each other (one E2M1
 # step is 12-33% of a value), so a fraction of them trade places; 0.75
 # leaves room for seed-to-seed spread while catching a broken scale or
@@ -81,7 +81,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mxfp4_cache_recovers_needles(seed, record_property):
+def test_mxfp4_cache_recovers_needles(seed):
     q, w, keys, needles = _data(seed)
     reference = _scores(q, w, keys).topk(TOPK).indices
     q_mxfp4 = ref.dequantize(*ref.quantize(q))
@@ -91,6 +91,5 @@ def test_mxfp4_cache_recovers_needles(seed, record_property):
     for top in (reference, mxfp4, fp8):
         assert bool((needles[:, :, None] == top[:, None, :]).any(-1).all())
     overlap = {"mxfp4": _overlap(mxfp4, reference), "fp8": _overlap(fp8, reference)}
-    record_property("overlap_with_bf16_topk", overlap)
     print(f"seed {seed}: overlap with bf16 top-{TOPK}: {overlap}")
     assert overlap["mxfp4"] >= OVERLAP_FLOOR
