@@ -7,6 +7,9 @@ nox -s "tests(base)"      test one stage's tree (also tests(0001), ...)
 nox -s lint               pre-commit on every file
 nox -s check-patches      committed patches == a fresh export
 nox -s refresh | status   write patches/ from the tree | show the tree
+nox -s rebase -- TARGET   rebase the stages onto a newer vLLM (see README)
+nox -s rebased            apply and test each rebased series under review
+                          (patches/next/<target>/) on its target
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.series.config import load_series  # noqa: E402
+from scripts.series.config import Series, load_series  # noqa: E402
 from scripts.series.prepare import workdir  # noqa: E402
 from scripts.series.testrun import (  # noqa: E402
     PytestRun,
@@ -35,8 +38,11 @@ from scripts.series.testrun import (  # noqa: E402
     tooling_run,
 )
 
-SERIES = load_series()
+SERIES_FILE = ROOT / "patches" / "series.toml"
+SERIES = load_series(SERIES_FILE)
 STAGE_IDS = ["base", *(s.id for s in SERIES.stages)]
+# Rebased series written by `rebase` for review, one folder per target.
+REBASED = sorted((ROOT / "patches" / "next").glob("*/series.toml"))
 REQUIREMENTS = ROOT / "tests" / "requirements-cpu.txt"
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -44,9 +50,11 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["apply-and-test"]
 
 
-def _series(session: nox.Session, *args: str) -> None:
+def _series(session: nox.Session, *args: str, series: Path = SERIES_FILE) -> None:
     """Run the series CLI with the session's interpreter (stdlib only)."""
-    session.run("python", "-m", "scripts.series", *args, external=True)
+    session.run(
+        "python", "-m", "scripts.series", "--series", str(series), *args, external=True
+    )
 
 
 def _find_links() -> list[str]:
@@ -67,9 +75,9 @@ def _find_links() -> list[str]:
     return [arg for link in links for arg in ("--find-links", link)]
 
 
-def _install_cpu_deps(session: nox.Session) -> None:
+def _install_cpu_deps(session: nox.Session, series: Series = SERIES) -> None:
     """Install what the indexer modules need, once per change of inputs."""
-    constraints = workdir(SERIES) / "requirements" / "common.txt"
+    constraints = workdir(series) / "requirements" / "common.txt"
     find_links = _find_links()
     key = hashlib.sha256(
         REQUIREMENTS.read_bytes()
@@ -115,9 +123,19 @@ def _run_pytest(session: nox.Session, run: PytestRun) -> Tally:
     return read_junit(run.junit)
 
 
-def _stage_tree(session: nox.Session, stage_id: str) -> Path:
+def _stage_tree(
+    session: nox.Session, stage_id: str, series: Path = SERIES_FILE
+) -> Path:
     tree = subprocess.run(
-        [sys.executable, "-m", "scripts.series", "tree", stage_id],
+        [
+            sys.executable,
+            "-m",
+            "scripts.series",
+            "--series",
+            str(series),
+            "tree",
+            stage_id,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -128,18 +146,23 @@ def _stage_tree(session: nox.Session, stage_id: str) -> Path:
     return Path(tree.stdout.strip())
 
 
-def _test_stage(session: nox.Session, stage_id: str) -> Tally:
-    tree = _stage_tree(session, stage_id)
-    base_tree = _stage_tree(session, "base")
+def _test_stage(
+    session: nox.Session, stage_id: str, series_file: Path = SERIES_FILE
+) -> Tally:
+    series = load_series(series_file)
+    tree = _stage_tree(session, stage_id, series_file)
+    base_tree = _stage_tree(session, "base", series_file)
     tally = Tally()
-    for run in stage_runs(SERIES, stage_id, tree, base_tree):
+    for run in stage_runs(series, stage_id, tree, base_tree):
         tally.add(_run_pytest(session, run))
     return tally
 
 
-def _report(session: nox.Session, rows: list[tuple[str, Tally]]) -> None:
+def _report(
+    session: nox.Session, rows: list[tuple[str, Tally]], series: Series = SERIES
+) -> None:
     summary = format_summary(rows)
-    out = results_dir(SERIES) / "summary.md"
+    out = results_dir(series) / "summary.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(summary + "\n")
     print("\n" + summary + "\n", flush=True)
@@ -175,6 +198,36 @@ def apply_and_test(session: nox.Session) -> None:
         rows.append((stage_id, _test_stage(session, stage_id)))
     session.log(f"apply-and-test took {time.monotonic() - started:.0f} s")
     _report(session, rows)
+
+
+@nox.session
+def rebase(session: nox.Session) -> None:
+    """Rebase the stages onto a newer vLLM: -- --version V --sha256 H, or
+    -- --git PATH --rev REV; then -- --continue | --abort | --accept."""
+    _series(session, "apply")
+    _install_cpu_deps(session)
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    _series(session, "rebase", "--test-python", python, *session.posargs)
+
+
+@nox.session
+def rebased(session: nox.Session) -> None:
+    """Apply and test each rebased series under review (patches/next/*) on
+    its own target: the series checked against the next vLLM."""
+    if not REBASED:
+        session.skip("no rebased series under patches/next/")
+    for series_file in REBASED:
+        series = load_series(series_file)
+        _series(session, "apply", series=series_file)
+        _install_cpu_deps(session, series)
+        rows = [
+            (
+                f"{series.base.label} {stage_id}",
+                _test_stage(session, stage_id, series_file),
+            )
+            for stage_id in ["base", *(s.id for s in series.stages)]
+        ]
+        _report(session, rows, series)
 
 
 @nox.session

@@ -7,9 +7,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from scripts.series import SeriesError
+from scripts.series import SeriesError, rebase
 from scripts.series.apply import apply
-from scripts.series.config import SERIES_FILE, SdistBase, load_series
+from scripts.series.config import (
+    SERIES_FILE,
+    Base,
+    GitBase,
+    SdistBase,
+    Series,
+    load_series,
+)
 from scripts.series.export import refresh, stale_files
 from scripts.series.fetch import fetch_sdist
 from scripts.series.pr_export import export_stages
@@ -43,7 +50,57 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("stage", nargs="?", help="only this stage (and what it needs)")
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
+    reb = sub.add_parser(
+        "rebase",
+        help="rebase the stages onto a newer vLLM (sdist or git checkout)",
+        description="Targets: --version V --sha256 H (a release's PyPI sdist) or "
+        "--git PATH --rev REV (a local checkout). Then --continue after "
+        "resolving conflicts, --abort to drop it, --accept to adopt the "
+        "reviewed series.",
+    )
+    action = reb.add_mutually_exclusive_group()
+    action.add_argument("--continue", dest="resume", action="store_true")
+    action.add_argument("--abort", action="store_true")
+    action.add_argument(
+        "--accept",
+        nargs="?",
+        const="",
+        metavar="TARGET",
+        help="adopt the rebased series under patches/next/ (TARGET: which one)",
+    )
+    reb.add_argument("--version", help="target vLLM release (its PyPI sdist)")
+    reb.add_argument("--sha256", help="the target sdist's sha256")
+    reb.add_argument("--git", type=Path, help="target: a local vLLM git checkout")
+    reb.add_argument("--rev", help="the revision of --git")
+    reb.add_argument(
+        "--test-python",
+        help="a Python with the test dependencies; with it a stage whose "
+        "upstream probe passes on the target without it counts as upstreamed",
+    )
     return parser
+
+
+def _rebase(series: Series, args: argparse.Namespace) -> int:
+    tester = rebase.pytest_tester(args.test_python) if args.test_python else None
+    if args.abort:
+        rebase.abort(series)
+    elif args.accept is not None:
+        rebase.accept(series, args.accept or None)
+    elif args.resume:
+        rebase.resume(series, tester)
+    else:
+        name = series.base.name
+        target: Base
+        if args.git and args.rev and not (args.version or args.sha256):
+            target = GitBase(name, args.git.resolve(), args.rev)
+        elif args.version and args.sha256 and not (args.git or args.rev):
+            target = SdistBase(name, args.version, args.sha256.lower())
+        else:
+            raise SeriesError(
+                "give a target: --version V --sha256 H, or --git PATH --rev REV"
+            )
+        rebase.start(series, target, tester)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {pr.patch}\n  {pr.description}")
         elif args.command == "tree":
             print(stage_tree(series, args.stage))
+        elif args.command == "rebase":
+            return _rebase(series, args)
     except SeriesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

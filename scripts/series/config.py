@@ -67,6 +67,10 @@ class Stage:
     tests: str
     upstream_pr: str
     upstream_status: str
+    # Tests (under tests/) that show the stage's behaviour without naming its
+    # own modules: passing on a newer vLLM without the stage means upstream
+    # has it. Empty: the stage's whole tests folder.
+    upstream_probe: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,18 +84,17 @@ class RegressionSuite:
 
 @dataclass(frozen=True)
 class Series:
+    """``root`` is the project (tests/, build/, docs/); the patch files sit
+    next to the series file and the overlays in ``overlay_dir``. The
+    project's own series is patches/series.toml with vllm_overlay/; a rebased
+    series written for review keeps its own patches and overlays elsewhere."""
+
     root: Path
     base: Base
     stages: tuple[Stage, ...]
     regression: tuple[RegressionSuite, ...]
-
-    @property
-    def patches_dir(self) -> Path:
-        return self.root / "patches"
-
-    @property
-    def overlay_dir(self) -> Path:
-        return self.root / "vllm_overlay"
+    patches_dir: Path
+    overlay_dir: Path
 
     @property
     def tests_dir(self) -> Path:
@@ -184,7 +187,16 @@ def _parse_base(source: Path, raw: Any) -> Base:
 def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> Stage:
     fields = _Fields(source, f"stage[{index}]", raw)
     fields.check_keys(
-        {"id", "title", "patch", "overlays", "depends_on", "tests", "upstream"}
+        {
+            "id",
+            "title",
+            "patch",
+            "overlays",
+            "depends_on",
+            "tests",
+            "upstream",
+            "upstream_probe",
+        }
     )
     stage_id = fields.string("id")
     if not _STAGE_ID.match(stage_id):
@@ -229,6 +241,10 @@ def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> St
         tests=fields.relative_path("tests", fields.string("tests")),
         upstream_pr=upstream.string("pr", default="none"),
         upstream_status=status,
+        upstream_probe=tuple(
+            fields.relative_path("upstream_probe", p)
+            for p in fields.string_list("upstream_probe")
+        ),
     )
 
 
@@ -256,7 +272,9 @@ def load_series(path: Path = SERIES_FILE) -> Series:
     except tomllib.TOMLDecodeError as exc:
         raise SeriesFileError(f"{path}: not valid TOML: {exc}") from None
     top = _Fields(path, "series", raw)
-    top.check_keys({"base", "stage", "regression"})
+    top.check_keys(
+        {"base", "stage", "regression", "project", "overlays", "rebased_from"}
+    )
     if "base" not in raw:
         top.fail("base", "missing")
     base = _parse_base(path, raw["base"])
@@ -272,9 +290,14 @@ def load_series(path: Path = SERIES_FILE) -> Series:
     regression = tuple(
         _parse_regression(path, i, r) for i, r in enumerate(raw_regression)
     )
+    folder = path.resolve().parent
     return Series(
-        root=path.resolve().parent.parent,
+        root=(folder / top.string("project", default="..")).resolve(),
         base=base,
         stages=tuple(stages),
         regression=regression,
+        patches_dir=folder,
+        overlay_dir=(
+            folder / top.string("overlays", default="../vllm_overlay")
+        ).resolve(),
     )

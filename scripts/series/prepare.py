@@ -100,14 +100,21 @@ def recorded_base_id(repo: Path) -> str | None:
     return None
 
 
-def prepare(series: Series, *, offline: bool = False, quiet: bool = False) -> Path:
-    """Make sure the work repo holds the series' base; return its path.
+def prepare(
+    series: Series,
+    *,
+    offline: bool = False,
+    quiet: bool = False,
+    repo: Path | None = None,
+) -> Path:
+    """Make sure the work repo (default: ``workdir(series)``) holds the
+    series' base; return its path.
 
     An existing work repo for another base is an error, not overwritten. The
     work is done in a temporary folder and renamed into place at the end, so
     an interrupted prepare leaves nothing half-made behind.
     """
-    repo = workdir(series)
+    repo = repo or workdir(series)
     expected = base_id(series.base)
     if repo.exists():
         found = recorded_base_id(repo)

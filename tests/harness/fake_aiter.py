@@ -36,11 +36,22 @@ MODULES = (
 POISON = 1e30
 
 
-def _fp8_mqa_logits(q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke):
-    """AITER's fp8_mqa_logits(Q, KV, kv_scales, weights, ks, ke) -> fp32 [M, N]."""
+def _fp8_mqa_logits(
+    q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True
+):
+    """AITER's fp8_mqa_logits(Q, KV, kv_scales, weights, ks, ke) -> fp32 [M, N].
+    Newer AITER takes ``clean_logits``: False leaves columns outside each
+    row's [ks, ke) undefined (here: POISON) instead of -inf."""
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_mqa_logits_torch
 
-    return fp8_mqa_logits_torch(q, (k_fp8, scale), weights, cu_seqlen_ks, cu_seqlen_ke)
+    logits = fp8_mqa_logits_torch(
+        q, (k_fp8, scale), weights, cu_seqlen_ks, cu_seqlen_ke
+    )
+    if not clean_logits:
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        outside = (cols < cu_seqlen_ks[:, None]) | (cols >= cu_seqlen_ke[:, None])
+        logits = logits.masked_fill(outside, POISON)
+    return logits
 
 
 def _deepgemm_fp8_paged_mqa_logits(

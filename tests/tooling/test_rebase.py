@@ -1,0 +1,257 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`rebase`: the stages onto a newer synthetic vLLM (a local git checkout at
+a revision), with conflicts, recorded resolutions, upstreamed stages and a
+dropped hunk, then --accept."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import Project, sh, write_files
+
+from scripts.series import SeriesError, rebase
+from scripts.series.apply import apply
+from scripts.series.config import GitBase, load_series
+
+TARGET = "v2"
+
+
+def _target(project: Project, edits: dict[str, tuple[str, str]], files=None):
+    """Tag ``TARGET`` on the synthetic upstream: v1 plus ``edits``."""
+    for rel, (old, new) in edits.items():
+        path = project.upstream / rel
+        text = path.read_text()
+        assert old in text
+        path.write_text(text.replace(old, new, 1))
+    write_files(project.upstream, files or {})
+    sh(project.upstream, "git", "add", "-A")
+    sh(project.upstream, "git", "commit", "-q", "-m", "upstream v2")
+    sh(project.upstream, "git", "tag", TARGET)
+    return GitBase("vllm", project.upstream, TARGET)
+
+
+def _outcomes(reports):
+    return {r.id: r.outcome for r in reports}
+
+
+def _snapshot(project: Project) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(project.root)): p.read_bytes()
+        for folder in ("patches", "vllm_overlay")
+        for p in sorted((project.root / folder).rglob("*"))
+        if p.is_file() and "next" not in p.parts
+    }
+
+
+def _work_repo(project: Project) -> Path:
+    return project.root / "build" / "rebase" / f"vllm-git-{TARGET}" / "vllm"
+
+
+def test_clean_rebase_writes_a_series_for_review(two_stages):
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    before = _snapshot(two_stages)
+    reports = rebase.start(two_stages.series(), target, None)
+    assert _outcomes(reports) == {"0001": "applied cleanly", "0002": "applied cleanly"}
+    assert {h.outcome for r in reports for h in r.hunks} == {"applied cleanly"}
+    # the committed series and pin are untouched; the review applies on v2
+    assert _snapshot(two_stages) == before
+    review = rebase.review_dir(two_stages.series(), target)
+    rebased = load_series(review / "series.toml")
+    assert rebased.base == target and rebased.root == two_stages.root
+    tree = apply(rebased, quiet=True)
+    assert "return 55" in (tree / "vllm/ops.py").read_text()
+    assert "return 2020" in (tree / "vllm/ops.py").read_text()
+    assert (tree / "vllm/cp_indexer.py").exists()
+    assert (
+        "| 0001 Striped indexer | applied cleanly |"
+        in (review / "REBASE.md").read_text()
+    )
+
+
+def _envs(cp_indexer: str) -> str:
+    return (
+        "".join(f"VAR_{i} = {i}\n" for i in range(3))
+        + f"VAR_3 = 33\nCP_INDEXER = {cp_indexer}\n"
+        + "".join(f"VAR_{i} = {i}\n" for i in range(4, 40))
+    )
+
+
+def test_conflict_then_continue(two_stages):
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target, None)
+    envs = _work_repo(two_stages) / "vllm/envs.py"
+    assert "<<<<<<<" in envs.read_text()
+    with pytest.raises(SeriesError, match="conflict markers are still in"):
+        rebase.resume(two_stages.series(), None)
+    envs.write_text(_envs("False"))
+    # 0002 flips the line 0001 added, next to upstream's change: resolve again
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series(), None)
+    envs.write_text(_envs("True"))
+    reports = rebase.resume(two_stages.series(), None)
+    assert _outcomes(reports) == {
+        "0001": "conflicted, resolved by hand",
+        "0002": "conflicted, resolved by hand",
+    }
+    ops_hunk = [h for h in reports[1].hunks if h.path == "vllm/ops.py"]
+    assert [h.outcome for h in ops_hunk] == ["applied cleanly"]
+    tree = apply(
+        load_series(rebase.review_dir(two_stages.series(), target) / "series.toml"),
+        quiet=True,
+    )
+    text = (tree / "vllm/envs.py").read_text()
+    assert "VAR_3 = 33\nCP_INDEXER = True\n" in text
+
+
+def test_recorded_resolution_is_replayed(two_stages):
+    """A second rebase onto the same target replays the hand resolution kept
+    with the review, and stops nowhere."""
+    test_conflict_then_continue(two_stages)
+    reports = rebase.start(
+        two_stages.series(), GitBase("vllm", two_stages.upstream, TARGET), None
+    )
+    assert _outcomes(reports) == {
+        "0001": "conflicted, recorded resolution replayed",
+        "0002": "conflicted, recorded resolution replayed",
+    }
+
+
+def test_abort_restores_everything(two_stages):
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    before = _snapshot(two_stages)
+    old_tree = apply(two_stages.series(), quiet=True)
+    old_head = sh(old_tree, "git", "rev-parse", "HEAD")
+    with pytest.raises(SeriesError, match="conflicts"):
+        rebase.start(two_stages.series(), target, None)
+    with pytest.raises(SeriesError, match="already in progress"):
+        rebase.start(two_stages.series(), target, None)
+    rebase.abort(two_stages.series())
+    assert not _work_repo(two_stages).parent.exists()
+    assert not rebase.review_dir(two_stages.series(), target).exists()
+    assert _snapshot(two_stages) == before
+    assert sh(old_tree, "git", "rev-parse", "HEAD") == old_head
+    with pytest.raises(SeriesError, match="no rebase in progress"):
+        rebase.abort(two_stages.series())
+
+
+def test_dropped_hunk_is_reported(two_stages, monkeypatch):
+    """A merge that resolves a conflict by discarding the stage's side (here
+    git's ``-X ours``) is caught: the hunk's lines are not in the result."""
+    target = _target(
+        two_stages,
+        {
+            "vllm/ops.py": (
+                "def op_20():\n    return 20\n",
+                "def op_20():\n    return -20\n",
+            )
+        },
+    )
+    real_git = rebase.git
+
+    def discarding_git(repo, *args, **kwargs):
+        if args[:1] == ("cherry-pick",):
+            args = ("cherry-pick", "-X", "ours", *args[1:])
+        return real_git(repo, *args, **kwargs)
+
+    monkeypatch.setattr(rebase, "git", discarding_git)
+    reports = rebase.start(two_stages.series(), target, None)
+    stage = next(r for r in reports if r.id == "0002")
+    assert stage.outcome == "merged, with dropped hunks"
+    dropped = [h for h in stage.hunks if h.outcome == "dropped"]
+    assert [h.path for h in dropped] == ["vllm/ops.py"]
+    assert "hunk(s) dropped by the merge" in rebase.format_report(reports)
+
+
+def test_stage_already_present_upstream_is_dropped(two_stages):
+    """Upstream took stage 0001 verbatim: it leaves the series, with the
+    evidence, and 0002 no longer names it as a dependency."""
+    target = _target(
+        two_stages,
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
+        {"vllm/cp_indexer.py": "def split():\n    return 'striped'\n"},
+    )
+    reports = rebase.start(two_stages.series(), target, None)
+    assert _outcomes(reports)["0001"] == "already upstream"
+    assert "reverse-applies" in reports[0].evidence
+    rebased = load_series(
+        rebase.review_dir(two_stages.series(), target) / "series.toml"
+    )
+    assert [s.id for s in rebased.stages] == ["0002"]
+    assert rebased.stages[0].depends_on == ()
+
+
+def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
+    """Upstream has stage 0002's behaviour in its own code: the stage's
+    upstream probe, run by pytest on the target without the stage, passes."""
+    probe = two_stages.root / "tests" / "stage_0002" / "test_probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(
+        textwrap.dedent("""
+        import os
+        from pathlib import Path
+
+        def test_op_20_returns_2020():
+            tree = Path(os.environ["DSA_VLLM_TREE"])
+            assert "return 2020" in (tree / "vllm/ops.py").read_text()
+        """)
+    )
+    target = _target(
+        two_stages,
+        {
+            "vllm/ops.py": (
+                "def op_20():\n    return 20\n",
+                "def op_20():\n    # upstream's own take\n    return 2020\n",
+            )
+        },
+    )
+    tester = rebase.pytest_tester(sys.executable)
+    reports = rebase.start(two_stages.series(), target, tester)
+    assert _outcomes(reports)["0001"] == "applied cleanly"
+    assert _outcomes(reports)["0002"] == "already upstream"
+    assert "1 passed, 0 failed" in reports[1].evidence
+
+
+def test_accept_adopts_the_rebased_series(two_stages):
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target, None)
+    rebase.accept(two_stages.series())
+    series = two_stages.series()
+    assert series.base == target
+    assert not (two_stages.root / "patches" / "next").exists()
+    tree = apply(series, quiet=True)
+    assert "return 55" in (tree / "vllm/ops.py").read_text()
+    with pytest.raises(SeriesError, match="name the rebased series"):
+        rebase.accept(series)
+
+
+def test_accept_refuses_when_the_series_changed(two_stages):
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target, None)
+    patch = two_stages.root / "patches" / two_stages.stages[0]["patch"]
+    edited = patch.read_text() + "\n"
+    patch.write_text(edited)
+    with pytest.raises(SeriesError, match="changed since this rebase started"):
+        rebase.accept(two_stages.series())
+    assert patch.read_text() == edited
+
+
+def test_target_equal_to_base_is_refused(two_stages):
+    with pytest.raises(SeriesError, match="already on"):
+        rebase.start(two_stages.series(), two_stages.series().base, None)
+
+
+def test_split_hunks_round_trip(two_stages):
+    patch = two_stages.root / "patches" / two_stages.stages[1]["patch"]
+    hunks = rebase.split_hunks(patch.read_text())
+    assert [h.path for h in hunks] == ["vllm/envs.py", "vllm/ops.py"]
+    for hunk in hunks:
+        assert hunk.text.startswith("diff --git ")
+        assert hunk.header.startswith("@@ ")
