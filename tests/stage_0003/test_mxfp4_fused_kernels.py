@@ -4,17 +4,23 @@
 ``fused_norm_rope`` writes the key after its LayerNorm and RoPE into the
 paged MXFP4 cache, and ``fused_q`` emits the index query as MXFP4 values and
 e8m0 scales with the weights the MXFP4 logits expect. Both through the real
-patched kernels (Triton's interpreter on CPU)."""
+patched kernels: Triton's interpreter on CPU, compiled on a GPU."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from harness import compiled_stub
 from harness import mxfp4_reference as ref
 from harness.tree import applied_tree
 
 TREE = applied_tree("0003")
+if torch.cuda.is_available():
+    # The DeepSeek-V3.2 package imports its CUDA model otherwise.
+    compiled_stub.use_generic_platform()
 
 from vllm.models.deepseek_v32.common.kernels import (  # noqa: E402
     fused_norm_rope,
@@ -25,6 +31,34 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
 )
 
 HEAD_DIM, ROPE_DIM, INDEX_HEADS = 128, 64, 4
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not INTERPRETED, reason="CPU runs need TRITON_INTERPRET=1"
+            ),
+        ),
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                INTERPRETED or not torch.cuda.is_available(),
+                reason="compiles the kernels for a GPU (H200 device)",
+            ),
+        ),
+    ],
+)
+def device(request):
+    """Every tensor the test makes lives on this device."""
+    torch.set_default_device(request.param)
+    yield request.param
+    torch.set_default_device("cpu")
+
+
 LAYOUT = RocmPagedMxfp4CacheLayout(16, 16, 4)
 MAX_POS = 512
 
@@ -79,6 +113,7 @@ def test_fused_norm_rope_writes_mxfp4_cache(interleave, entries):
     slots[5] = -1  # a padded token writes nothing
     index_k_out = torch.empty(tokens, HEAD_DIM)
     _norm_rope(tokens, cache, slots, interleave, index_k_out)
+    cache, slots, index_k_out = cache.cpu(), slots.cpu(), index_k_out.cpu()
     want = torch.zeros_like(cache)
     ref.write_cache(want, slots, index_k_out, LAYOUT)
     assert torch.equal(cache, want)
@@ -120,8 +155,8 @@ def test_fused_q_mxfp4_values_scales_and_weights():
     assert values.dtype == scales.dtype == torch.uint8
     assert values.shape == (tokens, INDEX_HEADS, HEAD_DIM // 2)
     assert scales.shape == (tokens, INDEX_HEADS, HEAD_DIM // 32)
-    assert torch.equal(values, want_values)
-    assert torch.equal(scales, want_scales)
+    assert torch.equal(values.cpu(), want_values)
+    assert torch.equal(scales.cpu(), want_scales)
     assert torch.equal(weights_out, weights * HEAD_DIM**-0.5 * INDEX_HEADS**-0.5)
 
 
@@ -136,14 +171,14 @@ def test_fused_q_mxfp4_with_rope_decodes_to_the_rotated_query():
         index_q, torch.ones(tokens, INDEX_HEADS), cos_sin, True
     )
     # NeoX rotation of the first ROPE_DIM dims, in fp32
-    q = index_q.float()
-    cos, sin = cos_sin[:tokens, None].chunk(2, -1)
+    q = index_q.float().cpu()
+    cos, sin = cos_sin[:tokens, None].cpu().chunk(2, -1)
     x1, x2 = q[..., : ROPE_DIM // 2], q[..., ROPE_DIM // 2 : ROPE_DIM]
     rotated = torch.cat(
         [x1 * cos - x2 * sin, x2 * cos + x1 * sin, q[..., ROPE_DIM:]], -1
     )
     decoded = ref.dequantize(values, scales)
-    scale = torch.pow(2.0, scales.float() - 127).repeat_interleave(32, -1)
+    scale = torch.pow(2.0, scales.cpu().float() - 127).repeat_interleave(32, -1)
     assert bool(((decoded - rotated).abs() <= scale).all())
 
 

@@ -25,9 +25,10 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
     RocmPagedMxfp4CacheLayout,
 )
 
-# Keys per program of the stand-alone writer: enough bytes in flight per
-# program to stream at memory bandwidth.
+# Keys per program of the stand-alone writer, and its warps: the fastest of
+# 1-128 keys x 1-8 warps on an H200 (docs/mxfp4_indexer_cache_bench.md).
 _TOKENS = 16
+_NUM_WARPS = 2
 
 
 def mxfp4_indexer_row_bytes(head_dim: int) -> int:
@@ -224,5 +225,5 @@ def indexer_k_mxfp4_quant_and_cache(
         layout.d_per_tile,
         layout.scale_lanes,
         _TOKENS,
-        num_warps=4,
+        num_warps=_NUM_WARPS,
     )
