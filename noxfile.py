@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.series.config import Series, load_series  # noqa: E402
 from scripts.series.prepare import workdir  # noqa: E402
+from scripts.series.rebase import review_is_current  # noqa: E402
 from scripts.series.testrun import (  # noqa: E402
     PytestRun,
     Tally,
@@ -217,6 +218,12 @@ def rebased(session: nox.Session) -> None:
     if not REBASED:
         session.skip("no rebased series under patches/next/")
     for series_file in REBASED:
+        if not review_is_current(SERIES, series_file.parent):
+            session.error(
+                f"{series_file.parent} was rebased from an older version of "
+                "patches/; rebase again (nox -s rebase -- ...): the recorded "
+                "conflict resolutions are replayed"
+            )
         series = load_series(series_file)
         _series(session, "apply", series=series_file)
         _install_cpu_deps(session, series)

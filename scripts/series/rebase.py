@@ -563,8 +563,7 @@ def accept(series: Series, label: str | None = None) -> None:
         where = series.patches_dir / NEXT_DIR
         raise SeriesError(f"name the rebased series to accept (under {where}: {found})")
     review = folders[0]
-    recorded = tomllib.loads((review / "series.toml").read_text()).get("rebased_from")
-    if recorded != _series_digest(series):
+    if not review_is_current(series, review):
         raise SeriesError(
             "patches/ or vllm_overlay/ changed since this rebase started; refusing "
             "to overwrite them (rebase again from the current series)"
@@ -588,6 +587,13 @@ def accept(series: Series, label: str | None = None) -> None:
         f"the series is now on {new.base.label}; run apply to build its tree "
         f"(the old tree {workdir(series)} is left as it was)"
     )
+
+
+def review_is_current(series: Series, review: Path) -> bool:
+    """Whether the rebased series in ``review`` was made from the committed
+    series as it is now."""
+    recorded = tomllib.loads((review / "series.toml").read_text()).get("rebased_from")
+    return recorded == _series_digest(series)
 
 
 def _load_review(path: Path) -> Series:

@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""MXFP4 indexer keys for DeepSeek-V3.2-style DSA models on the paged cache
+aiter's ``paged_mxfp4_mqa_logits`` reads.
+
+A key of D values becomes D // 2 bytes of E2M1 pairs (even element in the low
+nibble) and D // 32 E8M0 scale bytes: 68 bytes at D = 128 instead of the
+FP8 row's 132. The numerics, shared by the K cache writer and the query:
+
+- scale: 2^e with e the smallest integer such that 6 * 2^e >= amax, i.e.
+  ceil(log2(amax / 6)), taken from amax's bits so it is exact; the byte is
+  e + 127 clamped to [0, 254]. An all-zero block stores byte 0 (2^-127).
+- values: x / 2^e rounded to the nearest E2M1 value (0, 0.5, 1, 1.5, 2, 3,
+  4, 6), ties to the even code, saturated at +-6; the sign bit is kept, so a
+  negative value that rounds to zero stores -0.
+- non-finite input: a NaN element is stored as +0 and does not count towards
+  amax; +-inf makes the block's scale 2^127 and stores +-6.
+"""
+
+import torch
+
+from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
+    MXFP4_BLOCK_SIZE,
+    RocmPagedMxfp4CacheLayout,
+)
+
+# Keys per program of the stand-alone writer, and its warps: the fastest of
+# 1-128 keys x 1-8 warps on an H200 (docs/mxfp4_indexer_cache_bench.md).
+_TOKENS = 16
+_NUM_WARPS = 2
+
+
+def mxfp4_indexer_row_bytes(head_dim: int) -> int:
+    """Bytes of one MXFP4 indexer key: packed values, then e8m0 scales."""
+    return head_dim // 2 + head_dim // MXFP4_BLOCK_SIZE
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for integer e in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_quantize(vals, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[ROWS, HEAD_DIM] floats -> ([ROWS, HEAD_DIM // 2] uint8 E2M1 pairs,
+    [ROWS, HEAD_DIM // 32] uint8 E8M0 scales), as the module docstring
+    specifies."""
+    x = tl.reshape(vals.to(tl.float32), (ROWS, HEAD_DIM // 32, 32))
+    x = tl.where(x != x, 0.0, x)
+    amax = tl.max(tl.abs(x), axis=2)
+
+    # 6 * 2^e >= amax = m * 2^E (m in [1, 2)) gives e = E - 1, or E - 2 when
+    # m <= 1.5. Zero and denormal amax land below -127 and are clamped.
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    exp = biased - 128 - ((bits & 0x7FFFFF) <= 0x400000).to(tl.int32)
+    exp = tl.where(biased == 255, 127, exp)
+    exp = tl.minimum(tl.maximum(exp, -127), 127)
+
+    # x / 2^exp, exact: two power-of-two factors built from their bits, so
+    # each stays a normal float.
+    half = -exp // 2
+    y = x * _pow2(half)[:, :, None] * _pow2(-exp - half)[:, :, None]
+
+    # Round to the E2M1 grid with ties to the even code: the thresholds are
+    # the midpoints, inclusive where the upper neighbour has the even code.
+    ay = tl.abs(y)
+    code = (
+        (ay > 0.25).to(tl.int32)
+        + (ay >= 0.75).to(tl.int32)
+        + (ay > 1.25).to(tl.int32)
+        + (ay >= 1.75).to(tl.int32)
+        + (ay > 2.5).to(tl.int32)
+        + (ay >= 3.5).to(tl.int32)
+        + (ay > 5.0).to(tl.int32)
+    )
+    code = code | ((x.to(tl.int32, bitcast=True) >> 28) & 0x8)
+    even, odd = tl.split(tl.reshape(code, (ROWS, HEAD_DIM // 2, 2)))
+    packed = (even | (odd << 4)).to(tl.uint8)
+    return packed, (exp + 127).to(tl.uint8)
+
+
+@triton.jit
+def mxfp4_paged_cache_store(
+    packed,
+    scales,
+    slots,
+    cache_ptr,
+    page_stride,
+    page_entries,
+    HEAD_DIM: tl.constexpr,
+    N_PER_TILE: tl.constexpr,
+    D_PER_TILE: tl.constexpr,
+    SCALE_LANES: tl.constexpr,
+):
+    """Store keys ([ROWS] ``slots``, ``mxfp4_quantize`` output) in
+    `RocmPagedMxfp4CacheLayout` order: a page's values, in runs of N_PER_TILE
+    tokens stored [chunk, token, byte], then its scales stored
+    [scale % SCALE_LANES, token, scale // SCALE_LANES]. Negative (padding)
+    slots are skipped."""
+    VALUE_BYTES: tl.constexpr = HEAD_DIM // 2
+    SCALES_PER_LANE: tl.constexpr = HEAD_DIM // 32 // SCALE_LANES
+    slots = slots.to(tl.int64)[:, None]
+    valid = slots >= 0
+    page = tl.where(valid, slots // page_entries, 0)
+    entry = tl.where(valid, slots % page_entries, 0)
+    page_ptr = cache_ptr + page * page_stride
+
+    b = tl.arange(0, VALUE_BYTES)[None, :]
+    value_off = (
+        entry // N_PER_TILE * (N_PER_TILE * VALUE_BYTES)
+        + b // D_PER_TILE * (N_PER_TILE * D_PER_TILE)
+        + entry % N_PER_TILE * D_PER_TILE
+        + b % D_PER_TILE
+    )
+    tl.store(page_ptr + value_off, packed, mask=valid & (b >= 0))
+
+    s = tl.arange(0, HEAD_DIM // 32)[None, :]
+    scale_off = (
+        page_entries * VALUE_BYTES
+        + s % SCALE_LANES * (page_entries * SCALES_PER_LANE)
+        + entry * SCALES_PER_LANE
+        + s // SCALE_LANES
+    )
+    tl.store(page_ptr + scale_off, scales, mask=valid & (s >= 0))
+
+
+@triton.jit
+def _indexer_k_mxfp4_quant_and_cache_kernel(
+    k_ptr,
+    k_stride,
+    slot_mapping_ptr,
+    num_tokens,
+    cache_ptr,
+    page_stride,
+    page_entries,
+    HEAD_DIM: tl.constexpr,
+    N_PER_TILE: tl.constexpr,
+    D_PER_TILE: tl.constexpr,
+    SCALE_LANES: tl.constexpr,
+    TOKENS: tl.constexpr,
+):
+    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    in_range = tokens < num_tokens
+    k = tl.load(
+        k_ptr + tokens[:, None] * k_stride + tl.arange(0, HEAD_DIM)[None, :],
+        mask=in_range[:, None],
+        other=0.0,
+    )
+    packed, scales = mxfp4_quantize(k, TOKENS, HEAD_DIM)
+    mxfp4_paged_cache_store(
+        packed,
+        scales,
+        tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1),
+        cache_ptr,
+        page_stride,
+        page_entries,
+        HEAD_DIM,
+        N_PER_TILE,
+        D_PER_TILE,
+        SCALE_LANES,
+    )
+
+
+def check_mxfp4_indexer_cache(
+    kv_cache: torch.Tensor, head_dim: int, layout: RocmPagedMxfp4CacheLayout
+) -> None:
+    """Raise ValueError unless ``kv_cache`` [pages, entries, row] can hold
+    ``head_dim``-value MXFP4 keys in ``layout`` order."""
+    if head_dim < MXFP4_BLOCK_SIZE or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"the MXFP4 indexer cache needs a power-of-two head_dim of at least "
+            f"{MXFP4_BLOCK_SIZE}, got {head_dim}"
+        )
+    row = mxfp4_indexer_row_bytes(head_dim)
+    if (
+        kv_cache.dtype != torch.uint8
+        or kv_cache.ndim != 3
+        or kv_cache.shape[2] != row
+        or kv_cache.stride(1) != row
+        or kv_cache.stride(2) != 1
+    ):
+        raise ValueError(
+            f"the MXFP4 indexer cache must be uint8 [pages, entries, {row}] with "
+            f"contiguous pages, got {kv_cache.dtype} {tuple(kv_cache.shape)} "
+            f"strides {kv_cache.stride()}"
+        )
+    if (
+        kv_cache.shape[1] % layout.n_per_tile
+        or (head_dim // 2) % layout.d_per_tile
+        or (head_dim // MXFP4_BLOCK_SIZE) % layout.scale_lanes
+    ):
+        raise ValueError(
+            f"{layout} does not tile {kv_cache.shape[1]}-entry pages of "
+            f"{head_dim}-value keys"
+        )
+
+
+def indexer_k_mxfp4_quant_and_cache(
+    k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: RocmPagedMxfp4CacheLayout,
+) -> None:
+    """Quantise ``k`` [T, D] to MXFP4 and write token t at ``slot_mapping[t]``
+    (skipped when negative). The same store ``fused_norm_rope`` makes after
+    the key's LayerNorm and RoPE, as a kernel of its own."""
+    num_tokens, head_dim = k.shape
+    assert k.stride(1) == 1 and slot_mapping.shape == (num_tokens,)
+    check_mxfp4_indexer_cache(kv_cache, head_dim, layout)
+    if num_tokens == 0:
+        return
+    _indexer_k_mxfp4_quant_and_cache_kernel[(triton.cdiv(num_tokens, _TOKENS),)](
+        k,
+        k.stride(0),
+        slot_mapping,
+        num_tokens,
+        kv_cache,
+        kv_cache.stride(0),
+        kv_cache.shape[1],
+        head_dim,
+        layout.n_per_tile,
+        layout.d_per_tile,
+        layout.scale_lanes,
+        _TOKENS,
+        num_warps=_NUM_WARPS,
+    )

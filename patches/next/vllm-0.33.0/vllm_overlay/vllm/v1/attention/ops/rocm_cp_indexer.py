@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Context-parallel split of the ROCm DSA indexer prefill across TP ranks.
+
+Every TP rank holds the same indexer inputs, so without this each rank scores
+all prefill rows. With ``VLLM_ROCM_USE_AITER_CP_INDEXER=1`` each rank scores
+only its own rows (logits and top-k), leaves the other rows at -1, and one
+``all_reduce(MAX)`` over the prefill rows of ``topk_indices_buffer`` per
+prefill merges the ranks' results: every row holds -1 on all ranks but its
+owner.
+
+Rows are assigned in stripes over the prefill's own row index, not per chunk:
+the chunker keeps a chunk's logits within VLLM_SPARSE_INDEXER_MAX_LOGITS_MB,
+so at long context a chunk holds ~1K rows and per-chunk stripes would leave
+most ranks idle. The stripes are dealt in mirrored order (0, 1, .., tp-1,
+tp-1, .., 1, 0, ...): a row costs about its causal key count, which grows
+along a prompt, and each pass back and forth gives every rank one cheaper and
+one dearer stripe. A prefill too short for two passes uses smaller stripes so
+that every rank still gets work (see scripts/cp_indexer_cost_model.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+STRIPE_SIZE_ENV = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
+
+
+def parse_stripe_size(value: str) -> int:
+    """The stripe size from its env var; a clear error for a bad value."""
+    try:
+        stripe = int(value)
+    except ValueError:
+        stripe = 0
+    if stripe <= 0:
+        raise ValueError(
+            f"{STRIPE_SIZE_ENV} must be a positive number of rows, got {value!r}"
+        )
+    return stripe
+
+
+def unsafe_config_reason(vllm_config, dcp_world_size: int, use_pcp: bool) -> str | None:
+    """Why splitting prefill rows is unsafe in this configuration, if it is."""
+    import vllm.envs as envs
+    from vllm.config import CUDAGraphMode
+
+    if dcp_world_size > 1:
+        return "decode context parallelism shards the indexer keys"
+    if use_pcp:
+        return "prefill context parallelism shards the prefill rows already"
+    if envs.VLLM_BATCH_INVARIANT:
+        return "batch invariance needs every rank to compute every row"
+    mode = vllm_config.compilation_config.cudagraph_mode or CUDAGraphMode.NONE
+    if mode.mixed_mode() == CUDAGraphMode.FULL:
+        return "FULL CUDA graphs capture mixed batches, which split rows cannot"
+    return None
+
+
+@dataclass(frozen=True)
+class CPIndexerSplit:
+    """Which TP rank scores each prefill row of one step (same on all ranks)."""
+
+    world_size: int
+    stripe: int
+    first_row: int  # the first prefill row of the batch (decode rows come first)
+    num_rows: int  # real prefill rows, CUDA-graph padding excluded
+
+    @classmethod
+    def for_prefill(
+        cls, world_size: int, max_stripe: int, first_row: int, num_rows: int
+    ) -> CPIndexerSplit:
+        """Stripes of ``max_stripe`` rows, smaller when the prefill is too
+        short for two mirrored rounds over the ranks."""
+        stripe = min(max_stripe, max(1, num_rows // (2 * world_size)))
+        return cls(world_size, stripe, first_row, num_rows)
+
+    def owner(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rank that scores each of ``rows`` (batch row indices)."""
+        phase = ((rows - self.first_row) // self.stripe) % (2 * self.world_size)
+        return torch.where(
+            phase < self.world_size, phase, 2 * self.world_size - 1 - phase
+        )
+
+
+def plan_cp_indexer_split(
+    vllm_config,
+    dcp_world_size: int,
+    use_pcp: bool,
+    tp_size: int,
+    num_decode_tokens: int,
+    num_prefill_tokens: int,
+) -> CPIndexerSplit | None:
+    """The split for this step's prefill, or None to score rows replicated.
+
+    Called by the indexer metadata builder on every rank with the same inputs,
+    so every rank takes the same decision and the merge's collective matches.
+    """
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    if tp_size < 2 or not rocm_aiter_ops.is_cp_indexer_enabled():
+        return None
+    reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
+    if reason is not None:
+        logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
+        return None
+    if num_prefill_tokens < tp_size:
+        return None
+    return CPIndexerSplit.for_prefill(
+        tp_size,
+        rocm_aiter_ops.get_cp_indexer_stripe_size(),
+        num_decode_tokens,
+        num_prefill_tokens,
+    )
+
+
+class ChunkRows:
+    """The rows of one prefill chunk this rank scores: all of them, or its own.
+
+    ``local`` holds chunk-relative row offsets, or is None for all rows."""
+
+    def __init__(self, token_start: int, token_end: int, local: torch.Tensor | None):
+        self.token_start = token_start
+        self.token_end = token_end
+        self.local = local
+        self._device_local: torch.Tensor | None = None
+
+    def _index(self, device: torch.device) -> torch.Tensor:
+        """``local`` on ``device``, copied there once per chunk."""
+        assert self.local is not None
+        if self._device_local is None or self._device_local.device != device:
+            self._device_local = self.local.to(device)
+        return self._device_local
+
+    @property
+    def empty(self) -> bool:
+        return self.local is not None and self.local.numel() == 0
+
+    def _select(self, chunk_rows: torch.Tensor) -> torch.Tensor:
+        if self.local is None:
+            return chunk_rows
+        return chunk_rows.index_select(0, self._index(chunk_rows.device))
+
+    def of_batch(self, batch_tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor with one row per batch token."""
+        return self._select(batch_tensor[self.token_start : self.token_end])
+
+    def of_chunk(self, chunk_tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor with one row per chunk row."""
+        return self._select(chunk_tensor)
+
+    def topk_out(self, topk_indices_buffer: torch.Tensor, topk: int) -> torch.Tensor:
+        """Where top-k writes: the buffer itself, or a block of this rank's rows."""
+        rows = topk_indices_buffer[self.token_start : self.token_end, :topk]
+        if self.local is None:
+            return rows
+        return torch.empty(
+            (self.local.numel(), topk), dtype=rows.dtype, device=rows.device
+        )
+
+    def store(self, topk_indices_buffer: torch.Tensor, out: torch.Tensor) -> None:
+        """Put this rank's rows back in their buffer rows (the rest stay -1)."""
+        if self.local is None:
+            return
+        rows = topk_indices_buffer[self.token_start : self.token_end, : out.shape[1]]
+        rows.index_copy_(0, self._index(rows.device), out)
+
+
+class CPIndexerPrefill:
+    """One indexer call's prefill on this rank: which rows to score per chunk,
+    then the merge. Replicated (every row, no merge) without a split, or when
+    the call carries candidate blocks, whose writes are per row and unmerged."""
+
+    def __init__(self, split: CPIndexerSplit | None, has_candidate_blocks: bool):
+        self.split = None if has_candidate_blocks else split
+        self.rank = 0
+        if self.split is not None:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.rank = get_tensor_model_parallel_rank()
+        self.any_split = False
+
+    def rows(self, chunk) -> ChunkRows:
+        start, end = chunk.token_start, chunk.token_end
+        if self.split is None or end - start < self.split.world_size:
+            return ChunkRows(start, end, None)
+        owners = self.split.owner(torch.arange(start, end))
+        self.any_split = True
+        return ChunkRows(start, end, torch.nonzero(owners == self.rank).flatten())
+
+    def merge(self, topk_indices_buffer: torch.Tensor) -> None:
+        """all_reduce(MAX) over the prefill rows, once per prefill; nothing
+        runs when no chunk was split."""
+        if self.split is None or not self.any_split:
+            return
+        from vllm.distributed import get_tp_group
+
+        first, count = self.split.first_row, self.split.num_rows
+        rows = topk_indices_buffer[first : first + count]
+        merged = rows if rows.is_contiguous() else rows.contiguous()
+        torch.distributed.all_reduce(
+            merged, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
+        )
+        if merged is not rows:
+            rows.copy_(merged)
