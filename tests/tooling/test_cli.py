@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from scripts.series.config import REPO_ROOT
-from tests.tooling.conftest import Project
+from tests.tooling.conftest import Project, sh
 
 
 def _cli(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
@@ -70,3 +70,23 @@ def test_unknown_stage_and_bad_series_file(project: Project):
     result = _cli(project, "status")
     assert result.returncode == 1
     assert "base.name: expected a non-empty string" in result.stderr
+
+
+def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
+    """The local-checkout target as users give it, then --accept."""
+    ops = two_stages.upstream / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 5\n", "return 55\n", 1))
+    sh(two_stages.upstream, "git", "commit", "-q", "-am", "upstream main")
+    missing = _cli(two_stages, "rebase", "--git", str(two_stages.upstream))
+    assert missing.returncode == 1 and "give a target" in missing.stderr
+    done = _cli(
+        two_stages, "rebase", "--git", str(two_stages.upstream), "--rev", "main"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "| 0002 Top-k gate | applied cleanly |" in done.stdout
+    assert (two_stages.root / "patches/next/vllm-git-main/series.toml").exists()
+    assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
+    accepted = _cli(two_stages, "rebase", "--accept")
+    assert accepted.returncode == 0, accepted.stderr
+    assert 'rev = "main"' in two_stages.series_file.read_text()
+    assert _cli(two_stages, "apply").returncode == 0
