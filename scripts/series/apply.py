@@ -11,12 +11,11 @@ at the last good stage. Uncommitted edits are never overwritten.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
-from scripts.series.git import changed_files, git, rev_parse
+from scripts.series.git import changed_files, commit_verbatim, git, rev_parse
 from scripts.series.patchfile import failing_hunk, read_patch
 from scripts.series.prepare import BRANCH, prepare
 from scripts.series.state import (
@@ -124,22 +123,7 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
         shutil.copy2(source, target)
     if stage.overlays:
         git(repo, "add", "-f", "--", *stage.overlays)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".msg") as msg:
-        msg.write(info.message)
-        msg.flush()
-        git(
-            repo,
-            "commit",
-            "-q",
-            "--no-verify",
-            "--allow-empty-message",
-            "--cleanup=verbatim",
-            "-F",
-            msg.name,
-            identity=info.author,
-        )
-    commit = rev_parse(repo, "HEAD")
-    assert commit is not None
+    commit = commit_verbatim(repo, info.message, info.author)
     git(repo, "tag", "-f", stage_tag(stage), commit)
     state = load_state(repo)
     state[stage.id] = {"commit": commit, "inputs": fingerprint(series, stage, parent)}

@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted; run the same command again to resume", file=sys.stderr)
+        again = (
+            "`rebase --continue` to resume, `rebase --abort` to drop it"
+            if args.command == "rebase"
+            else "the same command again to resume"
+        )
+        print(f"interrupted; run {again}", file=sys.stderr)
         return 130
     return 0

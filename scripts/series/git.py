@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +114,28 @@ def rev_parse(repo: Path, ref: str) -> str | None:
         repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False
     )
     return result.stdout.decode().strip() or None
+
+
+def commit_verbatim(
+    repo: Path, message: str, identity: Identity, *, allow_empty: bool = False
+) -> str:
+    """Commit the index with ``message`` kept byte for byte (a patch's
+    author, date and text make the same commit id everywhere); return it."""
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".msg") as msg:
+        msg.write(message)
+        msg.flush()
+        git(
+            repo,
+            "commit",
+            "-q",
+            "--no-verify",
+            "--allow-empty-message",
+            *(["--allow-empty"] if allow_empty else []),
+            "--cleanup=verbatim",
+            "-F",
+            msg.name,
+            identity=identity,
+        )
+    commit = rev_parse(repo, "HEAD")
+    assert commit is not None
+    return commit

@@ -38,7 +38,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -48,7 +47,7 @@ from scripts.series import SeriesError
 from scripts.series.apply import apply
 from scripts.series.config import Base, GitBase, SdistBase, Series, Stage
 from scripts.series.export import format_stage_patch, overlay_bytes
-from scripts.series.git import git, git_out, rev_parse
+from scripts.series.git import commit_verbatim, git, git_out
 from scripts.series.patchfile import read_patch
 from scripts.series.prepare import BASE_TAG, BUILD_DIR_NAME, prepare, workdir
 from scripts.series.state import read_chain
@@ -186,11 +185,17 @@ def start(series: Series, target: Base, tester: Tester | None) -> list[StageRepo
 
 
 def resume(series: Series, tester: Tester | None) -> list[StageReport]:
-    """``--continue``: take the user's resolution of the conflicted stage."""
+    """``--continue``: take the user's resolution of the conflicted stage, or
+    redo the stage an interrupted rebase was in the middle of."""
     state = _load_state(series)
-    if not state.pending:
-        raise SeriesError("nothing to continue: no stage is waiting for a resolution")
     repo = _repo(series, state)
+    if not state.pending:
+        # Interrupted inside a stage: only the tool has touched the work repo
+        # since the last recorded stage, so drop the half-made merge.
+        git(repo, "cherry-pick", "--quit", check=False)
+        git(repo, "reset", "-q", "--hard", "HEAD")
+        git(repo, "clean", "-q", "-f", "-d")
+        return _run(series, state, tester)
     git(repo, "add", "-A")
     changed = git_out(repo, "diff", "--cached", "--name-only", "HEAD").split()
     marked = git(
@@ -359,23 +364,9 @@ def _replayed_paths(git_stderr: str) -> set[str]:
 def _commit_stage(series: Series, repo: Path, stage: Stage, state: RebaseState) -> None:
     info = read_patch(series.patches_dir / stage.patch)
     git(repo, "add", "-A")
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".msg") as msg:
-        msg.write(info.message)
-        msg.flush()
-        git(
-            repo,
-            "commit",
-            "-q",
-            "--no-verify",
-            "--allow-empty",
-            "--cleanup=verbatim",
-            "-F",
-            msg.name,
-            identity=info.author,
-        )
-    commit = rev_parse(repo, "HEAD")
-    assert commit is not None
-    state.commits[stage.id] = commit
+    state.commits[stage.id] = commit_verbatim(
+        repo, info.message, info.author, allow_empty=True
+    )
 
 
 @dataclass(frozen=True)
@@ -455,6 +446,9 @@ def _probe(stage: Stage) -> tuple[str, ...]:
 def pytest_tester(python: str) -> Tester:
     """Run a stage's upstream probe with ``python -m pytest`` on a checkout
     of the rebase repo's HEAD (the target and the stages kept so far)."""
+
+    if shutil.which(python) is None:
+        raise SeriesError(f"--test-python {python}: no such Python")
 
     def run(
         series: Series, stage: Stage, repo: Path, kept: list[str]

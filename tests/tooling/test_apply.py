@@ -153,19 +153,19 @@ def test_an_interrupted_apply_resumes_and_ends_identical(
     import scripts.series.apply as apply_module
 
     series = two_stages.series()
-    real_git = apply_module.git
+    real_commit = apply_module.commit_verbatim
 
-    def git_interrupted_at_commit(repo, *args, **kwargs):
-        if args[0] == "commit" and (repo / "vllm/ops.py").read_text().count("2020"):
+    def interrupted_at_commit(repo, *args, **kwargs):
+        if (repo / "vllm/ops.py").read_text().count("2020"):
             raise KeyboardInterrupt
-        return real_git(repo, *args, **kwargs)
+        return real_commit(repo, *args, **kwargs)
 
-    monkeypatch.setattr(apply_module, "git", git_interrupted_at_commit)
+    monkeypatch.setattr(apply_module, "commit_verbatim", interrupted_at_commit)
     with pytest.raises(KeyboardInterrupt):
         apply(series)
     repo = workdir(series)
     assert changed_files(repo), "the interruption left a half-applied stage"
-    monkeypatch.setattr(apply_module, "git", real_git)
+    monkeypatch.setattr(apply_module, "commit_verbatim", real_commit)
     apply(series)
     assert not changed_files(repo)
     # The half-applied edits are set aside, not thrown away.

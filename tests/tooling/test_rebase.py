@@ -255,3 +255,34 @@ def test_split_hunks_round_trip(two_stages):
     for hunk in hunks:
         assert hunk.text.startswith("diff --git ")
         assert hunk.header.startswith("@@ ")
+
+
+def test_interrupted_rebase_continues(two_stages, monkeypatch):
+    """Killed in the middle of a stage's merge: --continue drops the
+    half-made merge and redoes that stage."""
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    real = rebase._added_lines_present
+    calls = []
+
+    def interrupted(path, hunk):
+        calls.append(hunk)
+        if len(calls) == 2:  # stage 0002's first hunk, after its cherry-pick
+            raise KeyboardInterrupt
+        return real(path, hunk)
+
+    monkeypatch.setattr(rebase, "_added_lines_present", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rebase.start(two_stages.series(), target, None)
+    assert sh(_work_repo(two_stages), "git", "status", "--porcelain").strip()
+    reports = rebase.resume(two_stages.series(), None)
+    assert _outcomes(reports) == {"0001": "applied cleanly", "0002": "applied cleanly"}
+    tree = apply(
+        load_series(rebase.review_dir(two_stages.series(), target) / "series.toml"),
+        quiet=True,
+    )
+    assert "return 2020" in (tree / "vllm/ops.py").read_text()
+
+
+def test_missing_test_python_is_a_clear_error():
+    with pytest.raises(SeriesError, match="no such Python"):
+        rebase.pytest_tester("/nonexistent/python3")
