@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,29 +32,12 @@ HEADS = 32
 WORLD = 2
 
 
-def _time_ms(fn, runs: int, warmup: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.distributed.barrier()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _bench_rank(rank: int, world_size: int, runs: int, warmup: int) -> dict:
     import pytest
     import torch
 
     from harness import indexer_batch
+    from harness.gpu_bench import median_ms
     from harness.rocm_platform import emulate_rocm
     from vllm.distributed import get_tp_group
 
@@ -81,58 +62,37 @@ def _bench_rank(rank: int, world_size: int, runs: int, warmup: int) -> dict:
                     batch = indexer_batch.build_batch(
                         builder, [(0, rows)], heads=HEADS, cache_new_keys=True
                     )
-                    entry[mode] = _time_ms(
+                    entry[mode] = median_ms(
                         lambda b=batch: indexer_batch.run_indexer(
                             b, TOPK, skip_k_cache_insert=True
                         ),
                         runs,
                         warmup,
+                        torch.distributed.barrier,
                     )
                     del batch
                     torch.cuda.empty_cache()
         merged = torch.zeros(rows, TOPK, dtype=torch.int32, device=device)
         half = torch.zeros(rows // world_size, TOPK, dtype=torch.int32, device=device)
         gathered = torch.zeros(rows, TOPK, dtype=torch.int32, device=device)
-        entry["all_reduce_max"] = _time_ms(
+        entry["all_reduce_max"] = median_ms(
             lambda t=merged: torch.distributed.all_reduce(
                 t, op=torch.distributed.ReduceOp.MAX, group=group
             ),
             runs * 4,
             warmup,
+            torch.distributed.barrier,
         )
-        entry["all_gather_halves"] = _time_ms(
+        entry["all_gather_halves"] = median_ms(
             lambda out=gathered, part=half: torch.distributed.all_gather_into_tensor(
                 out, part, group=group
             ),
             runs * 4,
             warmup,
+            torch.distributed.barrier,
         )
         results[rows] = entry
     return results
-
-
-def _versions() -> dict:
-    import torch
-    import triton
-
-    gpu = (
-        subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        .stdout.strip()
-        .splitlines()
-    )
-    return {
-        "gpus": gpu,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-        "python": sys.version.split()[0],
-    }
 
 
 def _report(per_rank: list[dict], versions: dict, command: str, out: Path) -> None:
@@ -205,6 +165,7 @@ def main() -> int:
 
     os.environ.setdefault("DSA_VLLM_TREE", str(args.tree))
     from harness import compiled_stub
+    from harness.gpu_bench import gpu_versions
     from harness.multiproc import run_ranks
 
     compiled_stub.install()
@@ -213,7 +174,7 @@ def main() -> int:
         WORLD, _bench_rank, args.runs, args.warmup, device="cuda", timeout_s=1800
     )
     command = "python scripts/bench_cp_indexer.py " + " ".join(sys.argv[1:])
-    _report(per_rank, _versions(), command, args.out)
+    _report(per_rank, gpu_versions(), command, args.out)
     return 0
 
 

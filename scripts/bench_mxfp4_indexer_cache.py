@@ -20,23 +20,20 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = (16384, 262144, 1048576, 4194304)
 HEAD_DIM, PAGE = 128, 64
 GOAL = 0.70
+RUNS, WARMUP = 20, 3
 
-# Per-token KV bytes of each layer kind, from the models' configs:
-# kv_lora_rank 512 + qk_rope_head_dim 64 as FP8 (--kv-cache-dtype fp8) is
-# 576 bytes of MLA cache; index_head_dim 128 is 132 bytes FP8 (values + one
-# fp32 scale) or 68 bytes MXFP4. DeepSeek-V3.2: 61 layers, each with an
-# indexer (config.json). GLM-5.2: 78 layers, 21 of them with an indexer
-# cache (the layer count from GLM-5's config.json, the indexer count from
-# the stage 0002 PR text; not re-checked here, no model files offline).
+# Per-token KV bytes of each layer kind: kv_lora_rank 512 + qk_rope_head_dim
+# 64 as FP8 (--kv-cache-dtype fp8) is 576 bytes of MLA cache; index_head_dim
+# 128 is 132 bytes FP8 (values + one fp32 scale) or 68 bytes MXFP4. Layer
+# counts, not checked here (no model files offline): DeepSeek-V3.2 61 layers,
+# each with an indexer, and GLM-5 78 layers, from their published config.json
+# as recalled; GLM-5.2's 21 indexer layers from the stage 0002 PR text.
 MODELS = {
     "DeepSeek-V3.2": {"layers": 61, "indexer_layers": 61},
     "GLM-5.2": {"layers": 78, "indexer_layers": 21},
@@ -44,34 +41,20 @@ MODELS = {
 MLA_BYTES, FP8_ROW, MXFP4_ROW = 576, 132, 68
 
 
-def _time_ms(fn, runs: int = 20, warmup: int = 3) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _copy_gbps() -> float:
     import torch
 
+    from harness.gpu_bench import median_ms
+
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / _time_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / median_ms(lambda: dst.copy_(src), RUNS, WARMUP) / 1e6
 
 
 def _writer_rows() -> list[dict]:
     import torch
 
+    from harness.gpu_bench import median_ms
     from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
         indexer_k_mxfp4_quant_and_cache,
     )
@@ -91,10 +74,12 @@ def _writer_rows() -> list[dict]:
             "random": torch.randperm(tokens, device="cuda"),
         }
         for name, slots in patterns.items():
-            ms = _time_ms(
+            ms = median_ms(
                 functools.partial(
                     indexer_k_mxfp4_quant_and_cache, keys, slots, cache, layout
-                )
+                ),
+                RUNS,
+                WARMUP,
             )
             rows.append(
                 {"tokens": tokens, "slots": name, "ms": ms, "gbps": moved / ms / 1e6}
@@ -119,32 +104,13 @@ def _capacity() -> list[dict]:
     return rows
 
 
-def _versions() -> dict:
-    import torch
-    import triton
-
-    gpu = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    return {
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": sys.version.split()[0],
-    }
-
-
 def _report(result: dict, command: str, out: Path) -> None:
     v = result["versions"]
     copy = result["copy_gbps"]
     lines = [
         "# MXFP4 indexer K cache writer (stage 0003)",
         "",
-        f"Hardware: {v['gpu']}. torch {v['torch']}, triton {v['triton']}, "
+        f"Hardware: {', '.join(v['gpus'])}. torch {v['torch']}, triton {v['triton']}, "
         f"CUDA {v['cuda']}, Python {v['python']}.",
         "",
         f"Command: `{command}`",
@@ -231,7 +197,7 @@ def _report(result: dict, command: str, out: Path) -> None:
     right.set_ylabel("KV bytes per token (all layers)")
     right.set_title("KV capacity")
     right.legend(loc="lower right")
-    fig.suptitle(v["gpu"].split(",")[0])
+    fig.suptitle(v["gpus"][0].split(",")[0])
     fig.tight_layout()
     fig.savefig(out / "mxfp4_indexer_cache_bench.png", dpi=110)
     print("\n".join(lines))
@@ -242,11 +208,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     args = parser.parse_args()
     from harness import compiled_stub
+    from harness.gpu_bench import gpu_versions
 
     compiled_stub.install()
     compiled_stub.use_generic_platform()
     result = {
-        "versions": _versions(),
+        "versions": gpu_versions(),
         "copy_gbps": _copy_gbps(),
         "writer": _writer_rows(),
         "capacity": _capacity(),
