@@ -132,7 +132,9 @@ def _report(result: dict, command: str, out: Path) -> None:
     lines += [
         "",
         "Bytes per token of KV cache (all layers; MLA cache FP8, 576 B a layer) "
-        "and the tokens a fixed KV budget holds. Computed, not measured:",
+        "and the tokens a fixed KV budget holds. Computed, not measured; the "
+        "layer counts are the models' published configs as recalled (not "
+        "checked here) and GLM-5.2's indexer layers are from the stage 0002 PR:",
         "",
         "| model | layers | indexer layers | FP8 indexer (B) | MXFP4 indexer (B) "
         "| KV capacity gain |",
