@@ -102,6 +102,7 @@ def _layer(monkeypatch, config):
         indexer_rope_emb=rope,
         kv_cache=torch.zeros(1),
         _k_scale=torch.ones(1),
+        _k_scale_float=1.0,  # read by vLLM 0.33.0's layer
         _q_scale=torch.ones(1),
         topk_indices_buffer=torch.zeros(TOKENS, 2048, dtype=torch.int32),
         _index_rope_interleave=False,
