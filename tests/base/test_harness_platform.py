@@ -82,3 +82,30 @@ def test_the_torch_k_cache_writer_matches_vllms_insert_kernel():
     blocks = torch.arange(3, dtype=torch.int32)
     decoded = read_paged_k(by_torch, blocks, 3 * 64, 128)[slots]
     torch.testing.assert_close(decoded, keys.float(), rtol=0.07, atol=1e-3)
+
+
+def test_the_torch_k_gather_matches_vllms_gather_kernel():
+    """Long test contexts gather K with torch; the bytes must be the ones
+    vLLM's Triton gather writes, for packed sequences over shuffled pages."""
+    from harness.indexer_k_cache import gather_paged_k
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        FP8_DTYPE,
+        cp_gather_indexer_k_quant_cache_triton,
+    )
+
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randint(0, 256, (6, 64, 132), dtype=torch.uint8, generator=gen)
+    lengths = torch.tensor([70, 5, 100], dtype=torch.int32)
+    cu = torch.zeros(4, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    block_table = torch.randperm(6, generator=gen).to(torch.int32).reshape(3, 2)
+    token_to_seq = torch.repeat_interleave(torch.arange(3), lengths).to(torch.int32)
+    total = int(cu[-1])
+    outputs = []
+    for gather in (cp_gather_indexer_k_quant_cache_triton, gather_paged_k):
+        k_fp8 = torch.zeros(total, 128, dtype=torch.uint8).view(FP8_DTYPE)
+        k_scale = torch.zeros(total, 4, dtype=torch.uint8)
+        gather(cache, k_fp8, k_scale, block_table, cu, token_to_seq=token_to_seq)
+        outputs.append((k_fp8.view(torch.uint8), k_scale))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])

@@ -84,6 +84,16 @@ def test_decode_row_ends_follow_the_kernel(next_n, two_d):
         )
 
 
+def _brute_force_rows(logits, starts, ends, k) -> torch.Tensor:
+    """[rows, k] sequence-local indices from ``_brute_force``, then -1."""
+    out = torch.full((logits.shape[0], k), -1, dtype=torch.int32)
+    for r in range(logits.shape[0]):
+        s, e = int(starts[r]), int(ends[r])
+        picked = sorted(_brute_force(logits[r], s, e, k))
+        out[r, : len(picked)] = torch.tensor(picked, dtype=torch.int32) - s
+    return out
+
+
 def test_c_ops_are_registered_with_vllm_signatures():
     topk_reference.register_vllm_c_ops()
     logits, starts, ends = _random_rows(6, 64, 3)
@@ -91,22 +101,23 @@ def test_c_ops_are_registered_with_vllm_signatures():
     torch.ops._C.top_k_per_row_prefill(
         logits, starts, ends, indices, 6, logits.stride(0), logits.stride(1), K
     )
-    want = topk_reference.select_topk(logits, starts, ends, K, relative_to_start=True)
-    assert torch.equal(indices, want)
+    topk_reference.assert_same_selection(
+        logits,
+        indices,
+        _brute_force_rows(logits, starts, ends, K),
+        ends - starts,
+        K,
+        offsets=starts,
+    )
     seq_lens = torch.tensor([30, 64, 3], dtype=torch.int32)
     out = torch.empty((6, K), dtype=torch.int32)
     torch.ops._C.top_k_per_row_decode(
         logits, 2, seq_lens, out, 6, logits.stride(0), logits.stride(1), K
     )
     ends = topk_reference.decode_row_ends(seq_lens, 2, 6)
+    zeros = torch.zeros_like(ends)
     topk_reference.assert_same_selection(
-        logits,
-        out,
-        topk_reference.select_topk(
-            logits, torch.zeros_like(ends), ends, K, relative_to_start=True
-        ),
-        ends,
-        K,
+        logits, out, _brute_force_rows(logits, zeros, ends, K), ends, K
     )
 
 

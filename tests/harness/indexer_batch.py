@@ -15,12 +15,14 @@ vLLM orders them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from harness.indexer_k_cache import write_paged_k
+from harness.indexer_k_cache import gather_paged_k, read_paged_k, write_paged_k
 
 HEADS = 4
 HEAD_DIM = 128
@@ -129,6 +131,34 @@ class IndexerBatch:
     num_decode_tokens: int
     num_prefill_tokens: int
     row_ends: torch.Tensor  # causal key count of each real row
+    row_requests: torch.Tensor  # the request of each real row
+    block_table: torch.Tensor
+
+    def reference_logits(self) -> torch.Tensor:
+        """fp32 ``[real rows, longest row]``: each row's scores over its own
+        sequence's keys read back from the cache (which must hold the step's
+        keys: ``cache_new_keys``), by vLLM's torch reference; -inf past the
+        row's end. Compares top-k results where scores tie."""
+        from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_mqa_logits_torch
+
+        rows = self.row_ends.numel()
+        width = int(self.row_ends.max())
+        out = torch.full((rows, width), float("-inf"))
+        for req in self.row_requests.unique().tolist():
+            mine = torch.nonzero(self.row_requests == req).flatten()
+            ends = self.row_ends[mine]
+            keys = read_paged_k(
+                self.kv_cache.cpu(), self.block_table[req], int(ends.max()), HEAD_DIM
+            )
+            logits = fp8_mqa_logits_torch(
+                self.q_fp8[mine].cpu(),
+                (keys, torch.ones(keys.shape[0])),
+                self.weights[mine].cpu(),
+                torch.zeros_like(ends, dtype=torch.int32),
+                ends.to(torch.int32),
+            )
+            out[mine, : logits.shape[1]] = logits
+        return out
 
 
 def build_batch(
@@ -140,6 +170,7 @@ def build_batch(
     cache_new_keys: bool = False,
     heads: int = HEADS,
     torch_context: bool = False,
+    write_cache: bool = True,
 ) -> IndexerBatch:
     """Fill the cache with each request's context and build the step's
     metadata; ``padding`` rows mimic a CUDA-graph padded batch.
@@ -147,7 +178,8 @@ def build_batch(
     With ``cache_new_keys`` the step's own keys are cached here too, for a
     run with ``skip_k_cache_insert`` (as vLLM does when another layer owns
     the insert): multi-rank tests build once and fork. ``torch_context``
-    writes the context with the torch writer (for long contexts)."""
+    writes the context with the torch writer (for long contexts); without
+    ``write_cache`` the cache stays zero (dispatch-only tests)."""
     from vllm.v1.attention.backends.utils import CommonAttentionMetadata
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         FP8_DTYPE,
@@ -173,9 +205,9 @@ def build_batch(
         blocks = block_table[req, positions // BLOCK_SIZE].to(torch.int64)
         return blocks * BLOCK_SIZE + positions % BLOCK_SIZE
 
-    new_slots, row_ends = [], []
+    new_slots, row_ends, row_requests = [], [], []
     for req, (context, query) in enumerate(requests):
-        if context:
+        if context and write_cache:
             cached = torch.randn(context, HEAD_DIM, generator=gen).to(torch.bfloat16)
             cached_slots = slots(req, torch.arange(context)).to(device)
             if torch_context:
@@ -187,6 +219,7 @@ def build_batch(
         positions = torch.arange(context, context + query)
         new_slots.append(slots(req, positions))
         row_ends.append(positions + 1)
+        row_requests.append(torch.full((query,), req))
     num_tokens = sum(q for _, q in requests)
     rows = num_tokens + padding
     q_fp8 = torch.randn(rows, heads, HEAD_DIM, generator=gen).to(FP8_DTYPE)
@@ -226,6 +259,8 @@ def build_batch(
         num_decode_tokens=metadata.num_decode_tokens,
         num_prefill_tokens=metadata.num_prefill_tokens,
         row_ends=torch.cat(row_ends),
+        row_requests=torch.cat(row_requests),
+        block_table=block_table,
     )
 
 
@@ -241,6 +276,21 @@ def ensure_workspace(device: torch.device) -> None:
         torch.accelerator.empty_cache = lambda: None
 
 
+@contextmanager
+def _k_gather(torch_gather: bool) -> Iterator[None]:
+    """The op's K gather: vLLM's Triton kernel, or its torch equivalent."""
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse as op_module
+
+    name = "cp_gather_indexer_k_quant_cache_triton"
+    triton_gather = getattr(op_module, name)
+    if torch_gather:
+        setattr(op_module, name, gather_paged_k)
+    try:
+        yield
+    finally:
+        setattr(op_module, name, triton_gather)
+
+
 def run_indexer(
     batch: IndexerBatch,
     topk: int,
@@ -248,9 +298,13 @@ def run_indexer(
     candidate_blocks: torch.Tensor | None = None,
     candidate_block_size: int = 0,
     skip_k_cache_insert: bool = False,
+    torch_gather: bool = False,
 ) -> torch.Tensor:
-    """Call the real ``rocm_aiter_sparse_attn_indexer``; return its buffer."""
+    """Call the real ``rocm_aiter_sparse_attn_indexer``; return its buffer.
+    ``torch_gather`` gathers K with the torch equivalent of vLLM's Triton
+    gather (``indexer_k_cache.gather_paged_k``), for long contexts."""
     from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.v1.attention.backends.mla.indexer import get_max_prefill_buffer_size
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         rocm_aiter_sparse_attn_indexer,
     )
@@ -260,7 +314,7 @@ def run_indexer(
     rows = batch.hidden_states.shape[0]
     buffer = torch.full((rows, topk), 12345, dtype=torch.int32, device=device)
     context = create_forward_context({LAYER: batch.metadata}, batch.vllm_config)
-    with override_forward_context(context):
+    with override_forward_context(context), _k_gather(torch_gather):
         rocm_aiter_sparse_attn_indexer(
             batch.hidden_states,
             LAYER,
@@ -273,7 +327,8 @@ def run_indexer(
             topk,
             HEAD_DIM,
             max_model_len(batch.vllm_config),
-            batch.vllm_config.scheduler_config.max_num_batched_tokens,
+            # What vLLM's indexer layer passes as max_total_seq_len.
+            get_max_prefill_buffer_size(batch.vllm_config),
             buffer,
             skip_k_cache_insert=skip_k_cache_insert,
             candidate_blocks=candidate_blocks,

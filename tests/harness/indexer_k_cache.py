@@ -66,3 +66,33 @@ def write_paged_k(
     pages.view(-1)[
         (scale_at[:, None] + torch.arange(4, device=slots.device)).reshape(-1)
     ] = scale_bytes.reshape(-1)
+
+
+def gather_paged_k(
+    k_cache: torch.Tensor,
+    k_fp8: torch.Tensor,
+    k_fp8_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlen: torch.Tensor,
+    token_to_seq: torch.Tensor,
+    cache_layout: str | None = None,
+) -> None:
+    """vLLM's ``cp_gather_indexer_k_quant_cache_triton`` (SHUFFLE layout) in
+    torch, for long test contexts: token ``t`` of the chunk is position
+    ``t - cu_seqlen[seq]`` of sequence ``token_to_seq[t]``; its FP8 values go
+    to ``k_fp8[t]`` and its scale bytes to ``k_fp8_scale[t]``. A base test
+    checks it byte for byte against the kernel."""
+    if cache_layout not in (None, "SHUFFLE"):
+        raise NotImplementedError(f"cache layout {cache_layout}")
+    head_dim = k_fp8.shape[-1]
+    pages = k_cache.reshape(k_cache.shape[0], -1)
+    block_size = pages.shape[1] // (head_dim + 4)
+    tokens = torch.arange(k_fp8.shape[0], device=k_cache.device)
+    seq = token_to_seq.to(torch.int64)
+    pos = tokens - cu_seqlen.to(torch.int64)[seq]
+    blocks = block_table.to(torch.int64)[seq, pos // block_size]
+    page = pages[blocks]
+    slot = pos % block_size
+    k_fp8.view(torch.uint8).copy_(page.gather(1, _value_offsets(slot, head_dim)))
+    scale_at = block_size * head_dim + slot[:, None] * 4 + torch.arange(4)[None, :]
+    k_fp8_scale.view(torch.uint8).reshape(-1, 4).copy_(page.gather(1, scale_at))

@@ -1,23 +1,41 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Reference per-row top-k with the exact contracts of the kernels it stands for.
+"""Per-row top-k stand-ins with the contracts of the kernels they stand for.
 
-Contracts (from vLLM's csrc/sampler.cu and AITER's aiter.ops.topk):
+Contract points, with their sources (AITER at ROCm/aiter commit e4048607;
+see shared/AITER_CONTRACTS.md, which records the lines):
 
 - Logits are fp32 ``[rows, width]``; indices are int32 ``[rows, >= k]``.
-- A row's valid columns are ``[start, end)``. It yields ``min(end - start, k)``
-  indices, an unordered set, then ``-1`` up to ``k``. A row no longer than
-  ``k`` yields all its columns, whatever their values.
-- ``torch.ops._C.top_k_per_row_prefill`` writes indices relative to the row's
-  start (sequence-local); AITER's ``top_k_per_row_prefill`` writes them
-  relative to the chunk (``start`` not subtracted).
+- A row's valid columns are ``[start, end)``. It yields ``min(end - start,
+  k)`` indices, then ``-1`` up to ``k``; a row no longer than ``k`` yields
+  all its columns, whatever their values. (AITER
+  csrc/kernels/topk_per_row_kernels.cu ~L2227, ~L2345.)
+- **Order is unspecified**: output positions come from ``atomicAdd``
+  (AITER .cu ~L1337; ``sorted`` is ignored, ~L2406 and ~L2548; vLLM's
+  csrc/sampler.cu ~L281 is atomic too), and at a tie on the k-th value
+  *which* tied column is kept is unspecified. The stand-ins permute each
+  row's output and pick among tied columns at random, differently per rank
+  and per call (``harness.adversary``).
+- AITER prefill indices are chunk-global columns (``rowIt + rowStart``, .cu
+  ~L2227); ``torch.ops._C.top_k_per_row_prefill`` writes them relative to the
+  row's start (vLLM csrc/sampler.cu; sequence-local).
 - Decode rows start at 0. With 1-D ``seq_lens`` ``[B]`` row ``r`` ends at
-  ``seq_lens[r // next_n] - next_n + r % next_n + 1``; with 2-D ``[B, next_n]``
-  it ends at ``seq_lens.flatten()[r]``. Negative ends count as 0.
+  ``seq_lens[r // next_n] - next_n + r % next_n + 1`` (AITER .cu ~L2198);
+  with 2-D ``[B, next_n]`` vLLM's kernel ends it at ``seq_lens.flatten()[r]``
+  (assumption from vLLM's own tests; AITER reads a raw pointer, so a 2-D
+  tensor is the 1-D rule over its flattened values). Negative ends count as 0.
+- ``rowEnd`` is not clamped to the logits width (.cu, per AITER_CONTRACTS):
+  columns at or past the width read memory the stand-in fills with poison.
+- AITER's kernel uses ``stride0`` as the row pitch and ignores ``stride1``
+  (.cu ~L2826), and writes row ``r`` at ``indices + r * k`` whatever the
+  output tensor's strides (.cu ~L380, ~L2217). Assumption: vLLM's ``_C`` op
+  honours the output tensor's strides.
 """
 
 from __future__ import annotations
 
 import torch
+
+from harness import adversary
 
 
 def select_topk(
@@ -27,30 +45,50 @@ def select_topk(
     k: int,
     *,
     relative_to_start: bool,
+    gen: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """int32 ``[rows, k]``: each row's top-k column set, then -1."""
+    """int32 ``[rows, k]``: each row's top-k column set, then -1. With
+    ``gen`` the set's order and the choice among tied k-th values are random;
+    without it, sorted by score with the lowest tied column first."""
     rows, width = logits.shape
-    starts = row_starts.to(torch.int64).reshape(-1)[:rows]
-    ends = torch.clamp(row_ends.to(torch.int64).reshape(-1)[:rows], min=0)
-    ends = torch.minimum(ends, torch.full_like(ends, width))
+    starts = row_starts.to(torch.int64).reshape(-1)[:rows].cpu()
+    ends = torch.clamp(row_ends.to(torch.int64).reshape(-1)[:rows].cpu(), min=0)
     lengths = torch.clamp(ends - starts, min=0)
+    # Unclamped ends: columns past the width are read, and they are poison.
+    span = max(width, int(ends.max()) if rows else 0)
     device = logits.device
-    cols = torch.arange(width, device=device)
-    valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
+    keyed = torch.full((rows, span), adversary.POISON, dtype=torch.float64)
     # float64 so that every valid column (even one at -inf) ranks above every
     # invalid one: rows no longer than k must return all their columns.
-    keyed = logits.to(torch.float64).nan_to_num(nan=-1e300, neginf=-1e300)
+    keyed[:, :width] = logits.detach().cpu().to(torch.float64)
+    keyed = keyed.nan_to_num(nan=-1e300, neginf=-1e300)
+    cols = torch.arange(span)
+    valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
     keyed = keyed.masked_fill(~valid, float("-inf"))
-    take = min(k, width)
-    picked = torch.topk(keyed, take, dim=1).indices
+    take = min(k, span)
+    top = torch.topk(keyed, take, dim=1)
+    picked = top.indices
+    if gen is not None and take:
+        # Keep every column above the k-th value; among those equal to it,
+        # a random subset.
+        kth = top.values[:, -1:]
+        noise = torch.rand(keyed.shape, generator=gen, dtype=torch.float64)
+        score = torch.where(
+            keyed > kth, 2.0, torch.where(keyed == kth, noise, -1.0)
+        )
+        picked = torch.topk(score, take, dim=1).indices
+        # Atomic order: permute each row's valid prefix.
+        order_key = torch.rand((rows, take), generator=gen)
+        n = torch.clamp(lengths, max=take)[:, None]
+        order_key[torch.arange(take)[None, :] >= n] = 2.0
+        picked = picked.gather(1, torch.argsort(order_key, dim=1))
     if relative_to_start:
         picked = picked - starts[:, None]
-    out = torch.full((rows, k), -1, dtype=torch.int64, device=device)
+    out = torch.full((rows, k), -1, dtype=torch.int64)
     out[:, :take] = picked
-    keep = (
-        torch.arange(k, device=device)[None, :] < torch.clamp(lengths, max=k)[:, None]
-    )
-    return torch.where(keep, out, torch.full_like(out, -1)).to(torch.int32)
+    keep = torch.arange(k)[None, :] < torch.clamp(lengths, max=k)[:, None]
+    out = torch.where(keep, out, torch.full_like(out, -1))
+    return out.to(torch.int32).to(device)
 
 
 def decode_row_ends(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Tensor:
@@ -67,6 +105,37 @@ def _write(indices: torch.Tensor, result: torch.Tensor, num_rows: int) -> None:
     indices[:num_rows, : result.shape[1]] = result[:num_rows].to(indices.dtype)
 
 
+def _storage_view(t: torch.Tensor, count: int) -> torch.Tensor | None:
+    """``count`` elements of ``t``'s memory from its first element on, flat
+    (what a kernel given the raw pointer sees), or None past the storage."""
+    available = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    if count > available:
+        return None
+    return t.as_strided((count,), (1,))
+
+
+def _rows_by_pitch(logits: torch.Tensor, num_rows: int, stride0: int) -> torch.Tensor:
+    """AITER's reading of the logits: row r at ``stride0 * r``, unit column
+    stride, ``stride1`` ignored; memory past the storage reads as poison."""
+    flat = logits.new_full((num_rows * stride0,), adversary.POISON)
+    available = logits.untyped_storage().nbytes() // 4 - logits.storage_offset()
+    count = min(flat.numel(), available)
+    flat[:count] = logits.as_strided((count,), (1,))
+    return flat.view(num_rows, stride0)
+
+
+def _aiter_write(indices: torch.Tensor, result: torch.Tensor, num_rows: int) -> None:
+    """AITER writes row r at ``indices + r * k``, whatever the strides."""
+    k = result.shape[1]
+    flat = _storage_view(indices, num_rows * k)
+    if flat is None:
+        raise RuntimeError(
+            f"AITER top-k would write {num_rows} x {k} indices past the end of "
+            "the output tensor's memory"
+        )
+    flat.copy_(result[:num_rows].reshape(-1).to(indices.dtype))
+
+
 def _check(logits: torch.Tensor, indices: torch.Tensor, k: int) -> None:
     if logits.dtype != torch.float32:
         raise TypeError(f"logits must be float32, got {logits.dtype}")
@@ -81,7 +150,12 @@ def vllm_top_k_per_row_prefill(
 ):
     _check(logits, indices, k)
     result = select_topk(
-        logits[:num_rows], row_starts, row_ends, k, relative_to_start=True
+        logits[:num_rows],
+        row_starts,
+        row_ends,
+        k,
+        relative_to_start=True,
+        gen=adversary.generator(),
     )
     _write(indices, result, num_rows)
 
@@ -92,7 +166,12 @@ def vllm_top_k_per_row_decode(
     _check(logits, indices, k)
     ends = decode_row_ends(seq_lens, next_n, num_rows)
     result = select_topk(
-        logits[:num_rows], torch.zeros_like(ends), ends, k, relative_to_start=True
+        logits[:num_rows],
+        torch.zeros_like(ends),
+        ends,
+        k,
+        relative_to_start=True,
+        gen=adversary.generator(),
     )
     _write(indices, result, num_rows)
 
@@ -110,16 +189,19 @@ def aiter_top_k_per_row_prefill(
     workspace=None,
     stable=False,
 ):
+    """AITER's ``top_k_per_row_prefill`` (aiter/ops/topk.py ~L378)."""
     _check(logits, indices, k)
     for name, t in (("rowStarts", rowStarts), ("rowEnds", rowEnds)):
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
+    pitched = _rows_by_pitch(logits, numRows, stride0)
+    gen = None if stable else adversary.generator()
     result = select_topk(
-        logits[:numRows], rowStarts, rowEnds, k, relative_to_start=False
+        pitched, rowStarts, rowEnds, k, relative_to_start=False, gen=gen
     )
-    _write(indices, result, numRows)
+    _aiter_write(indices, result, numRows)
     if values is not None:
-        gathered = logits[:numRows].gather(1, result.clamp(min=0).to(torch.int64))
+        gathered = pitched.gather(1, result.clamp(min=0).to(torch.int64))
         values[:numRows, :k] = torch.where(
             result >= 0, gathered, torch.full_like(gathered, float("-inf"))
         )
@@ -136,14 +218,23 @@ def aiter_top_k_per_row_decode(
     k=2048,
     workspace=None,
     stable=False,
-    values=None,
 ):
+    """AITER's ``top_k_per_row_decode`` (aiter/ops/topk.py ~L449): no
+    ``values``; row bounds from a raw ``seqLens`` pointer (.cu ~L2198)."""
     _check(logits, indices, k)
     if seqLens.dtype != torch.int32:
         raise TypeError(f"seqLens must be int32, got {seqLens.dtype}")
-    vllm_top_k_per_row_decode(
-        logits, next_n, seqLens, indices, numRows, stride0, stride1, k
+    ends = decode_row_ends(seqLens.reshape(-1), next_n, numRows)
+    gen = None if stable else adversary.generator()
+    result = select_topk(
+        _rows_by_pitch(logits, numRows, stride0),
+        torch.zeros_like(ends),
+        ends,
+        k,
+        relative_to_start=True,
+        gen=gen,
     )
+    _aiter_write(indices, result, numRows)
 
 
 _LIBRARY: torch.library.Library | None = None

@@ -28,6 +28,8 @@ SCENARIOS = {
     "one long sequence": [(0, 3000)],
     "packed sequences": [(0, 700), (300, 900), (0, 64), (2000, 500)],
     "mixed decode and prefill": [(500, 1), (900, 1), (0, 1200), (800, 333)],
+    # 8,000 keys at 16 MiB of logits: chunks of 524, 524 and 1 rows.
+    "a short tail chunk": [(6951, 1049)],
 }
 
 

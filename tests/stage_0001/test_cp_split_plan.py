@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,7 +16,9 @@ TREE = applied_tree("0001")
 
 from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
 from vllm.v1.attention.ops.rocm_cp_indexer import (  # noqa: E402
+    CPIndexerPrefill,
     CPIndexerSplit,
+    cp_indexer_stripe_at_startup,
     parse_stripe_size,
     plan_cp_indexer_split,
 )
@@ -25,12 +29,19 @@ def cp_on(monkeypatch):
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
     with emulate_rocm("gfx950"):
         yield
-    monkeypatch.delenv("VLLM_ROCM_USE_AITER_CP_INDEXER")
 
 
 def _owners(split: CPIndexerSplit) -> list[int]:
     rows = torch.arange(split.first_row, split.first_row + split.num_rows)
     return split.owner(rows).tolist()
+
+
+def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None) -> int | None:
+    from vllm.config import CUDAGraphMode
+
+    mode = CUDAGraphMode[graphs] if graphs else None
+    config = indexer_batch.make_vllm_config(tp_size=tp, cudagraph_mode=mode)
+    return cp_indexer_stripe_at_startup(config, tp, dcp, pcp)
 
 
 def test_stripes_are_dealt_in_mirrored_order():
@@ -48,42 +59,105 @@ def test_every_row_has_one_owner_and_every_rank_works(world_size, num_rows):
         assert set(owners.tolist()) == set(range(world_size))
 
 
-def test_the_plan_uses_the_prefill_row_index_and_shrinks_short_stripes(cp_on):
-    config = indexer_batch.make_vllm_config(tp_size=8)
-    split = plan_cp_indexer_split(config, 1, False, 8, 3, 16384)
+def test_the_plan_uses_the_prefill_row_index_and_shrinks_short_stripes():
+    split = plan_cp_indexer_split(512, 8, 3, 16384, [16384])
     assert split == CPIndexerSplit(8, 512, 3, 16384)
     # 2K rows: two rounds of eight ranks need stripes of 128.
-    short = plan_cp_indexer_split(config, 1, False, 8, 0, 2048)
+    short = plan_cp_indexer_split(512, 8, 0, 2048, [1024, 1024])
     assert short is not None and short.stripe == 128
     assert set(_owners(short)) == set(range(8))
 
 
-def test_long_context_chunks_engage_every_rank(cp_on):
+def test_long_context_chunks_engage_every_rank():
     """At 128K keys the chunker gives ~1K-row chunks; per-chunk stripes of 512
     would use 2 of 8 ranks, stripes over the prefill use all of them."""
-    config = indexer_batch.make_vllm_config(tp_size=8)
-    split = plan_cp_indexer_split(config, 1, False, 8, 0, 16384)
+    split = plan_cp_indexer_split(512, 8, 0, 16384, [1024] * 16)
     assert split is not None
     per_rank = torch.bincount(torch.tensor(_owners(split)), minlength=8)
     assert per_rank.tolist() == [2048] * 8
 
 
 @pytest.mark.parametrize(
-    ("tp", "dcp", "pcp", "rows"), [(1, 1, False, 100), (4, 1, False, 3)]
+    ("stripe", "tp", "chunk_rows", "split"),
+    [
+        (None, 4, [100], False),  # the split is off
+        (512, 4, [3], False),  # fewer prefill rows than ranks
+        (512, 8, [1, 5, 7, 2], False),  # every chunk shorter than tp
+        (512, 8, [3355, 3355, 1], True),  # only the tail chunk is short
+        (512, 8, [1, 1, 60], True),  # short chunks first
+    ],
 )
-def test_nothing_to_split(cp_on, tp, dcp, pcp, rows):
-    config = indexer_batch.make_vllm_config(tp_size=tp)
-    assert plan_cp_indexer_split(config, dcp, pcp, tp, 0, rows) is None
+def test_a_batch_splits_once_any_chunk_can(stripe, tp, chunk_rows, split):
+    plan = plan_cp_indexer_split(stripe, tp, 0, sum(chunk_rows), chunk_rows)
+    assert (plan is not None) is split
+
+
+def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list:
+    """A random chunk layout over ``rows`` prefill rows."""
+    chunks, start = [], first_row
+    while start < first_row + rows:
+        size = int(torch.randint(1, 40, (1,), generator=gen))
+        end = min(start + size, first_row + rows)
+        chunks.append(SimpleNamespace(token_start=start, token_end=end))
+        start = end
+    return chunks
+
+
+def test_invariant_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
+    """Over many generated batches: once split, every prefill row is scored
+    by exactly one rank; decode and padding rows by none; every rank makes
+    the same collective calls in the same order (one merge, or none)."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(300):
+        tp = int(torch.randint(2, 9, (1,), generator=gen))
+        decode = int(torch.randint(0, 5, (1,), generator=gen))
+        rows = int(torch.randint(1, 200, (1,), generator=gen))
+        padding = int(torch.randint(0, 8, (1,), generator=gen))
+        stripe = int(torch.randint(1, 64, (1,), generator=gen))
+        chunks = _chunks(gen, decode, rows)
+        split = plan_cp_indexer_split(
+            stripe, tp, decode, rows, [c.token_end - c.token_start for c in chunks]
+        )
+        writers = torch.zeros(decode + rows + padding, dtype=torch.int64)
+        calls = []
+        for rank in range(tp):
+            monkeypatch.setattr(
+                rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: rank,
+                raising=False,
+            )
+            prefill = CPIndexerPrefill(split, has_candidate_blocks=False)
+            prefill.rank = rank
+            for chunk in chunks:
+                local = prefill.rows(chunk).local
+                scored = torch.arange(chunk.token_start, chunk.token_end)
+                writers[scored if local is None else scored[local]] += 1
+            calls.append(prefill.split is not None)
+        expected = 1 if split is not None else tp
+        assert writers[decode : decode + rows].eq(expected).all(), case
+        assert writers[:decode].eq(0).all() and writers[decode + rows :].eq(0).all()
+        assert len(set(calls)) == 1, f"case {case}: ranks disagree on the merge"
+        if all(c.token_end - c.token_start < tp for c in chunks):
+            assert split is None, f"case {case}: only short chunks, yet split"
+
+
+@pytest.mark.parametrize(("tp", "dcp", "pcp"), [(1, 1, False)])
+def test_one_rank_never_splits(cp_on, tp, dcp, pcp):
+    assert _at_startup(tp, dcp, pcp) is None
+
+
+def test_the_stripe_size_is_read_at_startup(cp_on, monkeypatch):
+    assert _at_startup(4) == 512
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "1024")
+    assert _at_startup(4) == 1024
 
 
 def test_flag_off_or_no_aiter_means_no_split(monkeypatch):
-    config = indexer_batch.make_vllm_config(tp_size=2)
     with emulate_rocm("gfx950"):
-        assert plan_cp_indexer_split(config, 1, False, 2, 0, 4096) is None
+        assert _at_startup(2) is None
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
     with emulate_rocm("gfx950", aiter=False):
-        assert plan_cp_indexer_split(config, 1, False, 2, 0, 4096) is None
-    assert plan_cp_indexer_split(config, 1, False, 2, 0, 4096) is None  # not ROCm
+        assert _at_startup(2) is None
+    assert _at_startup(2) is None  # not ROCm
 
 
 @pytest.mark.parametrize(
@@ -95,25 +169,18 @@ def test_flag_off_or_no_aiter_means_no_split(monkeypatch):
         (1, False, None, True, "batch invariance"),
     ],
 )
-def test_unsafe_configurations_fall_back_with_one_log_line(
+def test_unsafe_configurations_stay_off_with_a_startup_log_line(
     cp_on, monkeypatch, dcp, pcp, graphs, invariant, reason
 ):
     import vllm.envs as envs
-    from vllm.config import CUDAGraphMode
 
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", invariant, raising=False)
-    mode = CUDAGraphMode[graphs] if graphs else None
-    config = indexer_batch.make_vllm_config(tp_size=2, cudagraph_mode=mode)
-    assert rocm_cp_indexer.unsafe_config_reason(config, dcp, pcp) is not None
-    assert reason in rocm_cp_indexer.unsafe_config_reason(config, dcp, pcp)
     logged = []
     monkeypatch.setattr(
-        rocm_cp_indexer.logger,
-        "info_once",
-        lambda msg, *args: logged.append(msg % args),
+        rocm_cp_indexer.logger, "info", lambda msg, *args: logged.append(msg % args)
     )
-    assert plan_cp_indexer_split(config, dcp, pcp, 2, 0, 4096) is None
-    assert len(logged) == 1 and reason in logged[0]
+    assert _at_startup(2, dcp, pcp, graphs) is None
+    assert len(logged) == 1 and reason in logged[0] and "stays off" in logged[0]
 
 
 @pytest.mark.parametrize(
@@ -126,6 +193,7 @@ def test_graphs_that_leave_mixed_batches_eager_or_piecewise_are_safe(cp_on, grap
         tp_size=2, cudagraph_mode=CUDAGraphMode[graphs]
     )
     assert rocm_cp_indexer.unsafe_config_reason(config, 1, False) is None
+    assert _at_startup(2, graphs=graphs) == 512
 
 
 def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
@@ -133,6 +201,7 @@ def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
     prefill rows only."""
     config = indexer_batch.make_vllm_config(tp_size=4)
     builder = indexer_batch.make_builder(config, monkeypatch)
+    assert builder.cp_indexer_stripe == 512
     batch = indexer_batch.build_batch(builder, [(30, 1), (0, 200), (50, 90)])
     assert batch.metadata.prefill.cp_split == CPIndexerSplit(4, 36, 1, 290)
     single = indexer_batch.make_builder(indexer_batch.make_vllm_config(1), monkeypatch)
@@ -141,9 +210,28 @@ def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["0", "-512", "abc", "", "1.5"])
-def test_invalid_stripe_sizes_are_clear_errors(value):
+def test_invalid_stripe_sizes_are_clear_errors_at_startup(cp_on, monkeypatch, value):
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", value)
+    with pytest.raises(ValueError, match="STRIPE_SIZE must be a positive number"):
+        _at_startup(2)
     with pytest.raises(ValueError, match="must be a positive number of rows"):
         parse_stripe_size(value)
+
+
+def test_a_bad_stripe_size_breaks_nothing_while_the_split_is_off(monkeypatch):
+    """vLLM reads every env var after start-up (enable_envs_cache) and
+    rocm_aiter_ops mirrors them at import: a bad value must not break vLLM
+    with the feature off."""
+    import vllm.envs as envs
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "0")
+    rocm_aiter_ops.refresh_env_variables()
+    for name, read in envs.environment_variables.items():
+        if name.startswith("VLLM_ROCM_USE_AITER_CP_INDEXER"):
+            read()
+    with emulate_rocm("gfx950"):
+        assert _at_startup(2) is None
 
 
 def test_env_vars_are_registered_and_mirrored(monkeypatch):
@@ -151,21 +239,8 @@ def test_env_vars_are_registered_and_mirrored(monkeypatch):
     from vllm._aiter_ops import rocm_aiter_ops
 
     assert envs.VLLM_ROCM_USE_AITER_CP_INDEXER is False
-    assert envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE == 512
+    assert envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE == "512"
     assert "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE" in envs.environment_variables
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "true")
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "1024")
     with emulate_rocm("gfx950"):
         assert rocm_aiter_ops.is_cp_indexer_enabled()
-        assert rocm_aiter_ops.get_cp_indexer_stripe_size() == 1024
-
-
-def test_a_bad_stripe_size_fails_at_startup_not_mid_prefill(monkeypatch):
-    """rocm_aiter_ops reads the env vars when vLLM starts (import / refresh)."""
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "0")
-    with pytest.raises(ValueError, match="STRIPE_SIZE must be a positive"):
-        rocm_aiter_ops.refresh_env_variables()
-    monkeypatch.delenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE")
-    rocm_aiter_ops.refresh_env_variables()

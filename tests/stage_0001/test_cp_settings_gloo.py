@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stage 0001: the TP ranks' CP indexer settings are checked to agree once,
+when vLLM's indexer metadata builder is created on every rank of a real
+vLLM TP group (gloo). A mismatch is a clear error on every rank, never a
+hang in the merge's collective or rows that no rank scores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from harness import indexer_batch
+from harness.multiproc import run_ranks
+from harness.rocm_platform import emulate_rocm
+from harness.tree import applied_tree
+
+TREE = applied_tree("0001")
+
+ENABLE = "VLLM_ROCM_USE_AITER_CP_INDEXER"
+STRIPE = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
+TP = 4
+
+
+def _start(rank: int, world_size: int, settings: list[tuple[str, str]]):
+    """Create the builder with this rank's settings; its stripe or error."""
+    enabled, stripe = settings[rank]
+    os.environ[ENABLE] = enabled
+    os.environ[STRIPE] = stripe
+    with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm("gfx950"):
+        config = indexer_batch.make_vllm_config(tp_size=world_size)
+        try:
+            builder = indexer_batch.make_builder(config, monkeypatch)
+        except ValueError as error:
+            return "error", str(error)
+    return "ok", builder.cp_indexer_stripe
+
+
+def _on_every_rank(settings: list[tuple[str, str]]) -> list[tuple[str, object]]:
+    return run_ranks(TP, _start, settings, timeout_s=60)
+
+
+def test_the_same_settings_start():
+    assert _on_every_rank([("1", "1024")] * TP) == [("ok", 1024)] * TP
+    assert _on_every_rank([("0", "512")] * TP) == [("ok", None)] * TP
+
+
+def test_the_flag_differing_is_an_error_on_every_rank():
+    settings = [("1", "512"), ("0", "512"), ("1", "512"), ("1", "512")]
+    for status, message in _on_every_rank(settings):
+        assert status == "error"
+        assert f"{ENABLE} differs across the TP ranks" in message
+        assert "rank 0: True, rank 1: False" in message
+
+
+def test_the_stripe_size_differing_is_an_error_on_every_rank():
+    settings = [("1", "512"), ("1", "1024"), ("1", "512"), ("1", "512")]
+    for status, message in _on_every_rank(settings):
+        assert status == "error"
+        assert f"{STRIPE} differs across the TP ranks" in message
+        assert "rank 1: '1024'" in message
+
+
+def test_the_stripe_size_only_matters_with_the_split_on():
+    settings = [("0", "512"), ("0", "1024"), ("0", "oops"), ("0", "512")]
+    assert _on_every_rank(settings) == [("ok", None)] * TP
+
+
+def test_a_bad_stripe_size_is_the_same_clear_error_on_every_rank():
+    for status, message in _on_every_rank([("1", "0")] * TP):
+        assert status == "error"
+        assert f"{STRIPE} must be a positive number of rows, got '0'" in message
