@@ -1,16 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stage 0002's behaviour, stated without its own modules: through vLLM's
-real indexer op on gfx950 with AITER, the uncompressed k=2048 indexer takes
-AITER's top-k for decode always, and for a prefill chunk once its
-``max_seqlen_k`` reaches 32,768 keys.
+"""Stage 0002's behaviour, stated without its own modules: which top-k
+kernel vLLM's real indexer op takes, chunk by chunk, for the batches vLLM's
+own metadata builder makes (no hand-set fields), on gfx950 with AITER at
+index_topk 2048.
 
-This is the stage's upstream probe (patches/series.toml): a rebase runs it
-on a newer vLLM without the stage, and a pass there means upstream has the
-behaviour, so the stage is dropped as upstreamed."""
+The expected table (``upstream_gate_table.json``) was recorded on vLLM
+0.33.0 without the stage, which has upstream's merged gate (#61943); the
+stage's tree must choose exactly the same. This is also the stage's upstream
+probe (patches/series.toml): a rebase runs it on a newer vLLM without the
+stage, and a pass there marks the stage upstreamed.
+
+Only dispatch is observed here, so the work each kernel would do is skipped:
+the K insert, the K gather, the logits and the top-k calls are recorded, not
+computed
+(results of both kernels are tested in test_aiter_topk_paths.py). Recording
+the table anew: ``DSA_RECORD_GATE_TABLE=1`` writes it instead of comparing.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
+import torch
 
 from harness import indexer_batch
 from harness.rocm_platform import emulate_rocm
@@ -18,40 +32,80 @@ from harness.tree import applied_tree
 
 TREE = applied_tree("0002")
 
-from vllm._aiter_ops import rocm_aiter_ops  # noqa: E402
-
 K = 2048
+TABLE_FILE = Path(__file__).with_name("upstream_gate_table.json")
+RECORD_ENV = "DSA_RECORD_GATE_TABLE"
+# (context, query) per request, decode requests first.
+BATCHES = {
+    "fresh 32,767": [(0, 32767)],
+    "fresh 32,768": [(0, 32768)],
+    "fresh 40,000": [(0, 40000)],
+    "fresh 131,072": [(0, 131072)],
+    "decode + fresh 36,000": [(5000, 1), (0, 36000)],
+    "extend 30,000 + 4,000": [(30000, 4000)],
+    "packed prompts": [(0, 20000), (0, 12000), (0, 900), (31000, 2000)],
+}
+MAX_LEN = 133120  # GLM-5.2's serving length in the PR text
 
 
-def _run(monkeypatch, requests, max_seqlen_k=None) -> list[str]:
-    """Which AITER top-k entry points one indexer call used."""
-    used: list[str] = []
-    for name in ("indexer_top_k_prefill", "indexer_top_k_decode"):
-        real = getattr(rocm_aiter_ops, name)
+def _dispatch(monkeypatch: pytest.MonkeyPatch, requests) -> list[str]:
+    """Which top-k kernel each call of one indexer op took, in call order:
+    ``prefill aiter`` / ``prefill in-tree`` per chunk, then the decode's."""
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+    from vllm._aiter_ops import rocm_aiter_ops
 
-        def spy(*args, _real=real, _name=name, **kwargs):
-            used.append(_name)
-            return _real(*args, **kwargs)
+    taken: list[str] = []
 
-        monkeypatch.setattr(rocm_aiter_ops, name, spy)
-    with emulate_rocm("gfx950"):
-        config = indexer_batch.make_vllm_config()
-        builder = indexer_batch.make_builder(config, monkeypatch)
-        batch = indexer_batch.build_batch(builder, requests)
-        if max_seqlen_k is not None:
-            for chunk in batch.metadata.prefill.chunks:
-                chunk.max_seqlen_k = max_seqlen_k
-        indexer_batch.run_indexer(batch, K)
-    return used
+    def record(label):
+        return lambda *args, **kwargs: taken.append(label)
+
+    def no_logits(q, kv, weights, ks, ke):
+        return torch.empty(q.shape[0], kv[0].shape[0])
+
+    monkeypatch.setattr(op, "cp_gather_indexer_k_quant_cache_triton", record("gather"))
+    monkeypatch.setattr(op, "rocm_fp8_mqa_logits", no_logits)
+    monkeypatch.setattr(
+        op, "_launch_aiter_top_k_per_row_prefill", record("prefill aiter")
+    )
+    monkeypatch.setattr(torch.ops._C, "top_k_per_row_prefill", record("prefill in-tree"))
+    monkeypatch.setattr(rocm_aiter_ops, "indexer_top_k_decode", record("decode aiter"))
+    monkeypatch.setattr(torch.ops._C, "top_k_per_row_decode", record("decode in-tree"))
+    config = indexer_batch.make_vllm_config(max_len=MAX_LEN, max_tokens=MAX_LEN)
+    builder = indexer_batch.make_builder(config, monkeypatch)
+    batch = indexer_batch.build_batch(builder, requests, write_cache=False)
+    indexer_batch.run_indexer(batch, K, skip_k_cache_insert=True)
+    return [label for label in taken if label != "gather"]
 
 
-def test_decode_takes_aiter(monkeypatch):
-    assert _run(monkeypatch, [(40, 1), (7, 1)]) == ["indexer_top_k_decode"]
+def _runs(labels: list[str]) -> list[str]:
+    """Run-length form: ``["prefill aiter x12"]``."""
+    runs: list[list] = []
+    for label in labels:
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return [f"{label} x{count}" for label, count in runs]
 
 
-@pytest.mark.parametrize(
-    "max_seqlen_k, aiter", [(32767, False), (32768, True), (131072, True)]
-)
-def test_prefill_takes_aiter_from_32k(monkeypatch, max_seqlen_k, aiter):
-    used = _run(monkeypatch, [(0, 30), (5, 20)], max_seqlen_k)
-    assert used == (["indexer_top_k_prefill"] if aiter else [])
+@pytest.fixture(scope="module")
+def table() -> dict[str, list[str]]:
+    with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm("gfx950"):
+        got = {name: _runs(_dispatch(monkeypatch, b)) for name, b in BATCHES.items()}
+    if os.environ.get(RECORD_ENV) == "1":
+        TABLE_FILE.write_text(json.dumps(got, indent=2) + "\n")
+    return got
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_the_gate_chooses_as_upstream_merged_it(table, name):
+    expected = json.loads(TABLE_FILE.read_text())
+    assert table[name] == expected[name]
+
+
+def test_the_table_covers_both_kernels_and_long_prompts_whole(table):
+    """The recorded table is not vacuous: the 40,000-token prompt is split
+    into several chunks, all on AITER; 32,767 tokens stay in-tree."""
+    assert table["fresh 40,000"] == ["prefill aiter x12"]
+    assert table["fresh 32,767"][0].startswith("prefill in-tree")
+    assert table["decode + fresh 36,000"][-1] == "decode aiter x1"

@@ -43,7 +43,7 @@ def _decide(phase: str, ratio: int, k: int, full_graph: bool) -> bool:
         )
     longest = int(phase.split()[1])
     return gate.prefill_uses_aiter_top_k(
-        compress_ratio=ratio, topk_tokens=k, num_rows=512, longest_row=longest
+        compress_ratio=ratio, topk_tokens=k, num_rows=512, max_seqlen_k=longest
     )
 
 
@@ -102,14 +102,17 @@ def test_the_threshold_is_32k_keys():
 @pytest.mark.parametrize(
     ("requests", "chunk_logits"),
     [
-        ([(0, 60)], 4096),  # one sequence sliced into chunks
+        ([(0, 90)], 4096),  # one sequence sliced into chunks
         ([(30, 1), (0, 20), (9, 14), (40, 16)], 4096),  # decode, then packed
         ([(100, 40), (0, 8), (2, 70)], 2000),
     ],
 )
-def test_chunks_carry_their_longest_row(monkeypatch, requests, chunk_logits):
-    """Through vLLM's own builder: every chunk's max_seqlen_k is the key
-    count of its longest row (computed here from the requests alone)."""
+def test_chunks_carry_their_requests_longest_sequence(
+    monkeypatch, requests, chunk_logits
+):
+    """Through vLLM's own builder: every chunk's max_seqlen_k is the longest
+    full sequence (context + query) among the requests it holds rows of,
+    computed here from the requests alone; it bounds every row's keys."""
     indexer_batch.shrink_logits_budget(monkeypatch, chunk_logits)
     with emulate_rocm("gfx950"):
         config = indexer_batch.make_vllm_config()
@@ -117,18 +120,23 @@ def test_chunks_carry_their_longest_row(monkeypatch, requests, chunk_logits):
         batch = indexer_batch.build_batch(builder, requests)
     chunks = batch.metadata.prefill.chunks
     assert len(chunks) >= 2 or len(requests) == 1
+    sliced = False
     for chunk in chunks:
         rows = batch.row_ends[chunk.token_start : chunk.token_end]
+        held = batch.row_requests[chunk.token_start : chunk.token_end].unique()
         assert isinstance(chunk.max_seqlen_k, int)
-        assert chunk.max_seqlen_k == int(rows.max())
+        assert chunk.max_seqlen_k == max(sum(requests[r]) for r in held.tolist())
+        assert chunk.max_seqlen_k >= int(rows.max())
+        sliced |= chunk.max_seqlen_k > int(rows.max())
         assert torch.equal(chunk.cu_seqlen_ke - chunk.cu_seqlen_ks, rows.int())
+    if len(requests) == 1:
+        # A prompt split into query-row chunks: the first chunk's rows see
+        # fewer keys than the prompt has, yet it carries the full length.
+        assert sliced
 
 
-def test_longest_row_of_a_query_slice():
-    starts = torch.tensor([0, 5, 105])  # query rows: 5 then 100
-    seq_lens = torch.tensor([9, 40000])  # 4 cached keys, then 39,900
-    # Rows 5..60 of the chunk are rows 0..55 of the second request.
-    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 5, 60) == 39900 + 55
-    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 0, 3) == 4 + 3
-    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 0, 105) == 40000
-    assert gate.chunk_longest_row(starts, seq_lens, 0, 2, 105, 105) == 0
+def test_max_seqlen_k_is_the_longest_request_of_the_chunk():
+    seq_lens = torch.tensor([9, 40000, 120, 7])
+    assert gate.chunk_max_seqlen_k(seq_lens, 0, 2) == 40000
+    assert gate.chunk_max_seqlen_k(seq_lens, 2, 4) == 120
+    assert gate.chunk_max_seqlen_k(seq_lens, 3, 4) == 7

@@ -9,9 +9,12 @@ in-tree kernel, whose cost grows with context while AITER's stays near flat:
 
 - decode always takes AITER's top-k. A FULL CUDA graph replays one kernel
   for every context length, so the choice cannot depend on it;
-- a prefill chunk takes it once its longest row reaches 32K keys (measured
-  on MI355X: 757 -> 680 us per 16K-row chunk at 32K, 4026 -> 2635 at 128K;
-  slower below ~24K). Prefill runs eagerly, so a host int decides.
+- a prefill chunk takes it once the longest sequence among its requests
+  reaches 32K keys (measured on MI355X: 757 -> 680 us per 16K-row chunk at
+  32K, 4026 -> 2635 at 128K; slower below ~24K). Prefill runs eagerly, so a
+  host int decides: ``chunk.max_seqlen_k``, the requests' full length, which
+  is what upstream vLLM (0.33.0) passes, so every query-row chunk of one long
+  prompt takes the same kernel.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ def _uncompressed_dsa_on_aiter(compress_ratio: int, topk_tokens: int) -> bool:
 
 
 def prefill_uses_aiter_top_k(
-    *, compress_ratio: int, topk_tokens: int, num_rows: int, longest_row: int
+    *, compress_ratio: int, topk_tokens: int, num_rows: int, max_seqlen_k: int
 ) -> bool:
-    """AITER's top-k for a prefill chunk whose longest row has
-    ``longest_row`` keys (a host int from the chunk metadata)."""
+    """AITER's top-k for a prefill chunk whose longest request has
+    ``max_seqlen_k`` keys (``chunk_max_seqlen_k``, a host int)."""
     from vllm._aiter_ops import rocm_aiter_ops
 
     if _uncompressed_dsa_on_aiter(compress_ratio, topk_tokens):
-        return longest_row >= AITER_PREFILL_MIN_KEYS
+        return max_seqlen_k >= AITER_PREFILL_MIN_KEYS
     return rocm_aiter_ops.is_indexer_top_k_supported(
         is_prefill=True, compress_ratio=compress_ratio, num_rows=num_rows
     )
@@ -70,25 +73,9 @@ def decode_uses_aiter_top_k(
     )
 
 
-def chunk_longest_row(
-    query_start_loc_cpu: torch.Tensor,
-    seq_lens_cpu: torch.Tensor,
-    start_idx: int,
-    end_idx: int,
-    query_start: int,
-    query_stop: int,
-) -> int:
-    """Keys of the longest causal row among requests ``[start_idx, end_idx)``
-    restricted to chunk query rows ``[query_start, query_stop)``.
-
-    Row j of a request with L keys and q query rows sees L - q + j + 1 keys,
-    so each request's longest row is its last row inside the slice."""
-    offsets = query_start_loc_cpu[start_idx : end_idx + 1].to(torch.int64)
-    offsets = offsets - offsets[0]
-    starts, ends = offsets[:-1], offsets[1:]
-    last = torch.clamp(ends, max=query_stop)
-    inside = last > torch.clamp(starts, min=query_start)
-    if not bool(inside.any()):
-        return 0
-    keys = seq_lens_cpu[start_idx:end_idx].to(torch.int64) - (ends - last)
-    return int(keys[inside].max())
+def chunk_max_seqlen_k(seq_lens_cpu: torch.Tensor, start_idx: int, end_idx: int) -> int:
+    """``max_seqlen_k`` of a prefill chunk over requests ``[start_idx,
+    end_idx)``: the longest of their (compressed) sequence lengths, from the
+    host copy. Upstream's meaning: the requests' full length, not the key
+    count of the longest row inside this chunk's query slice."""
+    return int(seq_lens_cpu[start_idx:end_idx].max())
