@@ -4,8 +4,9 @@ kernel's achieved bandwidth against the GPU's measured copy bandwidth, and the
 indexer cache's bytes per token and KV-capacity gain for DeepSeek-V3.2 and
 GLM-5.2.
 
-The kernel is the applied tree's ``indexer_k_mxfp4_quant_and_cache``, the
-store ``fused_norm_rope`` makes, as a kernel of its own: it reads bf16 keys
+The kernel is the test harness's ``indexer_k_mxfp4_quant_and_cache``: the
+applied tree's quantiser and store (what ``fused_norm_rope`` runs) as a
+kernel of its own, which vLLM does not have. It reads bf16 keys
 [T, 128] and int64 slots and writes 68-byte rows into 64-token pages, at
 consecutive slots (a prefill's new tokens) or at a random permutation of
 them. Achieved bandwidth counts those bytes once. Copy bandwidth is
@@ -55,9 +56,7 @@ def _writer_rows() -> list[dict]:
     import torch
 
     from harness.gpu_bench import median_ms
-    from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
-        indexer_k_mxfp4_quant_and_cache,
-    )
+    from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
     from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
         RocmPagedMxfp4CacheLayout,
     )

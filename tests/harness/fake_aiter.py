@@ -18,40 +18,64 @@ from contextlib import contextmanager
 
 import torch
 
-from harness import topk_reference
+from harness import adversary, topk_reference
 from harness.indexer_k_cache import read_paged_k
 
 MODULES = (
     "aiter",
     "aiter.ops",
     "aiter.ops.topk",
+    "aiter.ops.flydsl",
     "aiter.ops.triton",
     "aiter.ops.triton.fp8_mqa_logits",
     "aiter.ops.triton.pa_mqa_logits",
     "aiter.ops.triton.attention",
     "aiter.ops.triton.attention.pa_mqa_logits_mxfp4",
 )
-# AITER leaves logits past a row's end undefined; the stand-in fills them with
-# a huge score so that a top-k reading past the end is caught.
-POISON = 1e30
+POISON = adversary.POISON
+# fp8_mqa_logits pads each logits row to a multiple of this many columns
+# and returns a view (ROCm/aiter aiter/ops/triton fp8_mqa_logits wrapper,
+# ~L81-128, per shared/AITER_CONTRACTS.md): stride(0) != N.
+LOGITS_ROW_ALIGN = 256
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _fp8_mqa_logits(
     q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True
 ):
-    """AITER's fp8_mqa_logits(Q, KV, kv_scales, weights, ks, ke) -> fp32 [M, N].
-    Newer AITER takes ``clean_logits``: False leaves columns outside each
-    row's [ks, ke) undefined (here: POISON) instead of -inf."""
+    """AITER's fp8_mqa_logits(Q, KV, kv_scales, weights, ks, ke) -> fp32
+    ``[M, N]``: a view into rows padded to a multiple of 256 columns, with
+    garbage in the padding. ``clean_logits=False`` leaves columns outside
+    each row's ``[ks, ke)`` undefined (garbage here) instead of -inf. AITER
+    asserts power-of-two head count and head size (same wrapper)."""
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_mqa_logits_torch
 
+    _, heads, head_dim = q.shape
+    assert _is_power_of_two(heads), f"AITER needs power-of-two heads, got {heads}"
+    assert _is_power_of_two(head_dim), f"AITER needs power-of-two D, got {head_dim}"
     logits = fp8_mqa_logits_torch(
         q, (k_fp8, scale), weights, cu_seqlen_ks, cu_seqlen_ke
     )
+    rows, width = logits.shape
+    gen = adversary.generator()
+    pitch = -(-width // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
+    padded = adversary.garbage((rows, pitch), gen).to(logits.device)
+    padded[:, :width] = logits
     if not clean_logits:
-        cols = torch.arange(logits.shape[1], device=logits.device)
+        cols = torch.arange(width, device=logits.device)
         outside = (cols < cu_seqlen_ks[:, None]) | (cols >= cu_seqlen_ke[:, None])
-        logits = logits.masked_fill(outside, POISON)
-    return logits
+        filler = adversary.garbage((rows, width), gen).to(logits.device)
+        padded[:, :width] = torch.where(outside, filler, logits)
+    return padded[:, :width]
+
+
+def _flydsl_fp8_mqa_logits(q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke):
+    """gfx942's entry point (vLLM calls ``aiter.ops.flydsl`` there).
+    Assumption: the same contract as fp8_mqa_logits with clean logits."""
+    return _fp8_mqa_logits(q, k_fp8, scale, weights, cu_seqlen_ks, cu_seqlen_ke)
 
 
 def _deepgemm_fp8_paged_mqa_logits(
@@ -69,10 +93,14 @@ def _deepgemm_fp8_paged_mqa_logits(
 ):
     """AITER's paged decode logits: row (b, j) of ``next_n`` scores keys
     ``[0, context_lens[b] - next_n + j + 1)``; the rest of the row is left
-    undefined (here: POISON)."""
+    undefined (here: garbage). AITER asserts the cache's block size equals
+    ``KVBlockSize`` (pa_mqa_logits wrapper ~L500, per AITER_CONTRACTS)."""
 
     batch, next_n, heads, head_dim = q_fp8.shape
-    out_logits.fill_(POISON)
+    assert kv_cache.shape[1] == KVBlockSize, (
+        f"cache block size {kv_cache.shape[1]} != KVBlockSize {KVBlockSize}"
+    )
+    out_logits.copy_(adversary.garbage(tuple(out_logits.shape), adversary.generator()))
     for b in range(batch):
         seq_len = int(context_lens[b])
         keys = read_paged_k(kv_cache, block_tables[b], seq_len, head_dim)
@@ -85,16 +113,30 @@ def _deepgemm_fp8_paged_mqa_logits(
             out_logits[row, :end] = scores @ weights[row]
 
 
-# The MXFP4 page geometry the stand-in's cache_format reports: runs of 16
-# tokens in 16-byte chunks (the FP8 SHUFFLE tile), scale_lanes left to its
-# default of 64 // n_per_tile. AITER on gfx950 reports its own; the writer
-# takes whatever RocmPagedMxfp4CacheLayout can express.
-MXFP4_CACHE_FORMAT = {"n_per_tile": 16, "d_per_tile": 16}
+# ROCm/aiter aiter/ops/triton/attention/pa_mqa_logits_mxfp4.py at commit
+# 4934fe77: K_WIDTH (the bytes of a value tile along D), IDEAL_PAGE_SIZE (the
+# kv_tile cap).
+K_WIDTH = 16
+IDEAL_PAGE_SIZE = 64
+
+
+def _mfma_nonk_dim(num_heads: int, head_size: int) -> int:
+    """The launcher's ``mfma_nonk_dim`` (same file): 32x32 MFMA tiles for
+    small heads or >= 32 heads (DeepSeek-V3.2 and GLM-5.x have 64)."""
+    return 32 if (head_size <= 64 or num_heads >= 32) else 16
 
 
 def _cache_format(num_heads: int, head_dim: int, page_entries: int) -> dict:
-    """AITER's pa_mqa_logits_mxfp4.cache_format(): the K page geometry."""
-    return dict(MXFP4_CACHE_FORMAT)
+    """AITER's ``cache_format`` (same file): n_per_tile from the head count,
+    d_per_tile K_WIDTH, block_kv min(64, page); a page must hold whole tiles.
+    It does not report ``scale_lanes`` (vLLM derives 64 // n_per_tile)."""
+    npt = _mfma_nonk_dim(num_heads, head_dim)
+    block_kv = min(IDEAL_PAGE_SIZE, page_entries)
+    if page_entries % npt or page_entries % block_kv:
+        raise ValueError(
+            f"page_size {page_entries} must be a multiple of the MFMA N ({npt})"
+        )
+    return {"n_per_tile": npt, "d_per_tile": K_WIDTH, "block_kv": block_kv}
 
 
 def _select_config(num_heads: int, head_dim: int, rows: int, page_entries: int):
@@ -136,11 +178,13 @@ def build_modules() -> dict[str, types.ModuleType]:
         pa_mqa_logits=paged,
         attention=attention,
     )
-    ops = _module("aiter.ops", topk=topk, triton=triton)
+    flydsl = _module("aiter.ops.flydsl", flydsl_fp8_mqa_logits=_flydsl_fp8_mqa_logits)
+    ops = _module("aiter.ops", topk=topk, triton=triton, flydsl=flydsl)
     return {
         "aiter": _module("aiter", ops=ops),
         "aiter.ops": ops,
         "aiter.ops.topk": topk,
+        "aiter.ops.flydsl": flydsl,
         "aiter.ops.triton": triton,
         "aiter.ops.triton.fp8_mqa_logits": logits,
         "aiter.ops.triton.pa_mqa_logits": paged,

@@ -1,12 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 """An independent MXFP4 reference for the indexer K cache, built on
-``ml_dtypes`` (``float4_e2m1fn``, ``float8_e8m0fnu``) and numpy.
+``ml_dtypes`` (``float4_e2m1fn``, ``float8_e8m0fnu``) and numpy, and a
+reader of the paged cache that replays the address arithmetic of AITER's
+reader.
 
-Nothing here shares code with the Triton writer: the scale comes from float64
-``ceil(log2(amax / 6))``, the rounding from ml_dtypes' own cast, and the page
-layout from explicit index arrays. The only choices layered on top are the
-ones the writer documents for inputs ml_dtypes has no answer for (NaN, and
-all-zero blocks).
+Nothing here shares code with the Triton writer.
+
+Quantiser (ROCm/aiter quant.py ``_mxfp4_quant_op``, scaling mode 1, as
+``k_norm_rope_mxfp4_cache`` at commit 689b79d5 calls it; the rule is quoted
+in shared/AITER_CONTRACTS.md from quant.py ~L150-152): ``ratio = max(amax,
+6 * 2^-126) / 6`` in float32, scale byte ``(bits(ratio) + 0x7FFFFF) >> 23``;
+values ``x / 2^(byte - 127)`` rounded by ml_dtypes' own cast (nearest, ties
+to even, saturating at +-6). amax ignores NaN (AITER), and NaN elements are
+stored as +0 (the series' documented choice: AITER's code for them is
+unspecified).
+
+Page layout, from the reader's side (ROCm/aiter commit 4934fe77):
+the launcher's ``_split_cache`` (``aiter/ops/triton/attention/
+pa_mqa_logits_mxfp4.py``) puts a page's scales after its P * D/2 value
+bytes; the Gluon kernel (``_gluon_kernels/gfx950/attention/
+pa_mqa_logits_mxfp4.py``) reads a tile of BLOCK_KV = min(64, P) tokens at
+``tile_ptr`` = page + (tile_pos % P) * per-token bytes, values at
+``_shuffled_offsets`` and scales with ``_load_scales_wide``: offsets
+``b0 * (NPT * NS) + (b2 + b1 * NPT) * S_HI + b3`` over [N_HI, S_LO, NPT,
+S_HI], permuted (0, 2, 3, 1) into [BLOCK_KV, NS]. S_LO = 64 // NPT (the
+wavefront), NPT from the launcher's ``mfma_nonk_dim``.
 """
 
 from __future__ import annotations
@@ -16,6 +34,13 @@ import numpy as np
 import torch
 
 BLOCK = 32
+WAVEFRONT = 64
+IDEAL_PAGE_SIZE = 64  # the launcher's kv_tile cap
+
+
+def n_per_tile(num_heads: int, head_dim: int) -> int:
+    """AITER's ``mfma_nonk_dim``: 32 for head_dim <= 64 or >= 32 heads."""
+    return 32 if (head_dim <= 64 or num_heads >= 32) else 16
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,18 +49,18 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     v = x.detach().cpu().float().numpy()
     blocks = v.reshape(*v.shape[:-1], -1, BLOCK)
     blocks = np.where(np.isnan(blocks), np.float32(0.0), blocks)
-    amax = np.abs(blocks).max(-1).astype(np.float64)
-    with np.errstate(divide="ignore"):
-        exp = np.ceil(np.log2(amax / 6.0))
-    exp = np.where(amax == 0, -127.0, exp)
-    exp = np.clip(exp, -127, 127)
-    scaled = blocks.astype(np.float64) / np.exp2(exp)[..., None]
+    amax = np.abs(blocks).max(-1)
+    floor = np.float32(6.0 * 2.0**-126)
+    ratio = (np.maximum(amax, floor) / np.float32(6.0)).astype(np.float32)
+    scale_bytes = (ratio.view(np.uint32).astype(np.int64) + 0x7FFFFF) >> 23
+    scale = np.exp2(scale_bytes.astype(np.float64) - 127.0)
+    scaled = blocks.astype(np.float64) / scale[..., None]
     # ml_dtypes saturates at +-6 (inf included) and keeps the sign of zero.
     codes = scaled.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
     codes = codes.reshape(*v.shape[:-1], -1)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
-    scales = np.exp2(exp).astype(ml_dtypes.float8_e8m0fnu).view(np.uint8)
-    return torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(scales))
+    scales = np.ascontiguousarray(scale_bytes.astype(np.uint8))
+    return torch.from_numpy(packed), torch.from_numpy(scales)
 
 
 E2M1_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)
@@ -52,23 +77,45 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def page_offsets(
-    page_entries: int, head_dim: int, n_per_tile: int, d_per_tile: int, lanes: int
+    page_entries: int, head_dim: int, n_per_tile: int, d_per_tile: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Byte offsets in a page of every (entry, value byte) and (entry, scale),
-    as ``RocmPagedMxfp4CacheLayout`` describes the page: built by laying the
-    page out as nested arrays and reading back where each byte went."""
-    value_bytes, num_scales = head_dim // 2, head_dim // BLOCK
-    # values: runs of n_per_tile tokens, each run [chunk, token, byte]
-    runs = np.arange(page_entries * value_bytes).reshape(
-        page_entries // n_per_tile, value_bytes // d_per_tile, n_per_tile, d_per_tile
+    found by replaying the reader's loads tile by tile (module docstring)."""
+    head_bytes, num_scales = head_dim // 2, head_dim // BLOCK
+    block_kv = min(IDEAL_PAGE_SIZE, page_entries)
+    s_lo = WAVEFRONT // n_per_tile
+    s_hi = num_scales // s_lo
+    n_hi = block_kv // n_per_tile
+    value_off = np.empty((page_entries, head_bytes), dtype=np.int64)
+    scale_off = np.empty((page_entries, num_scales), dtype=np.int64)
+    d = np.arange(head_bytes)[:, None]  # the reader's offs_d x offs_n tile
+    n = np.arange(block_kv)[None, :]
+    shuffled = (
+        d % d_per_tile
+        + d // d_per_tile * (n_per_tile * d_per_tile)
+        + n % n_per_tile * d_per_tile
+        + n // n_per_tile * (n_per_tile * head_bytes)
     )
-    value_off = runs.transpose(0, 2, 1, 3).reshape(page_entries, value_bytes)
-    # scales after all values: [scale % lanes, token, scale // lanes]
-    grid = page_entries * value_bytes + np.arange(page_entries * num_scales).reshape(
-        lanes, page_entries, num_scales // lanes
+    b0, b1, b2, b3 = np.ix_(
+        np.arange(n_hi), np.arange(s_lo), np.arange(n_per_tile), np.arange(s_hi)
     )
-    scale_off = grid.transpose(1, 2, 0).reshape(page_entries, num_scales)
+    wide = b0 * (n_per_tile * num_scales) + (b2 + b1 * n_per_tile) * s_hi + b3
+    wide = wide.transpose(0, 2, 3, 1).reshape(block_kv, num_scales)
+    scale_region = page_entries * head_bytes
+    for tile_pos in range(0, page_entries, block_kv):
+        rows = slice(tile_pos, tile_pos + block_kv)
+        value_off[rows] = tile_pos * head_bytes + shuffled.T
+        scale_off[rows] = scale_region + tile_pos * num_scales + wide
     return value_off, scale_off
+
+
+def _tiles(layout) -> tuple[int, int]:
+    """(n_per_tile, d_per_tile) of a ``RocmPagedMxfp4CacheLayout``; the
+    reader derives the scale lanes from n_per_tile, so the layout's must
+    agree."""
+    n, d, lanes = layout
+    assert lanes == WAVEFRONT // n, f"{layout}: the reader uses {WAVEFRONT // n} lanes"
+    return n, d
 
 
 def read_cache(
@@ -77,7 +124,7 @@ def read_cache(
     """The (packed, scales) stored at ``slots`` of a [pages, entries, row]
     uint8 cache."""
     entries = cache.shape[1]
-    value_off, scale_off = page_offsets(entries, head_dim, *layout)
+    value_off, scale_off = page_offsets(entries, head_dim, *_tiles(layout))
     flat = cache.cpu().reshape(cache.shape[0], -1).numpy()
     s = slots.cpu().numpy()
     page, entry = s // entries, s % entries
@@ -94,7 +141,7 @@ def write_cache(
     entries = cache.shape[1]
     keep = slots >= 0
     packed, scales = quantize(x[keep])
-    value_off, scale_off = page_offsets(entries, head_dim, *layout)
+    value_off, scale_off = page_offsets(entries, head_dim, *_tiles(layout))
     s = slots[keep].cpu().numpy()
     page, entry = s // entries, s % entries
     flat = cache.view(cache.shape[0], -1)

@@ -15,9 +15,9 @@ from harness.tree import applied_tree
 
 TREE = applied_tree("0003")
 
+from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache  # noqa: E402
 from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (  # noqa: E402
     check_mxfp4_indexer_cache,
-    indexer_k_mxfp4_quant_and_cache,
     mxfp4_indexer_row_bytes,
 )
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
@@ -26,9 +26,11 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
 
 HEAD_DIM = 128
 ROW = HEAD_DIM // 2 + HEAD_DIM // 32
-# The stand-in AITER's geometry first, then others the class can express, so
-# a writer that hard-codes one tiling fails.
+# AITER's two gfx950 geometries first (n_per_tile 32 for DeepSeek-V3.2's and
+# GLM-5.x's 64 heads, 16 for fewer than 32 heads), then others the class can
+# express, so a writer that hard-codes one tiling fails.
 LAYOUTS = [
+    RocmPagedMxfp4CacheLayout(32, 16, 2),
     RocmPagedMxfp4CacheLayout(16, 16, 4),
     RocmPagedMxfp4CacheLayout(32, 8, 2),
     RocmPagedMxfp4CacheLayout(64, 32, 1),
@@ -67,7 +69,9 @@ def _edge_rows() -> torch.Tensor:
         "+inf": torch.tensor([float("inf"), 1e30] + [-1.0] * 30),
         "-inf": torch.tensor([float("-inf"), 2.0] + [1.0] * 30),
         "one outlier": torch.tensor([1000.0] + [0.01] * 31),
-        "amax below 2^-127 * 6": torch.full((32,), 2.0**-126),
+        "amax below 6 * 2^-126": torch.full((32,), 2.0**-126),
+        "amax just at 6 * 2^-126": torch.full((32,), 6.0 * 2.0**-126),
+        "amax just below 6 * 2^-126": torch.full((32,), 5.9 * 2.0**-126),
         "descending powers": torch.exp2(-torch.arange(32.0)),
     }
     rows = torch.stack(list(blocks.values()))
@@ -99,10 +103,11 @@ def test_random_keys_bit_exact_across_pages(layout, entries):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=str)
-def test_edge_cases_bit_exact(layout):
+@pytest.mark.parametrize("entries", [64, 128])
+def test_edge_cases_bit_exact(layout, entries):
     k = _edge_rows()
-    slots = torch.arange(k.shape[0]) * 5 + 3
-    got = _write(k, slots, layout, 1, 64)
+    slots = torch.arange(k.shape[0]) * 37 % (2 * entries)  # both pages
+    got = _write(k, slots, layout, 2, entries)
     packed, scales = ref.read_cache(got, slots, layout, HEAD_DIM)
     want_packed, want_scales = ref.quantize(k)
     assert torch.equal(scales, want_scales)
@@ -121,11 +126,12 @@ def test_edge_cases_documented_values():
     # NaN -> +0 and ignored by amax (3.0 sets the scale 2^-1)
     assert packed[0, 0] & 0xF == 0x0
     assert scales[0, 0] == 127 - 1
-    # inf -> scale 2^127, +6; the finite values become (signed) zeros
-    assert scales[0, 1] == 254 and packed[0, 16] & 0xF == 0x7
+    # inf -> scale byte 255 (E8M0 NaN) as AITER's writer stores; +6, and the
+    # finite values become (signed) zeros
+    assert scales[0, 1] == 255 and packed[0, 16] & 0xF == 0x7
     assert packed[0, 16] >> 4 == 0x0 and packed[0, 17] & 0xF == 0x8
-    # all-zero block -> byte 0 (2^-127), +0 codes
-    assert scales[0, 2] == 0 and not packed[0, 32:48].any()
+    # all-zero block -> byte 1 (2^-126), as AITER's max(amax, 6 * 2^-126)
+    assert scales[0, 2] == 1 and not packed[0, 32:48].any()
     # a negative value that rounds to zero keeps its sign: -0
     assert packed[0, 48] & 0xF == 0x8 and scales[0, 3] == 127
 

@@ -178,4 +178,5 @@ def test_backend_and_builder(monkeypatch):
             block_table_width=config.model_config.max_model_len // 128,
         )
     assert builder.page_entries == 128
-    assert builder.cache_layout == RocmPagedMxfp4CacheLayout(16, 16, 4)
+    # 64 indexer heads: AITER's mfma_nonk_dim gives n_per_tile 32.
+    assert builder.cache_layout == RocmPagedMxfp4CacheLayout(32, 16, 2)

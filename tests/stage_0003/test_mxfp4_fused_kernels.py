@@ -59,7 +59,9 @@ def device(request):
     torch.set_default_device("cpu")
 
 
-LAYOUT = RocmPagedMxfp4CacheLayout(16, 16, 4)
+# AITER's gfx950 layouts: n_per_tile 32 (64 heads: DeepSeek-V3.2, GLM-5.x)
+# and 16 (fewer than 32 heads).
+LAYOUTS = [RocmPagedMxfp4CacheLayout(32, 16, 2), RocmPagedMxfp4CacheLayout(16, 16, 4)]
 MAX_POS = 512
 
 
@@ -73,7 +75,7 @@ def _cos_sin(identity: bool = False) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], -1)
 
 
-def _norm_rope(tokens, cache, slots, interleave, index_k_out):
+def _norm_rope(tokens, cache, slots, interleave, index_k_out, layout):
     torch.manual_seed(0)
     q_dim, kv_dim = 64, 64
     positions = torch.randint(0, MAX_POS, (tokens,))
@@ -96,7 +98,7 @@ def _norm_rope(tokens, cache, slots, interleave, index_k_out):
         torch.zeros(tokens, 64, dtype=torch.int32),
         slot_mapping=slots,
         indexer_k_cache=cache,
-        indexer_cache_mxfp4_layout=LAYOUT,
+        indexer_cache_mxfp4_layout=layout,
         index_rope_interleave=interleave,
         index_k_out=index_k_out,
     )
@@ -104,20 +106,40 @@ def _norm_rope(tokens, cache, slots, interleave, index_k_out):
 
 @pytest.mark.parametrize("interleave", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("entries", [64, 128])
-def test_fused_norm_rope_writes_mxfp4_cache(interleave, entries):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_fused_norm_rope_writes_mxfp4_cache(interleave, entries, layout):
     """The bytes in the cache are the reference's quantisation of the very key
-    the kernel computed (its fp32 LayerNorm + RoPE output), at its slot."""
+    the kernel computed (its fp32 LayerNorm + RoPE output), at its slot, where
+    AITER's reader reads them."""
     tokens = 24
     cache = torch.zeros(2, entries, 68, dtype=torch.uint8)
     slots = torch.randperm(2 * entries)[:tokens]
     slots[5] = -1  # a padded token writes nothing
     index_k_out = torch.empty(tokens, HEAD_DIM)
-    _norm_rope(tokens, cache, slots, interleave, index_k_out)
+    _norm_rope(tokens, cache, slots, interleave, index_k_out, layout)
     cache, slots, index_k_out = cache.cpu(), slots.cpu(), index_k_out.cpu()
     want = torch.zeros_like(cache)
-    ref.write_cache(want, slots, index_k_out, LAYOUT)
+    ref.write_cache(want, slots, index_k_out, layout)
     assert torch.equal(cache, want)
     assert cache.any()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_fused_norm_rope_follows_the_page_stride_of_vllms_pool(layout):
+    """vLLM hands the indexer cache as a strided view into its block-major
+    pool: the store follows the page stride and touches nothing between
+    pages."""
+    entries, pages, tokens = 64, 3, 40
+    stride = entries * 68 + 4096
+    pool = torch.zeros(pages * stride, dtype=torch.uint8)
+    cache = torch.as_strided(pool, (pages, entries, 68), (stride, 68, 1))
+    slots = torch.randperm(pages * entries)[:tokens]
+    index_k_out = torch.empty(tokens, HEAD_DIM)
+    _norm_rope(tokens, cache, slots, False, index_k_out, layout)
+    assert not pool.view(pages, stride)[:, entries * 68 :].any()
+    want = torch.zeros(pages, entries, 68, dtype=torch.uint8)
+    ref.write_cache(want, slots.cpu(), index_k_out.cpu(), layout)
+    assert torch.equal(cache.cpu(), want)
 
 
 def _fused_q(index_q, weights, cos_sin, mxfp4: bool):

@@ -40,9 +40,7 @@ def test_writer_layout_matches_aiter():
         k_norm_rope_mxfp4_cache,
     )
 
-    from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
-        indexer_k_mxfp4_quant_and_cache,
-    )
+    from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
 
     torch.manual_seed(0)
     tokens, pages = 300, 8
@@ -69,9 +67,7 @@ def test_writer_layout_matches_aiter():
 
 def test_aiter_reads_our_cache_like_the_fp8_indexer():
     from vllm.models.deepseek_v32.common.kernels import fused_q
-    from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
-        indexer_k_mxfp4_quant_and_cache,
-    )
+    from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
     from vllm.v1.attention.ops import rocm_paged_mxfp4_indexer as ops
 
     torch.manual_seed(1)

@@ -21,9 +21,7 @@ if torch.cuda.is_available():
     # The DeepSeek-V3.2 package imports its CUDA model otherwise.
     compiled_stub.use_generic_platform()
 
-from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (  # noqa: E402
-    indexer_k_mxfp4_quant_and_cache,
-)
+from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache  # noqa: E402
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
     RocmPagedMxfp4CacheLayout,
 )
