@@ -16,6 +16,9 @@ if [ ! -d "$site" ]; then
 fi
 rm -rf "$tree" && mkdir -p "$tree" && tar xzf "$tree_tgz" -C "$tree"
 export PYTHONPATH="$tree:$PWD/tests:$PWD:$site" DSA_VLLM_TREE="$tree"
-export DSA_STAGES="base,$stage" PYTHONUNBUFFERED=1
+# The stages the tree holds, from patches/series.toml (the one list of them).
+stages=$(python3 -c "import sys; from scripts.series.config import load_series
+print(','.join(['base', *(s.id for s in load_series().stages_upto(sys.argv[1]))]))" "$stage")
+export DSA_STAGES="$stages" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 "$@"

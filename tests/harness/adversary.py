@@ -50,22 +50,25 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def generator() -> torch.Generator | None:
-    """A generator for one call's choices, or None when they are off. Its
-    seed mixes the base seed, this process's rank and a per-process call
-    count, so two ranks (or two calls) on the same input choose differently."""
+def generator(device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator on ``device`` for one call's choices, or None when they
+    are off. Its seed mixes the base seed, this process's rank and a
+    per-process call count, so two ranks (or two calls) on the same input
+    choose differently."""
     if kind():
         return None
     seed = int(os.environ.get(SEED_ENV, "0"))
     mixed = hash((seed, _rank(), next(_calls))) & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.Generator().manual_seed(mixed)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
-def garbage(shape: tuple[int, ...], gen: torch.Generator | None) -> torch.Tensor:
-    """fp32 filler for memory a kernel leaves undefined: poison, huge
-    negatives and NaN mixed (zeros when the choices are off)."""
+def garbage(
+    shape: tuple[int, ...], gen: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """fp32 filler on ``device`` for memory a kernel leaves undefined:
+    poison, huge negatives and NaN mixed (zeros when the choices are off)."""
     if gen is None:
-        return torch.zeros(shape)
-    pick = torch.randint(0, 3, shape, generator=gen)
-    values = torch.tensor([POISON, -POISON, float("nan")])
+        return torch.zeros(shape, device=device)
+    pick = torch.randint(0, 3, shape, generator=gen, device=device)
+    values = torch.tensor([POISON, -POISON, float("nan")], device=device)
     return values[pick]

@@ -60,14 +60,14 @@ def _fp8_mqa_logits(
         q, (k_fp8, scale), weights, cu_seqlen_ks, cu_seqlen_ke
     )
     rows, width = logits.shape
-    gen = adversary.generator()
+    gen = adversary.generator(logits.device)
     pitch = -(-width // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
-    padded = adversary.garbage((rows, pitch), gen).to(logits.device)
+    padded = adversary.garbage((rows, pitch), gen, logits.device)
     padded[:, :width] = logits
     if not clean_logits:
         cols = torch.arange(width, device=logits.device)
         outside = (cols < cu_seqlen_ks[:, None]) | (cols >= cu_seqlen_ke[:, None])
-        filler = adversary.garbage((rows, width), gen).to(logits.device)
+        filler = adversary.garbage((rows, width), gen, logits.device)
         padded[:, :width] = torch.where(outside, filler, logits)
     return padded[:, :width]
 
@@ -100,7 +100,8 @@ def _deepgemm_fp8_paged_mqa_logits(
     assert kv_cache.shape[1] == KVBlockSize, (
         f"cache block size {kv_cache.shape[1]} != KVBlockSize {KVBlockSize}"
     )
-    out_logits.copy_(adversary.garbage(tuple(out_logits.shape), adversary.generator()))
+    gen = adversary.generator(out_logits.device)
+    out_logits.copy_(adversary.garbage(tuple(out_logits.shape), gen, out_logits.device))
     for b in range(batch):
         seq_len = int(context_lens[b])
         keys = read_paged_k(kv_cache, block_tables[b], seq_len, head_dim)

@@ -62,8 +62,6 @@ def _indexer_k_mxfp4_quant_and_cache_kernel(
     )
 
 
-
-
 def indexer_k_mxfp4_quant_and_cache(
     k: torch.Tensor,
     slot_mapping: torch.Tensor,

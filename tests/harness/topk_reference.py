@@ -51,18 +51,20 @@ def select_topk(
     ``gen`` the set's order and the choice among tied k-th values are random;
     without it, sorted by score with the lowest tied column first."""
     rows, width = logits.shape
-    starts = row_starts.to(torch.int64).reshape(-1)[:rows].cpu()
-    ends = torch.clamp(row_ends.to(torch.int64).reshape(-1)[:rows].cpu(), min=0)
+    device = logits.device
+    starts = row_starts.to(device, torch.int64).reshape(-1)[:rows]
+    ends = torch.clamp(row_ends.to(device, torch.int64).reshape(-1)[:rows], min=0)
     lengths = torch.clamp(ends - starts, min=0)
     # Unclamped ends: columns past the width are read, and they are poison.
     span = max(width, int(ends.max()) if rows else 0)
-    device = logits.device
-    keyed = torch.full((rows, span), adversary.POISON, dtype=torch.float64)
+    keyed = torch.full(
+        (rows, span), adversary.POISON, dtype=torch.float64, device=device
+    )
     # float64 so that every valid column (even one at -inf) ranks above every
     # invalid one: rows no longer than k must return all their columns.
-    keyed[:, :width] = logits.detach().cpu().to(torch.float64)
+    keyed[:, :width] = logits.detach().to(torch.float64)
     keyed = keyed.nan_to_num(nan=-1e300, neginf=-1e300)
-    cols = torch.arange(span)
+    cols = torch.arange(span, device=device)
     valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
     keyed = keyed.masked_fill(~valid, float("-inf"))
     take = min(k, span)
@@ -72,23 +74,25 @@ def select_topk(
         # Keep every column above the k-th value; among those equal to it,
         # a random subset.
         kth = top.values[:, -1:]
-        noise = torch.rand(keyed.shape, generator=gen, dtype=torch.float64)
-        score = torch.where(
-            keyed > kth, 2.0, torch.where(keyed == kth, noise, -1.0)
+        noise = torch.rand(
+            keyed.shape, generator=gen, dtype=torch.float64, device=device
         )
+        score = torch.where(keyed > kth, 2.0, torch.where(keyed == kth, noise, -1.0))
         picked = torch.topk(score, take, dim=1).indices
         # Atomic order: permute each row's valid prefix.
-        order_key = torch.rand((rows, take), generator=gen)
+        order_key = torch.rand((rows, take), generator=gen, device=device)
         n = torch.clamp(lengths, max=take)[:, None]
-        order_key[torch.arange(take)[None, :] >= n] = 2.0
+        order_key[torch.arange(take, device=device)[None, :] >= n] = 2.0
         picked = picked.gather(1, torch.argsort(order_key, dim=1))
     if relative_to_start:
         picked = picked - starts[:, None]
-    out = torch.full((rows, k), -1, dtype=torch.int64)
+    out = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     out[:, :take] = picked
-    keep = torch.arange(k)[None, :] < torch.clamp(lengths, max=k)[:, None]
+    keep = (
+        torch.arange(k, device=device)[None, :] < torch.clamp(lengths, max=k)[:, None]
+    )
     out = torch.where(keep, out, torch.full_like(out, -1))
-    return out.to(torch.int32).to(device)
+    return out.to(torch.int32)
 
 
 def decode_row_ends(seq_lens: torch.Tensor, next_n: int, rows: int) -> torch.Tensor:
@@ -155,7 +159,7 @@ def vllm_top_k_per_row_prefill(
         row_ends,
         k,
         relative_to_start=True,
-        gen=adversary.generator(),
+        gen=adversary.generator(logits.device),
     )
     _write(indices, result, num_rows)
 
@@ -171,7 +175,7 @@ def vllm_top_k_per_row_decode(
         ends,
         k,
         relative_to_start=True,
-        gen=adversary.generator(),
+        gen=adversary.generator(logits.device),
     )
     _write(indices, result, num_rows)
 
@@ -195,7 +199,7 @@ def aiter_top_k_per_row_prefill(
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     pitched = _rows_by_pitch(logits, numRows, stride0)
-    gen = None if stable else adversary.generator()
+    gen = None if stable else adversary.generator(logits.device)
     result = select_topk(
         pitched, rowStarts, rowEnds, k, relative_to_start=False, gen=gen
     )
@@ -225,7 +229,7 @@ def aiter_top_k_per_row_decode(
     if seqLens.dtype != torch.int32:
         raise TypeError(f"seqLens must be int32, got {seqLens.dtype}")
     ends = decode_row_ends(seqLens.reshape(-1), next_n, numRows)
-    gen = None if stable else adversary.generator()
+    gen = None if stable else adversary.generator(logits.device)
     result = select_topk(
         _rows_by_pitch(logits, numRows, stride0),
         torch.zeros_like(ends),

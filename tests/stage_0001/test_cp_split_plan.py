@@ -122,11 +122,9 @@ def test_invariant_one_writer_per_merged_row_and_the_same_collectives(monkeypatc
         calls = []
         for rank in range(tp):
             monkeypatch.setattr(
-                rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: rank,
-                raising=False,
+                rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
             )
             prefill = CPIndexerPrefill(split, has_candidate_blocks=False)
-            prefill.rank = rank
             for chunk in chunks:
                 local = prefill.rows(chunk).local
                 scored = torch.arange(chunk.token_start, chunk.token_end)

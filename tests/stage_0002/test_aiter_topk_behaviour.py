@@ -67,7 +67,9 @@ def _dispatch(monkeypatch: pytest.MonkeyPatch, requests) -> list[str]:
     monkeypatch.setattr(
         op, "_launch_aiter_top_k_per_row_prefill", record("prefill aiter")
     )
-    monkeypatch.setattr(torch.ops._C, "top_k_per_row_prefill", record("prefill in-tree"))
+    monkeypatch.setattr(
+        torch.ops._C, "top_k_per_row_prefill", record("prefill in-tree")
+    )
     monkeypatch.setattr(rocm_aiter_ops, "indexer_top_k_decode", record("decode aiter"))
     monkeypatch.setattr(torch.ops._C, "top_k_per_row_decode", record("decode in-tree"))
     config = indexer_batch.make_vllm_config(max_len=MAX_LEN, max_tokens=MAX_LEN)

@@ -97,6 +97,7 @@ def test_fp8_stays_the_default(kv_dtype):
         ("gfx950", {"dcp": 2}, "context parallelism"),
         ("gfx950", {"pcp": 2}, "context parallelism"),
         ("gfx950", {"block_size": 16}, "--block-size 64 or 128"),
+        ("gfx950", {"block_size": 32}, "--block-size 64 or 128"),
         ("gfx950", {"block_size": 256}, "--block-size 64 or 128"),
         ("gfx950", {"model": GLM5, "block_size": 1}, "--block-size 64 or 128"),
         ("gfx950", {"kv_dtype": "nvfp4"}, "not supported by the DeepSeek"),

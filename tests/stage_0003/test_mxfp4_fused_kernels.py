@@ -136,8 +136,8 @@ def test_fused_norm_rope_follows_the_page_stride_of_vllms_pool(layout):
     slots = torch.randperm(pages * entries)[:tokens]
     index_k_out = torch.empty(tokens, HEAD_DIM)
     _norm_rope(tokens, cache, slots, False, index_k_out, layout)
-    assert not pool.view(pages, stride)[:, entries * 68 :].any()
-    want = torch.zeros(pages, entries, 68, dtype=torch.uint8)
+    assert not pool.view(pages, stride)[:, entries * 68 :].any().item()
+    want = torch.zeros(pages, entries, 68, dtype=torch.uint8, device="cpu")
     ref.write_cache(want, slots.cpu(), index_k_out.cpu(), layout)
     assert torch.equal(cache.cpu(), want)
 

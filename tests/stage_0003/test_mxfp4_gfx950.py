@@ -66,8 +66,8 @@ def test_writer_layout_matches_aiter():
 
 
 def test_aiter_reads_our_cache_like_the_fp8_indexer():
-    from vllm.models.deepseek_v32.common.kernels import fused_q
     from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
+    from vllm.models.deepseek_v32.common.kernels import fused_q
     from vllm.v1.attention.ops import rocm_paged_mxfp4_indexer as ops
 
     torch.manual_seed(1)

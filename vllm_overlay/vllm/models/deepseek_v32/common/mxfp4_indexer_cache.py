@@ -34,6 +34,7 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
     RocmPagedMxfp4CacheLayout,
 )
 
+
 def mxfp4_indexer_row_bytes(head_dim: int) -> int:
     """Bytes of one MXFP4 indexer key: packed values, then e8m0 scales."""
     return head_dim // 2 + head_dim // MXFP4_BLOCK_SIZE

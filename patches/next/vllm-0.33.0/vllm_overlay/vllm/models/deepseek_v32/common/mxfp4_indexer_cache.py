@@ -5,16 +5,25 @@ aiter's ``paged_mxfp4_mqa_logits`` reads.
 
 A key of D values becomes D // 2 bytes of E2M1 pairs (even element in the low
 nibble) and D // 32 E8M0 scale bytes: 68 bytes at D = 128 instead of the
-FP8 row's 132. The numerics, shared by the K cache writer and the query:
+FP8 row's 132. The numerics, shared by the K cache writer and the query, are
+those of AITER's own writer (``k_norm_rope_mxfp4_cache`` through its
+``_mxfp4_quant_op``, scaling mode 1), so that for every finite key the cache
+holds the bytes AITER's writer would store:
 
-- scale: 2^e with e the smallest integer such that 6 * 2^e >= amax, i.e.
-  ceil(log2(amax / 6)), taken from amax's bits so it is exact; the byte is
-  e + 127 clamped to [0, 254]. An all-zero block stores byte 0 (2^-127).
+- scale: 2^e with e = ceil(log2(max(amax, 6 * 2^-126) / 6)), taken from
+  amax's bits so it is exact; the byte is e + 127. A block whose amax is
+  below 6 * 2^-126 (all-zero blocks included) stores byte 1 (2^-126) and is
+  quantised with that scale. An infinite amax stores byte 255 (E8M0's NaN).
 - values: x / 2^e rounded to the nearest E2M1 value (0, 0.5, 1, 1.5, 2, 3,
   4, 6), ties to the even code, saturated at +-6; the sign bit is kept, so a
   negative value that rounds to zero stores -0.
-- non-finite input: a NaN element is stored as +0 and does not count towards
-  amax; +-inf makes the block's scale 2^127 and stores +-6.
+- NaN elements do not count towards amax (as in AITER) and are stored as
+  +0; AITER leaves their code unspecified. In a block with an infinite
+  element the infinities store +-6 and the finite elements +-0.
+
+The page layout is AITER's preshuffled one (``RocmPagedMxfp4CacheLayout``,
+from AITER's ``cache_format`` for the model's head count): a page's values,
+then its scales, both grouped in runs of ``n_per_tile`` tokens.
 """
 
 import torch
@@ -24,11 +33,6 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
     MXFP4_BLOCK_SIZE,
     RocmPagedMxfp4CacheLayout,
 )
-
-# Keys per program of the stand-alone writer, and its warps: the fastest of
-# 1-128 keys x 1-8 warps on an H200 (docs/mxfp4_indexer_cache_bench.md).
-_TOKENS = 16
-_NUM_WARPS = 2
 
 
 def mxfp4_indexer_row_bytes(head_dim: int) -> int:
@@ -52,12 +56,12 @@ def mxfp4_quantize(vals, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     amax = tl.max(tl.abs(x), axis=2)
 
     # 6 * 2^e >= amax = m * 2^E (m in [1, 2)) gives e = E - 1, or E - 2 when
-    # m <= 1.5. Zero and denormal amax land below -127 and are clamped.
+    # m <= 1.5. Below 6 * 2^-126 (zero and denormal amax too) e is -126; an
+    # infinite amax gives 128, the byte 255.
     bits = amax.to(tl.int32, bitcast=True)
     biased = (bits >> 23) & 0xFF
     exp = biased - 128 - ((bits & 0x7FFFFF) <= 0x400000).to(tl.int32)
-    exp = tl.where(biased == 255, 127, exp)
-    exp = tl.minimum(tl.maximum(exp, -127), 127)
+    exp = tl.where(biased == 255, 128, tl.maximum(exp, -126))
 
     # x / 2^exp, exact: two power-of-two factors built from their bits, so
     # each stays a normal float.
@@ -97,11 +101,12 @@ def mxfp4_paged_cache_store(
 ):
     """Store keys ([ROWS] ``slots``, ``mxfp4_quantize`` output) in
     `RocmPagedMxfp4CacheLayout` order: a page's values, in runs of N_PER_TILE
-    tokens stored [chunk, token, byte], then its scales stored
-    [scale % SCALE_LANES, token, scale // SCALE_LANES]. Negative (padding)
-    slots are skipped."""
+    tokens stored [chunk, token, byte], then its scales, in runs of
+    N_PER_TILE tokens stored [scale % SCALE_LANES, token, scale //
+    SCALE_LANES]. Negative (padding) slots are skipped."""
     VALUE_BYTES: tl.constexpr = HEAD_DIM // 2
-    SCALES_PER_LANE: tl.constexpr = HEAD_DIM // 32 // SCALE_LANES
+    NUM_SCALES: tl.constexpr = HEAD_DIM // 32
+    SCALES_PER_LANE: tl.constexpr = NUM_SCALES // SCALE_LANES
     slots = slots.to(tl.int64)[:, None]
     valid = slots >= 0
     page = tl.where(valid, slots // page_entries, 0)
@@ -117,51 +122,15 @@ def mxfp4_paged_cache_store(
     )
     tl.store(page_ptr + value_off, packed, mask=valid & (b >= 0))
 
-    s = tl.arange(0, HEAD_DIM // 32)[None, :]
+    s = tl.arange(0, NUM_SCALES)[None, :]
     scale_off = (
         page_entries * VALUE_BYTES
-        + s % SCALE_LANES * (page_entries * SCALES_PER_LANE)
-        + entry * SCALES_PER_LANE
+        + entry // N_PER_TILE * (N_PER_TILE * NUM_SCALES)
+        + s % SCALE_LANES * (N_PER_TILE * SCALES_PER_LANE)
+        + entry % N_PER_TILE * SCALES_PER_LANE
         + s // SCALE_LANES
     )
     tl.store(page_ptr + scale_off, scales, mask=valid & (s >= 0))
-
-
-@triton.jit
-def _indexer_k_mxfp4_quant_and_cache_kernel(
-    k_ptr,
-    k_stride,
-    slot_mapping_ptr,
-    num_tokens,
-    cache_ptr,
-    page_stride,
-    page_entries,
-    HEAD_DIM: tl.constexpr,
-    N_PER_TILE: tl.constexpr,
-    D_PER_TILE: tl.constexpr,
-    SCALE_LANES: tl.constexpr,
-    TOKENS: tl.constexpr,
-):
-    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
-    in_range = tokens < num_tokens
-    k = tl.load(
-        k_ptr + tokens[:, None] * k_stride + tl.arange(0, HEAD_DIM)[None, :],
-        mask=in_range[:, None],
-        other=0.0,
-    )
-    packed, scales = mxfp4_quantize(k, TOKENS, HEAD_DIM)
-    mxfp4_paged_cache_store(
-        packed,
-        scales,
-        tl.load(slot_mapping_ptr + tokens, mask=in_range, other=-1),
-        cache_ptr,
-        page_stride,
-        page_entries,
-        HEAD_DIM,
-        N_PER_TILE,
-        D_PER_TILE,
-        SCALE_LANES,
-    )
 
 
 def check_mxfp4_indexer_cache(
@@ -196,34 +165,3 @@ def check_mxfp4_indexer_cache(
             f"{layout} does not tile {kv_cache.shape[1]}-entry pages of "
             f"{head_dim}-value keys"
         )
-
-
-def indexer_k_mxfp4_quant_and_cache(
-    k: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layout: RocmPagedMxfp4CacheLayout,
-) -> None:
-    """Quantise ``k`` [T, D] to MXFP4 and write token t at ``slot_mapping[t]``
-    (skipped when negative). The same store ``fused_norm_rope`` makes after
-    the key's LayerNorm and RoPE, as a kernel of its own."""
-    num_tokens, head_dim = k.shape
-    assert k.stride(1) == 1 and slot_mapping.shape == (num_tokens,)
-    check_mxfp4_indexer_cache(kv_cache, head_dim, layout)
-    if num_tokens == 0:
-        return
-    _indexer_k_mxfp4_quant_and_cache_kernel[(triton.cdiv(num_tokens, _TOKENS),)](
-        k,
-        k.stride(0),
-        slot_mapping,
-        num_tokens,
-        kv_cache,
-        kv_cache.stride(0),
-        kv_cache.shape[1],
-        head_dim,
-        layout.n_per_tile,
-        layout.d_per_tile,
-        layout.scale_lanes,
-        _TOKENS,
-        num_warps=_NUM_WARPS,
-    )

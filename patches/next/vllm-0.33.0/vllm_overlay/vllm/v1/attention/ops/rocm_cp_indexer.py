@@ -6,8 +6,15 @@ Every TP rank holds the same indexer inputs, so without this each rank scores
 all prefill rows. With ``VLLM_ROCM_USE_AITER_CP_INDEXER=1`` each rank scores
 only its own rows (logits and top-k), leaves the other rows at -1, and one
 ``all_reduce(MAX)`` over the prefill rows of ``topk_indices_buffer`` per
-prefill merges the ranks' results: every row holds -1 on all ranks but its
-owner.
+prefill merges the ranks' results.
+
+The MAX merge is only right if every merged row has exactly one writer: the
+top-k kernels emit in atomic order and choose freely among tied columns, so
+two ranks' copies of one row differ, and MAX of two copies holds duplicates
+and loses keys. So the split is decided once per batch, and once a batch
+splits, every chunk is split, short chunks included (a chunk with fewer rows
+than ranks leaves some ranks nothing to score). A batch whose chunks are all
+shorter than the TP size stays replicated and does not merge.
 
 Rows are assigned in stripes over the prefill's own row index, not per chunk:
 the chunker keeps a chunk's logits within VLLM_SPARSE_INDEXER_MAX_LOGITS_MB,
@@ -17,18 +24,36 @@ tp-1, .., 1, 0, ...): a row costs about its causal key count, which grows
 along a prompt, and each pass back and forth gives every rank one cheaper and
 one dearer stripe. A prefill too short for two passes uses smaller stripes so
 that every rank still gets work (see scripts/cp_indexer_cost_model.py).
+
+The settings are read once, when the indexer metadata builder is created,
+and checked to agree across the TP group there: a rank that merges while
+another does not would hang in the collective, and different stripe sizes
+would leave rows that no rank scores.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+import vllm.envs as envs
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+from vllm.distributed.parallel_state import model_parallel_is_initialized
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerPrefillChunkMetadata,
+    )
 
 logger = init_logger(__name__)
 
+ENABLE_ENV = "VLLM_ROCM_USE_AITER_CP_INDEXER"
 STRIPE_SIZE_ENV = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
 
 
@@ -45,11 +70,10 @@ def parse_stripe_size(value: str) -> int:
     return stripe
 
 
-def unsafe_config_reason(vllm_config, dcp_world_size: int, use_pcp: bool) -> str | None:
+def unsafe_config_reason(
+    vllm_config: VllmConfig, dcp_world_size: int, use_pcp: bool
+) -> str | None:
     """Why splitting prefill rows is unsafe in this configuration, if it is."""
-    import vllm.envs as envs
-    from vllm.config import CUDAGraphMode
-
     if dcp_world_size > 1:
         return "decode context parallelism shards the indexer keys"
     if use_pcp:
@@ -60,6 +84,58 @@ def unsafe_config_reason(vllm_config, dcp_world_size: int, use_pcp: bool) -> str
     if mode.mixed_mode() == CUDAGraphMode.FULL:
         return "FULL CUDA graphs capture mixed batches, which split rows cannot"
     return None
+
+
+def _check_ranks_agree(enabled: bool, stripe: str) -> None:
+    """Every TP rank must hold the same settings; raise on every rank, naming
+    the setting and each rank's value, if they do not. The stripe size only
+    matters when the split is on."""
+    group = get_tp_group()
+    settings: list[tuple[bool, str]] = [(False, "")] * group.world_size
+    torch.distributed.all_gather_object(
+        settings, (enabled, stripe), group=group.cpu_group
+    )
+    checked = [(ENABLE_ENV, [on for on, _ in settings])]
+    if all(on for on, _ in settings):
+        checked.append((STRIPE_SIZE_ENV, [size for _, size in settings]))
+    for name, values in checked:
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(
+                f"{name} differs across the TP ranks ({per_rank}); the CP "
+                "indexer needs the same value on every rank"
+            )
+
+
+def cp_indexer_stripe_at_startup(
+    vllm_config: VllmConfig, tp_size: int, dcp_world_size: int, use_pcp: bool
+) -> int | None:
+    """The stripe size when this engine splits the indexer prefill, else None.
+
+    Called once per indexer metadata builder at engine start, on every rank:
+    it checks that the TP ranks agree on the settings (a collective on the
+    TP group's CPU group), validates the stripe size and says why the split
+    stays off in an unsafe configuration."""
+    # vllm._aiter_ops imports the indexer backend, which imports this module.
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    if tp_size < 2 or not current_platform.is_rocm():
+        return None
+    enabled = bool(rocm_aiter_ops.is_cp_indexer_enabled())
+    raw_stripe = envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
+    # Engines always build the TP group before the attention backends; only
+    # a builder made outside an engine (a unit test) has no group to ask.
+    if model_parallel_is_initialized():
+        _check_ranks_agree(enabled, raw_stripe)
+    if not enabled:
+        return None
+    stripe = parse_stripe_size(raw_stripe)
+    reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
+    if reason is not None:
+        logger.info("CP indexer stays off (replicated prefill): %s.", reason)
+        return None
+    logger.info("CP indexer on: %d TP ranks, stripes of %d rows.", tp_size, stripe)
+    return stripe
 
 
 @dataclass(frozen=True)
@@ -89,33 +165,23 @@ class CPIndexerSplit:
 
 
 def plan_cp_indexer_split(
-    vllm_config,
-    dcp_world_size: int,
-    use_pcp: bool,
+    max_stripe: int | None,
     tp_size: int,
     num_decode_tokens: int,
     num_prefill_tokens: int,
+    chunk_rows: Sequence[int],
 ) -> CPIndexerSplit | None:
-    """The split for this step's prefill, or None to score rows replicated.
+    """This step's split of the prefill rows, or None to score them
+    replicated: when the split is off, or when every chunk (``chunk_rows``:
+    the rows of each) is shorter than the TP size.
 
     Called by the indexer metadata builder on every rank with the same inputs,
     so every rank takes the same decision and the merge's collective matches.
     """
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    if tp_size < 2 or not rocm_aiter_ops.is_cp_indexer_enabled():
-        return None
-    reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
-    if reason is not None:
-        logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
-        return None
-    if num_prefill_tokens < tp_size:
+    if max_stripe is None or all(rows < tp_size for rows in chunk_rows):
         return None
     return CPIndexerSplit.for_prefill(
-        tp_size,
-        rocm_aiter_ops.get_cp_indexer_stripe_size(),
-        num_decode_tokens,
-        num_prefill_tokens,
+        tp_size, max_stripe, num_decode_tokens, num_prefill_tokens
     )
 
 
@@ -180,26 +246,22 @@ class CPIndexerPrefill:
         self.split = None if has_candidate_blocks else split
         self.rank = 0
         if self.split is not None:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
             self.rank = get_tensor_model_parallel_rank()
-        self.any_split = False
 
-    def rows(self, chunk) -> ChunkRows:
+    def rows(self, chunk: DeepseekV32IndexerPrefillChunkMetadata) -> ChunkRows:
+        """This rank's rows of ``chunk``: its own ones once the batch splits
+        (possibly none), else all of them."""
         start, end = chunk.token_start, chunk.token_end
-        if self.split is None or end - start < self.split.world_size:
+        if self.split is None:
             return ChunkRows(start, end, None)
         owners = self.split.owner(torch.arange(start, end))
-        self.any_split = True
         return ChunkRows(start, end, torch.nonzero(owners == self.rank).flatten())
 
     def merge(self, topk_indices_buffer: torch.Tensor) -> None:
-        """all_reduce(MAX) over the prefill rows, once per prefill; nothing
-        runs when no chunk was split."""
-        if self.split is None or not self.any_split:
+        """all_reduce(MAX) over the prefill rows, once per prefill, on every
+        rank alike; nothing runs when the batch is not split."""
+        if self.split is None:
             return
-        from vllm.distributed import get_tp_group
-
         first, count = self.split.first_row, self.split.num_rows
         rows = topk_indices_buffer[first : first + count]
         merged = rows if rows.is_contiguous() else rows.contiguous()
