@@ -137,3 +137,29 @@ def test_aiter_prefill_wrapper_matches_in_tree_on_long_packed_rows(device):
         topk_reference.assert_prefill_paths_agree(
             [2600, 3100, 2049, 4000], K, device, seed=7
         )
+
+
+def test_a_32k_prefill_takes_aiter_through_the_gate_and_selects_the_top_keys(
+    monkeypatch,
+):
+    """Rows of 32,761-32,768 keys (an extend of 8 tokens on 32,760 cached):
+    the real 32K gate sends the chunk to AITER's top-k, and each row holds
+    its 2,048 best keys by vLLM's own torch logits, sequence-local (compared
+    as sets, by score where scores tie)."""
+    requests = [(32760, 8)]
+    with emulate_rocm("gfx950"):
+        calls = Calls(monkeypatch)
+        config = indexer_batch.make_vllm_config(max_len=33024)
+        builder = indexer_batch.make_builder(config, monkeypatch)
+        batch = indexer_batch.build_batch(
+            builder, requests, cache_new_keys=True, torch_context=True
+        )
+        got = indexer_batch.run_indexer(
+            batch, K, skip_k_cache_insert=True, torch_gather=True
+        )
+    assert [c.max_seqlen_k for c in batch.metadata.prefill.chunks] == [32768]
+    assert len(calls.prefill) == 1, "the 32K chunk must take AITER's top-k"
+    logits = batch.reference_logits()
+    expected = logits.topk(K, dim=1).indices.to(torch.int32)
+    topk_reference.assert_same_selection(logits, got, expected, batch.row_ends, K)
+    _assert_rows_valid(got, batch.row_ends)

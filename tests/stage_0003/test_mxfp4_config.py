@@ -52,10 +52,13 @@ NOT_DSA = [
 def _config(
     model=DEEPSEEK_V32,
     kv_dtype="mxfp4",
-    block_size=64,
+    block_size: int | None = 64,
     dcp=1,
     pcp=1,
 ):
+    """A config as vLLM has it at model construction; ``block_size`` as
+    given with --block-size, None for no --block-size (vLLM's default then,
+    until update_block_size_for_backend picks one)."""
     config = indexer_batch.make_vllm_config()
     model_type, architectures = model
     hf_config = SimpleNamespace(
@@ -67,7 +70,9 @@ def _config(
     config.model_config.hf_config = hf_config
     config.model_config.hf_text_config = hf_config
     config.attention_config.indexer_kv_dtype = kv_dtype
-    config.cache_config.block_size = block_size
+    if block_size is not None:
+        config.cache_config.block_size = block_size
+        config.cache_config.user_specified_block_size = True
     config.parallel_config.decode_context_parallel_size = dcp
     config.parallel_config.prefill_context_parallel_size = pcp
     return config
@@ -107,6 +112,31 @@ def test_startup_errors(platform, overrides, match):
     arch, _, rest = platform.partition(" ")
     with emulate_rocm(arch, aiter=not rest), pytest.raises(ValueError, match=match):
         dsa_indexer_uses_fp4(_config(**overrides))
+
+
+def test_the_documented_command_needs_no_block_size(monkeypatch):
+    """`--attention-config '{"indexer_kv_dtype": "mxfp4"}'` alone: the model
+    builds on vLLM's default block size, then vLLM's own block-size step
+    (Platform.update_block_size_for_backend, run after the model is built)
+    picks a size the MLA and the MXFP4 indexer backends both take: 64."""
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.mla.rocm_aiter_mla_sparse import (
+        ROCMAiterMLASparseBackend,
+    )
+
+    config = _config(block_size=None)
+    config.model_config.is_hybrid = False  # the stand-in ModelConfig's gap
+    assert not config.cache_config.user_specified_block_size
+    with emulate_rocm("gfx950"):
+        assert dsa_indexer_uses_fp4(config)
+        # The layers' backends, as the built model reports them.
+        backends = [ROCMAiterMLASparseBackend, DeepseekV32RocmMxfp4IndexerBackend]
+        monkeypatch.setattr(
+            Platform, "_find_non_ssm_backends", classmethod(lambda cls, c: backends)
+        )
+        with set_current_vllm_config(config):
+            Platform.update_block_size_for_backend(config)
+    assert config.cache_config.block_size == 64
 
 
 def test_v41_keeps_its_own_rules():
