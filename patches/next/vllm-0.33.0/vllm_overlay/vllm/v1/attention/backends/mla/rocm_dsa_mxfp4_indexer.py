@@ -55,8 +55,15 @@ def check_dsa_mxfp4_indexer_config(vllm_config: "VllmConfig") -> None:
             f"prefill_context_parallel_size={pcp}); use the FP8 indexer cache "
             "(indexer_kv_dtype='fp8') with DCP/PCP."
         )
-    block_size = vllm_config.cache_config.block_size
-    if block_size is not None and block_size not in DSA_MXFP4_BLOCK_SIZES:
+    # Without --block-size, vLLM picks a size every backend supports after
+    # the model is built (update_block_size_for_backend), 64 or 128 here;
+    # until then block_size holds the generic default.
+    cache_config = vllm_config.cache_config
+    block_size = cache_config.block_size
+    if (
+        cache_config.user_specified_block_size
+        and block_size not in DSA_MXFP4_BLOCK_SIZES
+    ):
         raise ValueError(
             f"indexer_kv_dtype='mxfp4' needs --block-size 64 or 128 (the "
             f"paged MXFP4 kernel's pages), got {block_size}."
