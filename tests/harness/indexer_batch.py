@@ -134,26 +134,29 @@ class IndexerBatch:
     row_requests: torch.Tensor  # the request of each real row
     block_table: torch.Tensor
 
-    def reference_logits(self) -> torch.Tensor:
-        """fp32 ``[real rows, longest row]``: each row's scores over its own
-        sequence's keys read back from the cache (which must hold the step's
-        keys: ``cache_new_keys``), by vLLM's torch reference; -inf past the
-        row's end. Compares top-k results where scores tie."""
+    def reference_logits(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 ``[len(rows), longest row]`` (all real rows by default): each
+        row's scores over its own sequence's keys read back from the cache
+        (which must hold the step's keys: ``cache_new_keys``), by vLLM's
+        torch reference; -inf past the row's end. Compares top-k results
+        where scores tie."""
         from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_mqa_logits_torch
 
-        rows = self.row_ends.numel()
-        width = int(self.row_ends.max())
-        out = torch.full((rows, width), float("-inf"))
-        for req in self.row_requests.unique().tolist():
-            mine = torch.nonzero(self.row_requests == req).flatten()
-            ends = self.row_ends[mine]
+        if rows is None:
+            rows = torch.arange(self.row_ends.numel())
+        row_ends, row_requests = self.row_ends[rows], self.row_requests[rows]
+        width = int(row_ends.max())
+        out = torch.full((rows.numel(), width), float("-inf"))
+        for req in row_requests.unique().tolist():
+            mine = torch.nonzero(row_requests == req).flatten()
+            ends = row_ends[mine]
             keys = read_paged_k(
                 self.kv_cache.cpu(), self.block_table[req], int(ends.max()), HEAD_DIM
             )
             logits = fp8_mqa_logits_torch(
-                self.q_fp8[mine].cpu(),
+                self.q_fp8[rows[mine]].cpu(),
                 (keys, torch.ones(keys.shape[0])),
-                self.weights[mine].cpu(),
+                self.weights[rows[mine]].cpu(),
                 torch.zeros_like(ends, dtype=torch.int32),
                 ends.to(torch.int32),
             )
@@ -178,7 +181,8 @@ def build_batch(
     With ``cache_new_keys`` the step's own keys are cached here too, for a
     run with ``skip_k_cache_insert`` (as vLLM does when another layer owns
     the insert): multi-rank tests build once and fork. ``torch_context``
-    writes the context with the torch writer (for long contexts); without
+    writes the context (and such new keys) with the torch writer, for long
+    contexts; without
     ``write_cache`` the cache stays zero (dispatch-only tests)."""
     from vllm.v1.attention.backends.utils import CommonAttentionMetadata
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
@@ -227,7 +231,9 @@ def build_batch(
     weights = torch.randn(rows, heads, generator=gen)
     q_fp8, k, weights = q_fp8.to(device), k.to(device), weights.to(device)
     slot_mapping = torch.cat(new_slots).to(device)
-    if cache_new_keys:
+    if cache_new_keys and torch_context:
+        write_paged_k(kv_cache, slot_mapping, k[:num_tokens])
+    elif cache_new_keys:
         indexer_k_quant_and_cache_triton(
             k[:num_tokens], kv_cache, slot_mapping, QUANT_BLOCK, SCALE_FMT
         )

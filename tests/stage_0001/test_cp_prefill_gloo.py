@@ -355,3 +355,43 @@ def test_the_profiling_run_makes_no_collective(monkeypatch):
             )
     assert reduces == []
     assert out is buffer and buffer.eq(7).all()  # untouched by the dummy run
+
+
+def _tail_batch():
+    """The layout that exposed the duplicate-row bug: vLLM's chunker, at its
+    default 512 MiB logits budget, splits a 6,711-row slice at 40,000 keys
+    into 3,355 / 3,355 / 1 rows. One indexer head keeps the CPU cost down."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+        with emulate_rocm("gfx950"):
+            config = indexer_batch.make_vllm_config(
+                tp_size=8, max_len=40960, max_tokens=8192
+            )
+            builder = indexer_batch.make_builder(config, monkeypatch)
+            return indexer_batch.build_batch(
+                builder,
+                [(33289, 6711)],
+                cache_new_keys=True,
+                torch_context=True,
+                heads=1,
+            )
+
+
+def test_the_3355_3355_1_layout_at_tp8_and_40000_keys():
+    batch = _tail_batch()
+    chunks = batch.metadata.prefill.chunks
+    assert [c.token_end - c.token_start for c in chunks] == [3355, 3355, 1]
+    ranks = run_ranks(8, _run_all, {"tail": batch})
+    written = torch.stack(
+        [(r["tail"]["before_merge"] >= 0).any(dim=1) for r in ranks]
+    ).sum(dim=0)
+    assert written.eq(1).all(), "each of the 6,711 rows needs exactly one writer"
+    # Every 97th row and the last ones, against vLLM's torch logits.
+    rows = torch.cat([torch.arange(0, 6711, 97), torch.tensor([6709, 6710])])
+    logits = batch.reference_logits(rows)
+    expected = logits.topk(TOPK, dim=1).indices.to(torch.int32)
+    for result in ranks:
+        assert result["tail"]["reduces"] == [(6711, TOPK)]
+        topk_reference.assert_same_selection(
+            logits, result["tail"]["out"][rows], expected, batch.row_ends[rows], TOPK
+        )
