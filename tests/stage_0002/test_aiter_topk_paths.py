@@ -95,7 +95,7 @@ def test_decode_takes_aiter_with_exact_row_ends(monkeypatch, width, next_n):
 
 
 def _prefill(monkeypatch, min_keys: int):
-    """Packed prefill, one chunk; AITER takes chunks whose longest row has
+    """Packed prefill, one chunk; AITER takes chunks whose longest request has
     at least ``min_keys`` keys (lowered so small chunks reach it)."""
     monkeypatch.setattr(gate, "AITER_PREFILL_MIN_KEYS", min_keys)
     requests = [(0, 30), (70, 25), (2, 40)]

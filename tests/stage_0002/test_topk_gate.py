@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Stage 0002: the top-k dispatch table through the real patched gate, and
-the chunk's longest row carried as a host int by vLLM's metadata builder."""
+the longest sequence of a chunk's requests carried as a host int by vLLM's
+metadata builder."""
 
 from __future__ import annotations
 
