@@ -98,7 +98,7 @@ def test_fp8_stays_the_default(kv_dtype):
         ("gfx950", {"model": NOT_DSA[1]}, "only supported for"),
         ("gfx950", {"model": NOT_DSA[2]}, "only supported for"),
         ("gfx942", {}, "requires CDNA4"),
-        ("gfx950 without AITER", {}, "VLLM_ROCM_USE_AITER=1"),
+        ("gfx950 without AITER", {}, "the aiter package is not installed"),
         ("gfx950", {"dcp": 2}, "context parallelism"),
         ("gfx950", {"pcp": 2}, "context parallelism"),
         ("gfx950", {"block_size": 16}, "--block-size 64 or 128"),
@@ -112,6 +112,16 @@ def test_startup_errors(platform, overrides, match):
     arch, _, rest = platform.partition(" ")
     with emulate_rocm(arch, aiter=not rest), pytest.raises(ValueError, match=match):
         dsa_indexer_uses_fp4(_config(**overrides))
+
+
+def test_aiter_installed_but_switched_off_says_how_to_switch_it_on(monkeypatch):
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    with emulate_rocm("gfx950"):
+        monkeypatch.setenv("VLLM_ROCM_USE_AITER", "0")
+        rocm_aiter_ops.refresh_env_variables()
+        with pytest.raises(ValueError, match="enable aiter with VLLM_ROCM_USE_AITER=1"):
+            dsa_indexer_uses_fp4(_config())
 
 
 def test_the_documented_command_needs_no_block_size(monkeypatch):

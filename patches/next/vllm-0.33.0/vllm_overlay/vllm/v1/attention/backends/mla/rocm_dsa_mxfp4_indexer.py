@@ -43,8 +43,19 @@ def is_dsa_v32_style_model(vllm_config: "VllmConfig") -> bool:
 
 
 def check_dsa_mxfp4_indexer_config(vllm_config: "VllmConfig") -> None:
-    """Raise ValueError for a parallel or cache config the MXFP4 indexer of a
-    DeepSeek-V3.2-style model cannot serve."""
+    """Raise ValueError for an environment, parallel or cache config the
+    MXFP4 indexer of a DeepSeek-V3.2-style model cannot serve."""
+    # A module attribute, read late: vllm._aiter_ops imports the indexer
+    # backend, which imports this module.
+    import vllm._aiter_ops as aiter_ops
+
+    if not aiter_ops.IS_AITER_FOUND:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' on ROCm runs on AITER's paged MXFP4 "
+            "kernels, but the aiter package is not installed in this Python "
+            "environment; install AITER (vLLM's ROCm image ships it) or use "
+            "the FP8 indexer cache (indexer_kv_dtype='fp8')."
+        )
     parallel = vllm_config.parallel_config
     dcp = parallel.decode_context_parallel_size
     pcp = parallel.prefill_context_parallel_size
