@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import time
@@ -65,7 +66,11 @@ def _worker(
                 tensor_model_parallel_size=world_size
             )
             try:
-                results.put((rank, "ok", fn(rank, world_size, *args)))
+                # Pickled by value: the queue's own pickler would share tensor
+                # storage through a file descriptor this process serves, and
+                # it exits right after (the parent then reads a reset socket).
+                value = pickle.dumps(fn(rank, world_size, *args))
+                results.put((rank, "ok", value))
             finally:
                 parallel_state.destroy_model_parallel()
                 parallel_state.destroy_distributed_environment()
@@ -115,7 +120,7 @@ def run_ranks(
                     errors.append("every rank exited, some without a result")
                 continue
             if status == "ok":
-                collected[rank] = value
+                collected[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
     finally:
