@@ -17,7 +17,10 @@ see shared/AITER_CONTRACTS.md, which records the lines):
   and per call (``harness.adversary``).
 - AITER prefill indices are chunk-global columns (``rowIt + rowStart``, .cu
   ~L2227); ``torch.ops._C.top_k_per_row_prefill`` writes them relative to the
-  row's start (vLLM csrc/sampler.cu; sequence-local).
+  row's start (sequence-local). Assumption: not read in vLLM's
+  csrc/sampler.cu here; vLLM's own op and its AITER adapter
+  (``_localize_aiter_prefill_topk``, which subtracts the row start) rely on
+  it.
 - Decode rows start at 0. With 1-D ``seq_lens`` ``[B]`` row ``r`` ends at
   ``seq_lens[r // next_n] - next_n + r % next_n + 1`` (AITER .cu ~L2198);
   with 2-D ``[B, next_n]`` vLLM's kernel ends it at ``seq_lens.flatten()[r]``
