@@ -112,21 +112,17 @@ def _write(indices: torch.Tensor, result: torch.Tensor, num_rows: int) -> None:
     indices[:num_rows, : result.shape[1]] = result[:num_rows].to(indices.dtype)
 
 
-def _storage_view(t: torch.Tensor, count: int) -> torch.Tensor | None:
-    """``count`` elements of ``t``'s memory from its first element on, flat
-    (what a kernel given the raw pointer sees), or None past the storage."""
-    available = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    if count > available:
-        return None
-    return t.as_strided((count,), (1,))
+def _elements_from(t: torch.Tensor) -> int:
+    """How many elements of ``t``'s storage lie from its first element on:
+    what a kernel handed the raw pointer can reach."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
 
 
 def _rows_by_pitch(logits: torch.Tensor, num_rows: int, stride0: int) -> torch.Tensor:
     """AITER's reading of the logits: row r at ``stride0 * r``, unit column
     stride, ``stride1`` ignored; memory past the storage reads as poison."""
     flat = logits.new_full((num_rows * stride0,), adversary.POISON)
-    available = logits.untyped_storage().nbytes() // 4 - logits.storage_offset()
-    count = min(flat.numel(), available)
+    count = min(flat.numel(), _elements_from(logits))
     flat[:count] = logits.as_strided((count,), (1,))
     return flat.view(num_rows, stride0)
 
@@ -134,12 +130,12 @@ def _rows_by_pitch(logits: torch.Tensor, num_rows: int, stride0: int) -> torch.T
 def _aiter_write(indices: torch.Tensor, result: torch.Tensor, num_rows: int) -> None:
     """AITER writes row r at ``indices + r * k``, whatever the strides."""
     k = result.shape[1]
-    flat = _storage_view(indices, num_rows * k)
-    if flat is None:
+    if num_rows * k > _elements_from(indices):
         raise RuntimeError(
             f"AITER top-k would write {num_rows} x {k} indices past the end of "
             "the output tensor's memory"
         )
+    flat = indices.as_strided((num_rows * k,), (1,))
     flat.copy_(result[:num_rows].reshape(-1).to(indices.dtype))
 
 
