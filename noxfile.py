@@ -3,7 +3,8 @@
 
 nox -s apply-and-test     fetch, apply every stage, test each stage's tree
 nox -s apply [-- STAGE]   the patched tree, optionally only up to STAGE
-nox -s "tests(base)"      test one stage's tree (also tests(0001), ...)
+nox -s "tests(base)"      test one stage's tree (also tests(0001), ...);
+                          both run `python -m scripts.series test`
 nox -s lint               pre-commit on every file
 nox -s check-patches      committed patches == a fresh export
 nox -s refresh | status   write patches/ from the tree | show the tree
@@ -29,15 +30,6 @@ sys.path.insert(0, str(ROOT))
 from scripts.series.config import Series, load_series  # noqa: E402
 from scripts.series.prepare import workdir  # noqa: E402
 from scripts.series.rebase import review_is_current  # noqa: E402
-from scripts.series.testrun import (  # noqa: E402
-    PytestRun,
-    Tally,
-    format_summary,
-    read_junit,
-    results_dir,
-    stage_runs,
-    tooling_run,
-)
 
 SERIES_FILE = ROOT / "patches" / "series.toml"
 SERIES = load_series(SERIES_FILE)
@@ -108,68 +100,11 @@ def _install_cpu_deps(session: nox.Session, series: Series = SERIES) -> None:
     stamp.write_text(key)
 
 
-def _run_pytest(session: nox.Session, run: PytestRun) -> Tally:
-    run.junit.parent.mkdir(parents=True, exist_ok=True)
-    run.junit.unlink(missing_ok=True)
-    session.log(f"{run.label}")
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        *run.args,
-        *session.posargs,
-        env=run.env,
-        success_codes=[0, 1, 5],
+def _stage_tree(session: nox.Session, stage_id: str) -> Path:
+    tree = session.run(
+        "python", "-m", "scripts.series", "tree", stage_id, silent=True, external=True
     )
-    return read_junit(run.junit)
-
-
-def _stage_tree(
-    session: nox.Session, stage_id: str, series: Path = SERIES_FILE
-) -> Path:
-    tree = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.series",
-            "--series",
-            str(series),
-            "tree",
-            stage_id,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if tree.returncode != 0:
-        session.error(tree.stderr.strip())
-    return Path(tree.stdout.strip())
-
-
-def _test_stage(
-    session: nox.Session, stage_id: str, series_file: Path = SERIES_FILE
-) -> Tally:
-    series = load_series(series_file)
-    tree = _stage_tree(session, stage_id, series_file)
-    base_tree = _stage_tree(session, "base", series_file)
-    tally = Tally()
-    for run in stage_runs(series, stage_id, tree, base_tree):
-        tally.add(_run_pytest(session, run))
-    return tally
-
-
-def _report(
-    session: nox.Session, rows: list[tuple[str, Tally]], series: Series = SERIES
-) -> None:
-    summary = format_summary(rows)
-    out = results_dir(series) / "summary.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(summary + "\n")
-    print("\n" + summary + "\n", flush=True)
-    session.log(f"summary written to {out.relative_to(ROOT)}")
-    if any(t.failed for _, t in rows):
-        session.error("some tests failed (see the table above)")
+    return Path(str(tree).strip())
 
 
 @nox.session(venv_backend="none")
@@ -185,7 +120,7 @@ def tests(session: nox.Session, stage: str) -> None:
     """Test one stage's tree (base + stages up to it); -- ARGS go to pytest."""
     _series(session, "apply", "--upto", stage)
     _install_cpu_deps(session)
-    _report(session, [(stage, _test_stage(session, stage))])
+    _series(session, "test", stage, "--", *session.posargs)
 
 
 @nox.session(name="apply-and-test")
@@ -194,11 +129,10 @@ def apply_and_test(session: nox.Session) -> None:
     started = time.monotonic()
     _series(session, "apply")
     _install_cpu_deps(session)
-    rows = [("tooling", _run_pytest(session, tooling_run(SERIES)))]
-    for stage_id in STAGE_IDS:
-        rows.append((stage_id, _test_stage(session, stage_id)))
-    session.log(f"apply-and-test took {time.monotonic() - started:.0f} s")
-    _report(session, rows)
+    try:
+        _series(session, "test", "--tooling", "--", *session.posargs)
+    finally:
+        session.log(f"apply-and-test took {time.monotonic() - started:.0f} s")
 
 
 @nox.session
@@ -224,17 +158,9 @@ def rebased(session: nox.Session) -> None:
                 "patches/; rebase again (nox -s rebase -- ...): the recorded "
                 "conflict resolutions are replayed"
             )
-        series = load_series(series_file)
         _series(session, "apply", series=series_file)
-        _install_cpu_deps(session, series)
-        rows = [
-            (
-                f"{series.base.label} {stage_id}",
-                _test_stage(session, stage_id, series_file),
-            )
-            for stage_id in ["base", *(s.id for s in series.stages)]
-        ]
-        _report(session, rows, series)
+        _install_cpu_deps(session, load_series(series_file))
+        _series(session, "test", "--", *session.posargs, series=series_file)
 
 
 @nox.session

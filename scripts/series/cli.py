@@ -22,6 +22,7 @@ from scripts.series.fetch import fetch_sdist
 from scripts.series.pr_export import export_stages
 from scripts.series.prepare import prepare
 from scripts.series.status import format_status, tree_status
+from scripts.series.testrun import format_summary, results_dir, run_tests
 from scripts.series.trees import stage_tree
 
 
@@ -50,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("stage", nargs="?", help="only this stage (and what it needs)")
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
+    test = sub.add_parser(
+        "test",
+        help="test stages' trees (default: all) with this Python; -- ARGS go to pytest",
+    )
+    test.add_argument("stages", nargs="*", help="'base' and/or stage ids")
+    test.add_argument("--tooling", action="store_true", help="also test the tool")
+    test.add_argument(
+        "--jobs", type=int, default=0, help="pytest runs at once (default: CPUs)"
+    )
     reb = sub.add_parser(
         "rebase",
         help="rebase the stages onto a newer vLLM (sdist or git checkout)",
@@ -103,8 +113,30 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
     return 0
 
 
+def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
+    stage_ids = args.stages or ["base", *(s.id for s in series.stages)]
+    for stage_id in stage_ids:
+        if stage_id != "base":
+            series.stage(stage_id)
+    rows = run_tests(
+        series, stage_ids, tooling=args.tooling, jobs=args.jobs, extra=extra
+    )
+    summary = format_summary(rows)
+    out = results_dir(series) / "summary.md"
+    out.write_text(f"{summary}\n")
+    print(f"\n{series.base.label}\n\n{summary}\n\nwritten to {out}")
+    return 1 if any(tally.failed for _, tally in rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = _parser().parse_args(argv)
+    if extra and args.command != "test":
+        _parser().error(f"`{args.command}` takes no arguments after --")
     try:
         series = load_series(args.series)
         if args.command == "fetch":
@@ -139,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {pr.patch}\n  {pr.description}")
         elif args.command == "tree":
             print(stage_tree(series, args.stage))
+        elif args.command == "test":
+            return _test(series, args, extra)
         elif args.command == "rebase":
             return _rebase(series, args)
     except SeriesError as exc:

@@ -4,19 +4,30 @@
 A stage's tree holds the base plus stages 1..N. It runs the base tests, the
 stage's own tests and the regression selection of vLLM's own tests; the top
 stage's tree (the one users serve) runs every stage's tests, so a later stage
-that breaks an earlier one is caught there. Results come back as
-JUnit XML, one file per run, and are summed into one table.
+that breaks an earlier one is caught there. The runs are independent
+processes and run side by side (one per CPU by default), the longest first
+by their last result. Results come back as JUnit XML, one file per run, and
+are summed into one table.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from scripts.series.config import Series
 from scripts.series.prepare import BUILD_DIR_NAME
+from scripts.series.trees import stage_tree
 
 TREE_ENV = "DSA_VLLM_TREE"
 STAGES_ENV = "DSA_STAGES"
@@ -38,8 +49,9 @@ CPU_ENV = {
 @dataclass(frozen=True)
 class PytestRun:
     """One pytest invocation: arguments (after ``python -m pytest``), env, and
-    where it writes its JUnit XML."""
+    where it writes its JUnit XML. ``row`` is its line in the summary."""
 
+    row: str
     label: str
     args: tuple[str, ...]
     env: dict[str, str]
@@ -69,6 +81,7 @@ def stage_runs(
     }
     runs = [
         PytestRun(
+            stage_id,
             "series tests",
             (*own_dirs, f"--junitxml={out / 'series.xml'}", "-q"),
             env,
@@ -80,6 +93,7 @@ def stage_runs(
         plugin = ("-p", suite.plugin) if suite.plugin else ()
         runs.append(
             PytestRun(
+                stage_id,
                 f"vLLM tests ({suite.name})",
                 (
                     "--noconftest",
@@ -103,6 +117,7 @@ def stage_runs(
 def tooling_run(series: Series) -> PytestRun:
     junit = results_dir(series) / "tooling.xml"
     return PytestRun(
+        "tooling",
         "tooling tests",
         (str(series.tests_dir / "tooling"), f"--junitxml={junit}", "-q"),
         {},
@@ -172,3 +187,68 @@ def format_summary(rows: list[tuple[str, Tally]]) -> str:
     if failures:
         lines += ["", "Failed:"] + [f"- {f}" for f in failures]
     return "\n".join(lines)
+
+
+def _last_duration(run: PytestRun) -> float:
+    """Seconds the run took last time (unknown: infinite, so it starts first)."""
+    try:
+        suite = next(ET.parse(run.junit).getroot().iter("testsuite"))
+        return float(suite.get("time", "inf"))
+    except (OSError, ET.ParseError, StopIteration, ValueError):
+        return math.inf
+
+
+_PRINT_LOCK = threading.Lock()
+
+
+def _run_one(run: PytestRun, python: str, extra: Sequence[str], cwd: Path) -> Tally:
+    run.junit.parent.mkdir(parents=True, exist_ok=True)
+    run.junit.unlink(missing_ok=True)
+    done = subprocess.run(
+        [python, "-m", "pytest", *run.args, *extra],
+        env={**os.environ, **run.env},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        check=False,
+    )
+    tally = read_junit(run.junit)
+    # 0: passed, 1: some failed, 5: nothing collected; the rest is pytest
+    # itself failing (usage, internal error, interrupted).
+    if done.returncode not in (0, 1, 5):
+        tally.failed += 1
+        tally.failures.append(f"{run.row} {run.label}: pytest exited {done.returncode}")
+    with _PRINT_LOCK:
+        print(f"=== {run.row}: {run.label}\n{done.stdout}", flush=True)
+    return tally
+
+
+def run_tests(
+    series: Series,
+    stage_ids: Sequence[str],
+    *,
+    tooling: bool,
+    python: str = sys.executable,
+    jobs: int = 0,
+    extra: Sequence[str] = (),
+) -> list[tuple[str, Tally]]:
+    """Run the tooling tests (if asked) and each stage's runs, ``jobs`` at a
+    time (0: one per CPU); return one tally per summary row, in order."""
+    base_tree = stage_tree(series, "base")
+    runs = [tooling_run(series)] if tooling else []
+    for stage_id in stage_ids:
+        runs += stage_runs(series, stage_id, stage_tree(series, stage_id), base_tree)
+    started = time.monotonic()
+    # Reversed first: with no results yet, the top tree's runs lead.
+    order = sorted(reversed(runs), key=_last_duration, reverse=True)
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        tallies = list(
+            pool.map(lambda run: _run_one(run, python, extra, series.root), order)
+        )
+    print(f"{len(runs)} pytest runs took {time.monotonic() - started:.0f} s")
+    rows: dict[str, Tally] = {run.row: Tally() for run in runs}
+    for run, tally in zip(order, tallies, strict=True):
+        rows[run.row].add(tally)
+    return list(rows.items())

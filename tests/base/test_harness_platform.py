@@ -109,3 +109,56 @@ def test_the_torch_k_gather_matches_vllms_gather_kernel():
         outputs.append((k_fp8.view(torch.uint8), k_scale))
     assert torch.equal(outputs[0][0], outputs[1][0])
     assert torch.equal(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize(
+    "query_slice, dcp_rank, dcp_world, interleave, ratio",
+    [
+        (None, 0, 1, 1, 1),
+        (slice(700, 1900), 0, 1, 1, 1),
+        (slice(0, 1100), 0, 1, 1, 4),
+        (None, 1, 2, 1, 1),
+        (slice(300, 2500), 2, 4, 8, 1),
+    ],
+)
+def test_the_torch_chunk_metadata_matches_vllms_kernel(
+    query_slice, dcp_rank, dcp_world, interleave, ratio
+):
+    """Long test contexts build prefill chunk metadata with torch; every
+    output must equal what vLLM's Triton kernel writes, over a chunk of
+    requests with and without context (a request longer than the kernel's
+    1,024-token block), query slices and DCP shards."""
+    from harness.chunk_metadata import torch_chunk_metadata
+    from vllm.v1.attention.backends.mla.indexer import build_prefill_chunk_metadata
+
+    query_lens = torch.tensor([5, 1500, 300, 700], dtype=torch.int32)
+    contexts = torch.tensor([0, 2000, 0, 90], dtype=torch.int32)
+    seq_lens = contexts + query_lens
+    query_start_loc = torch.zeros(5, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    compressed = seq_lens // ratio
+
+    def build():
+        chunk = build_prefill_chunk_metadata(
+            1,
+            4,
+            query_start_loc,
+            query_start_loc,
+            seq_lens,
+            compressed,
+            compressed,
+            torch.zeros(4, 64, dtype=torch.int32),
+            ratio,
+            query_slice=query_slice,
+            dcp_rank=dcp_rank,
+            dcp_world_size=dcp_world,
+            cp_kv_cache_interleave_size=interleave,
+        )
+        assert chunk is not None
+        return chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, chunk.token_to_seq
+
+    by_kernel = build()
+    with torch_chunk_metadata():
+        by_torch = build()
+    for kernel_out, torch_out in zip(by_kernel, by_torch, strict=True):
+        assert torch.equal(kernel_out, torch_out)

@@ -16,12 +16,13 @@ vLLM orders them.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
+from harness.chunk_metadata import torch_chunk_metadata
 from harness.indexer_k_cache import gather_paged_k, read_paged_k, write_paged_k
 
 HEADS = 4
@@ -181,9 +182,11 @@ def build_batch(
     With ``cache_new_keys`` the step's own keys are cached here too, for a
     run with ``skip_k_cache_insert`` (as vLLM does when another layer owns
     the insert): multi-rank tests build once and fork. ``torch_context``
-    writes the context (and such new keys) with the torch writer, for long
-    contexts; without
-    ``write_cache`` the cache stays zero (dispatch-only tests)."""
+    is for long contexts: the context (and such new keys) is written with
+    the torch writer, and the builder's prefill chunk metadata is computed
+    by the torch equivalent of its kernel (both checked against the Triton
+    kernels in tests/base). Without ``write_cache`` the cache stays zero
+    (dispatch-only tests)."""
     from vllm.v1.attention.backends.utils import CommonAttentionMetadata
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         FP8_DTYPE,
@@ -253,7 +256,8 @@ def build_batch(
         slot_mapping=slot_mapping,
         seq_lens_cpu_upper_bound=seq_lens,
     )
-    metadata = builder.build(0, common)
+    with torch_chunk_metadata() if torch_context else nullcontext():
+        metadata = builder.build(0, common)
     return IndexerBatch(
         vllm_config=builder.vllm_config,
         metadata=metadata,

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 from scripts.series.config import REPO_ROOT
-from tests.tooling.conftest import Project, sh
+from tests.tooling.conftest import Project, sh, write_files
 
 
 def _cli(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
@@ -90,3 +91,41 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     assert accepted.returncode == 0, accepted.stderr
     assert 'rev = "main"' in two_stages.series_file.read_text()
     assert _cli(two_stages, "apply").returncode == 0
+
+
+def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Project):
+    assert _cli(two_stages, "apply").returncode == 0
+    write_files(
+        two_stages.root / "tests",
+        {
+            "base/test_base.py": "def test_base():\n    pass\n",
+            "stage_0001/test_one.py": textwrap.dedent("""\
+                import os
+                from pathlib import Path
+
+                def test_sees_its_own_tree():
+                    tree = Path(os.environ["DSA_VLLM_TREE"])
+                    assert (tree / "vllm" / "cp_indexer.py").exists()
+                    assert os.environ["DSA_STAGES"].startswith("base,0001")
+                """),
+            "stage_0002/test_two.py": (
+                "def test_fails():\n    assert False\n\n\n"
+                "def test_passes():\n    pass\n"
+            ),
+        },
+    )
+    result = _cli(two_stages, "test", "--jobs", "2")
+    assert result.returncode == 1
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == [
+        "| base | 1 | 0 | 0 | - |",
+        "| 0001 | 2 | 0 | 0 | - |",
+        "| 0002 | 3 | 1 | 0 | - |",
+    ]
+    assert "test_two::test_fails" in result.stdout.split("Failed:")[1]
+    assert "=== 0002: series tests" in result.stdout
+    # Arguments after -- go to every pytest run.
+    only = _cli(two_stages, "test", "0002", "--", "-k", "not test_fails")
+    assert only.returncode == 0, only.stdout
+    assert "| 0002 | 3 | 0 | 0 | - |" in only.stdout
+    assert _cli(two_stages, "test", "0009").returncode == 1

@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's prefill chunk metadata kernel, in torch, for long test contexts.
+
+``BuildPrefillChunkMetadataKernel`` (vllm/v1/attention/backends/mla/indexer.py)
+runs one program per request that loops over the request's whole query for
+every chunk it builds; through the Triton interpreter a 131,072-token prompt
+takes ~14 s of metadata. This computes the same three outputs per request with
+tensor ops. A base test checks it element for element against the kernel
+(with query slices and DCP), so a change of the kernel upstream is caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def build_prefill_chunk_metadata(
+    query_start_loc: torch.Tensor,
+    uncompressed_seq_lens: torch.Tensor,
+    cu_compressed_seq_lens: torch.Tensor,
+    row_start_cu: torch.Tensor,
+    token_to_seq: torch.Tensor,
+    cu_seq_len_ks: torch.Tensor,
+    cu_seq_len_ke: torch.Tensor,
+    query_slice_start: int,
+    query_slice_stop: int,
+    dcp_rank: int,
+    dcp_world: int,
+    dcp_interleave: int,
+    *,
+    num_reqs: int,
+    COMPRESS_RATIO: int,
+) -> None:
+    """Same arguments as the kernel's launch; fills the three outputs."""
+    starts = query_start_loc.tolist()
+    cu = cu_compressed_seq_lens.tolist()
+    row_starts = row_start_cu.tolist()
+    seq_lens = uncompressed_seq_lens.tolist()
+    device = cu_seq_len_ks.device
+    for req in range(num_reqs):
+        query_len = starts[req + 1] - starts[req]
+        offset = torch.arange(query_len, device=device)
+        positions = starts[req] + offset
+        keep = (positions >= query_slice_start) & (positions < query_slice_stop)
+        out = positions[keep] - query_slice_start
+        context = (seq_lens[req] - query_len + 1 + offset[keep]) // COMPRESS_RATIO
+        if dcp_world > 1:
+            # This rank's share of ``context`` keys, interleaved in runs.
+            base = context // dcp_interleave // dcp_world * dcp_interleave
+            rest = context - base * dcp_world - dcp_rank * dcp_interleave
+            context = base + rest.clamp(0, dcp_interleave)
+        cu_seq_len_ks[out] = row_starts[req]
+        cu_seq_len_ke[out] = (row_starts[req] + context).to(cu_seq_len_ke.dtype)
+        token_to_seq[cu[req] : cu[req + 1]] = req
+
+
+@contextmanager
+def torch_chunk_metadata() -> Iterator[None]:
+    """vLLM's builder computes prefill chunk metadata with the function above."""
+    from vllm.v1.attention.backends.mla import indexer
+
+    name = "_BUILD_PREFILL_CHUNK_METADATA_KERNEL"
+    kernel = getattr(indexer, name)
+    setattr(indexer, name, build_prefill_chunk_metadata)
+    try:
+        yield
+    finally:
+        setattr(indexer, name, kernel)
