@@ -32,9 +32,10 @@ RUNS, WARMUP, GRAPH_CALLS = 20, 3, 20
 # Per-token KV bytes of each layer kind: kv_lora_rank 512 + qk_rope_head_dim
 # 64 as FP8 (--kv-cache-dtype fp8) is 576 bytes of MLA cache; index_head_dim
 # 128 is 132 bytes FP8 (values + one fp32 scale) or 68 bytes MXFP4. Layer
-# counts, not checked here (no model files offline): DeepSeek-V3.2 61 layers,
-# each with an indexer, and GLM-5 78 layers, from their published config.json
-# as recalled; GLM-5.2's 21 indexer layers from the stage 0002 PR text.
+# counts (num_hidden_layers) read from copies of the published config.json
+# files kept in public GitHub repositories (Hugging Face is not reachable
+# here): DeepSeek-V3.2 61 layers, each with an indexer; GLM-5.x 78 layers.
+# GLM-5.2's 21 indexer layers are from the stage 0002 PR text, not checked.
 MODELS = {
     "DeepSeek-V3.2": {"layers": 61, "indexer_layers": 61},
     "GLM-5.2": {"layers": 78, "indexer_layers": 21},
@@ -175,8 +176,9 @@ def _report(result: dict, command: str, out: Path) -> None:
         "",
         "Bytes per token of KV cache (all layers; MLA cache FP8, 576 B a layer) "
         "and the tokens a fixed KV budget holds. Computed, not measured; the "
-        "layer counts are the models' published configs as recalled (not "
-        "checked here) and GLM-5.2's indexer layers are from the stage 0002 PR:",
+        "layer counts are from copies of the models' published config.json "
+        "(DeepSeek-V3.2 61, GLM-5.x 78) and GLM-5.2's indexer layers are "
+        "from the stage 0002 PR (not checked):",
         "",
         "| model | layers | indexer layers | FP8 indexer (B) | MXFP4 indexer (B) "
         "| KV capacity gain |",

@@ -121,6 +121,15 @@ K_WIDTH = 16
 IDEAL_PAGE_SIZE = 64
 
 
+def _flash_attn_varlen_func(*args, **kwargs):
+    """MLA prefill attention: vLLM imports it when it builds an MLA layer
+    (``from aiter import flash_attn_varlen_func``, vllm-project/vllm v0.32.0
+    vllm/v1/attention/backends/mla/prefill/aiter_flash_attn.py line 80;
+    defined in ROCm/aiter aiter/ops/mha.py, commit e11da613). No test runs
+    attention; the stand-in only exists to be imported."""
+    raise NotImplementedError("the AITER stand-in does not run MLA attention")
+
+
 def _mfma_nonk_dim(num_heads: int, head_size: int) -> int:
     """The launcher's ``mfma_nonk_dim`` (same file): 32x32 MFMA tiles for
     small heads or >= 32 heads (DeepSeek-V3.2 and GLM-5.x have 64)."""
@@ -182,7 +191,9 @@ def build_modules() -> dict[str, types.ModuleType]:
     flydsl = _module("aiter.ops.flydsl", flydsl_fp8_mqa_logits=_flydsl_fp8_mqa_logits)
     ops = _module("aiter.ops", topk=topk, triton=triton, flydsl=flydsl)
     return {
-        "aiter": _module("aiter", ops=ops),
+        "aiter": _module(
+            "aiter", ops=ops, flash_attn_varlen_func=_flash_attn_varlen_func
+        ),
         "aiter.ops": ops,
         "aiter.ops.topk": topk,
         "aiter.ops.flydsl": flydsl,

@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Make the applied vLLM tree believe it runs on ROCm (gfx950 or gfx942).
 
-Only the platform *checks* change: ``current_platform.is_rocm()``, the gfx
-flags and probes from ``vllm.platforms.rocm`` (whose real import needs a ROCm
-torch), AITER's presence and its enable switch. Kernels still run on the CPU
-through the stand-ins in ``fake_aiter`` and ``topk_reference``.
+Only the platform *checks* change: ``current_platform.is_rocm()``, the
+``vllm.platforms.rocm`` module (the tree's own, loaded with an AMD SMI
+stand-in that reports the arch), AITER's presence and its enable switch.
+Kernels still run on the CPU through the stand-ins in ``fake_aiter`` and
+``topk_reference``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 import subprocess
@@ -16,6 +18,7 @@ import sys
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,16 +41,41 @@ def real_gfx950_with_aiter() -> bool:
     return "gfx950" in out.stdout
 
 
-def _platform_module(arch: str) -> types.ModuleType:
-    module = types.ModuleType("vllm.platforms.rocm")
-    flags = {"gfx950": arch == "gfx950", "gfx942": arch == "gfx942"}
-    module._ON_GFX950 = flags["gfx950"]  # type: ignore[attr-defined]
-    module._ON_GFX942 = flags["gfx942"]  # type: ignore[attr-defined]
-    module.on_gfx950 = lambda: flags["gfx950"]  # type: ignore[attr-defined]
-    module.on_gfx942 = lambda: flags["gfx942"]  # type: ignore[attr-defined]
-    module.on_gfx11 = lambda: False  # type: ignore[attr-defined]
-    module.on_gfx9 = lambda: True  # type: ignore[attr-defined]
-    module.get_cdna_version = lambda: 4 if flags["gfx950"] else 3  # type: ignore[attr-defined]
+def amdsmi_stand_in(arch: str) -> types.ModuleType:
+    """AMD SMI as ``vllm.platforms.rocm`` uses it at import: one GPU whose
+    ``target_graphics_version`` is ``arch`` (vllm-project/vllm v0.32.0,
+    vllm/platforms/rocm.py lines 39-53 import these names, 178-190 read the
+    arch). Memory, UUID, link and NUMA answers are assumptions."""
+    module = types.ModuleType("amdsmi")
+    module.AmdSmiException = type("AmdSmiException", (Exception,), {})  # type: ignore[attr-defined]
+    module.AmdSmiMemoryType = types.SimpleNamespace(VRAM="VRAM")  # type: ignore[attr-defined]
+    module.amdsmi_init = lambda *args: None  # type: ignore[attr-defined]
+    module.amdsmi_shut_down = lambda *args: None  # type: ignore[attr-defined]
+    module.amdsmi_get_processor_handles = lambda: ["gpu0"]  # type: ignore[attr-defined]
+    module.amdsmi_get_gpu_asic_info = lambda handle: {  # type: ignore[attr-defined]
+        "target_graphics_version": arch
+    }
+    module.amdsmi_get_gpu_device_uuid = lambda handle: "stand-in-0"  # type: ignore[attr-defined]
+    module.amdsmi_get_gpu_memory_total = lambda handle, kind: 288 << 30  # type: ignore[attr-defined]
+    module.amdsmi_topo_get_link_type = lambda a, b: {"type": "XGMI"}  # type: ignore[attr-defined]
+    module.amdsmi_topo_get_numa_node_number = lambda handle: 0  # type: ignore[attr-defined]
+    return module
+
+
+@functools.cache
+def rocm_platform_module(arch: str) -> types.ModuleType:
+    """vLLM's own ``vllm.platforms.rocm`` from the tree under test, loaded as
+    on a machine whose GPU is ``arch``: AMD SMI (which this machine lacks)
+    is the stand-in above; everything else is the real module."""
+    import vllm.platforms
+
+    path = Path(vllm.platforms.__file__).with_name("rocm.py")
+    spec = importlib.util.spec_from_file_location("vllm.platforms.rocm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setitem(sys.modules, "amdsmi", amdsmi_stand_in(arch))
+        spec.loader.exec_module(module)
     return module
 
 
@@ -65,7 +93,7 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
 
     topk_reference.register_vllm_c_ops()
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setitem(sys.modules, "vllm.platforms.rocm", _platform_module(arch))
+    monkeypatch.setitem(sys.modules, "vllm.platforms.rocm", rocm_platform_module(arch))
     monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
     monkeypatch.setattr(mla_sparse, "_ON_GFX950", arch == "gfx950")
     monkeypatch.setattr(mla_sparse, "_ON_GFX942", arch == "gfx942")

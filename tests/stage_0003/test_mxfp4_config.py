@@ -124,31 +124,6 @@ def test_aiter_installed_but_switched_off_says_how_to_switch_it_on(monkeypatch):
             dsa_indexer_uses_fp4(_config())
 
 
-def test_the_documented_command_needs_no_block_size(monkeypatch):
-    """`--attention-config '{"indexer_kv_dtype": "mxfp4"}'` alone: the model
-    builds on vLLM's default block size, then vLLM's own block-size step
-    (Platform.update_block_size_for_backend, run after the model is built)
-    picks a size the MLA and the MXFP4 indexer backends both take: 64."""
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.mla.rocm_aiter_mla_sparse import (
-        ROCMAiterMLASparseBackend,
-    )
-
-    config = _config(block_size=None)
-    config.model_config.is_hybrid = False  # the stand-in ModelConfig's gap
-    assert not config.cache_config.user_specified_block_size
-    with emulate_rocm("gfx950"):
-        assert dsa_indexer_uses_fp4(config)
-        # The layers' backends, as the built model reports them.
-        backends = [ROCMAiterMLASparseBackend, DeepseekV32RocmMxfp4IndexerBackend]
-        monkeypatch.setattr(
-            Platform, "_find_non_ssm_backends", classmethod(lambda cls, c: backends)
-        )
-        with set_current_vllm_config(config):
-            Platform.update_block_size_for_backend(config)
-    assert config.cache_config.block_size == 64
-
-
 def test_v41_keeps_its_own_rules():
     """DeepSeek-V4.1 keeps the builder's own DCP/PCP check and block sizes."""
     with emulate_rocm("gfx950"):
