@@ -310,12 +310,12 @@ def _rebase_stage(
         check=False,
     )
     unmerged = set(git_out(repo, "diff", "--name-only", "--diff-filter=U").split())
-    replayed: set[str] = set()
-    if result.returncode != 0 and not unmerged:
-        replayed = _replayed_paths(result.stderr.decode(errors="replace"))
-        if not replayed:
-            message = result.stderr.decode(errors="replace").strip()
-            raise SeriesError(f"stage {stage.id}: git cherry-pick failed: {message}")
+    # Files git rerere resolved from recorded resolutions, also when other
+    # files of the stage are still in conflict.
+    stderr = result.stderr.decode(errors="replace")
+    replayed = _replayed_paths(stderr) if result.returncode != 0 else set()
+    if result.returncode != 0 and not unmerged and not replayed:
+        raise SeriesError(f"stage {stage.id}: git cherry-pick failed: {stderr.strip()}")
     for hunk in hunks:
         outcome = before[id(hunk)]
         if outcome != "already upstream":

@@ -163,4 +163,4 @@ def test_a_model_without_the_mxfp4_indexer_is_refused_at_config(started, name):
     """The option would be ignored silently: refused when the config is made."""
     result = started[name]
     assert result.get("stopped_at") == "config", result
-    assert "not for model_type" in result["error"]
+    assert "has no sparse-attention (DSA) indexer" in result["error"]

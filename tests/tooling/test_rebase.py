@@ -286,3 +286,28 @@ def test_interrupted_rebase_continues(two_stages, monkeypatch):
 def test_missing_test_python_is_a_clear_error():
     with pytest.raises(SeriesError, match="no such Python"):
         rebase.pytest_tester("/nonexistent/python3")
+
+
+def test_a_replayed_file_is_reported_while_another_conflicts(two_stages):
+    """Stage 0002's envs.py conflict is replayed from its recorded resolution
+    while its ops.py hunk meets a new conflict: the report says which is
+    which (the replayed file is not reported as merged or dropped)."""
+    test_conflict_then_continue(two_stages)
+    sh(two_stages.upstream, "git", "tag", "-d", TARGET)
+    target = _target(
+        two_stages,
+        {
+            "vllm/ops.py": (
+                "def op_20():\n    return 20\n",
+                "def op_20():\n    return -20\n",
+            )
+        },
+    )
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.start(two_stages.series(), target, None)
+    state = rebase._load_state(two_stages.series())
+    outcomes = {h.path: h.outcome for h in state.reports[-1].hunks}
+    assert outcomes == {
+        "vllm/envs.py": "conflicted, recorded resolution replayed",
+        "vllm/ops.py": "conflicted",
+    }

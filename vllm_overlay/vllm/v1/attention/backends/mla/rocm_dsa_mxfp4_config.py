@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Who may use ``indexer_kv_dtype='mxfp4'`` on ROCm, and the configs the
-MXFP4 indexer cache of a DeepSeek-V3.2-style model cannot serve.
+MXFP4 indexer cache of a DeepSeek-V3.2-style model cannot serve. (Which DSA
+models are wired to an MXFP4 cache is decided in ``dsa_indexer_uses_fp4``.)
 
 Nothing from vLLM is imported at module level, so the config (at startup,
 for every model) and the indexer backend can both import this module.
@@ -16,8 +17,6 @@ DSA_MXFP4_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # Speculative decoding renames the draft's model_type to deepseek_mtp and
 # keeps the DSA family in its architecture.
 DSA_MXFP4_DRAFT_ARCHITECTURES = ("DeepseekV32MTPModel",)
-# DeepSeek-V4.1-Flash has its own ROCm MXFP4 indexer cache.
-OWN_MXFP4_INDEXER_MODEL_TYPES = ("deepseek_v41",)
 DSA_MXFP4_BLOCK_SIZES = (64, 128)
 
 
@@ -34,20 +33,18 @@ def is_dsa_v32_style_model(vllm_config: "VllmConfig") -> bool:
     )
 
 
-def check_rocm_mxfp4_indexer_model(vllm_config: "VllmConfig") -> None:
-    """Raise ValueError unless the model writes an MXFP4 indexer cache on
-    ROCm: any other model (with another indexer, or none) would ignore the
-    option silently."""
+def check_model_has_dsa_indexer(vllm_config: "VllmConfig") -> None:
+    """Raise ValueError for ``indexer_kv_dtype='mxfp4'`` on a model without
+    a DSA (sparse-attention) indexer, such as Llama or DeepSeek-V3: nothing
+    would read the option, and the model would start as if it were unset."""
     model_config = vllm_config.model_config
-    model_type = None if model_config is None else model_config.hf_config.model_type
-    if not (
-        is_dsa_v32_style_model(vllm_config)
-        or model_type in OWN_MXFP4_INDEXER_MODEL_TYPES
-    ):
+    if model_config is None:
+        return
+    if getattr(model_config.hf_text_config, "index_topk", None) is None:
         raise ValueError(
-            "indexer_kv_dtype='mxfp4' on ROCm is only supported for "
-            "DeepSeek-V4.1-Flash, DeepSeek-V3.2 and GLM-5.x (and their MTP "
-            f"drafts), not for model_type {model_type!r}; remove the option."
+            "indexer_kv_dtype='mxfp4' has no effect on model_type "
+            f"{model_config.hf_config.model_type!r}: it has no sparse-attention "
+            "(DSA) indexer; remove the option."
         )
 
 
