@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Who may use ``indexer_kv_dtype='mxfp4'`` on ROCm, and the configs the
+MXFP4 indexer cache of a DeepSeek-V3.2-style model cannot serve. (Which DSA
+models are wired to an MXFP4 cache is decided in ``dsa_indexer_uses_fp4``.)
+
+Nothing from vLLM is imported at module level, so the config (at startup,
+for every model) and the indexer backend can both import this module.
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+DSA_MXFP4_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# Speculative decoding renames the draft's model_type to deepseek_mtp and
+# keeps the DSA family in its architecture.
+DSA_MXFP4_DRAFT_ARCHITECTURES = ("DeepseekV32MTPModel",)
+DSA_MXFP4_BLOCK_SIZES = (64, 128)
+
+
+def is_dsa_v32_style_model(vllm_config: "VllmConfig") -> bool:
+    """Whether the model (or MTP draft) has DeepSeek-V3.2's uncompressed DSA
+    indexer."""
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return False
+    hf_config = model_config.hf_config
+    architectures = getattr(hf_config, "architectures", None) or []
+    return hf_config.model_type in DSA_MXFP4_MODEL_TYPES or any(
+        arch in DSA_MXFP4_DRAFT_ARCHITECTURES for arch in architectures
+    )
+
+
+def check_model_has_dsa_indexer(vllm_config: "VllmConfig") -> None:
+    """Raise ValueError for ``indexer_kv_dtype='mxfp4'`` on a model without
+    a DSA (sparse-attention) indexer, such as Llama or DeepSeek-V3: nothing
+    would read the option, and the model would start as if it were unset."""
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return
+    if getattr(model_config.hf_text_config, "index_topk", None) is None:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' has no effect on model_type "
+            f"{model_config.hf_config.model_type!r}: it has no sparse-attention "
+            "(DSA) indexer; remove the option."
+        )
+
+
+def check_dsa_mxfp4_indexer_config(vllm_config: "VllmConfig") -> None:
+    """Raise ValueError for an environment, parallel or cache config the
+    MXFP4 indexer of a DeepSeek-V3.2-style model cannot serve."""
+    # Imported late: vllm._aiter_ops imports the indexer backend, which
+    # imports this module.
+    import vllm._aiter_ops as aiter_ops
+
+    if not aiter_ops.IS_AITER_FOUND:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' on ROCm runs on AITER's paged MXFP4 "
+            "kernels, but the aiter package is not installed in this Python "
+            "environment; install AITER (vLLM's ROCm image ships it) or use "
+            "the FP8 indexer cache (indexer_kv_dtype='fp8')."
+        )
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    pcp = parallel.prefill_context_parallel_size
+    if dcp > 1 or pcp > 1:
+        raise ValueError(
+            "indexer_kv_dtype='mxfp4' does not support context parallelism "
+            f"(decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}); use the FP8 indexer cache "
+            "(indexer_kv_dtype='fp8') with DCP/PCP."
+        )
+    # Without --block-size, vLLM picks a size every backend supports after
+    # the model is built (update_block_size_for_backend), 64 or 128 here;
+    # until then block_size holds the generic default.
+    cache_config = vllm_config.cache_config
+    block_size = cache_config.block_size
+    if (
+        cache_config.user_specified_block_size
+        and block_size not in DSA_MXFP4_BLOCK_SIZES
+    ):
+        raise ValueError(
+            f"indexer_kv_dtype='mxfp4' needs --block-size 64 or 128 (the "
+            f"paged MXFP4 kernel's pages), got {block_size}."
+        )
