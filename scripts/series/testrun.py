@@ -12,6 +12,7 @@ are summed into one table.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -33,6 +34,8 @@ TREE_ENV = "DSA_VLLM_TREE"
 STAGES_ENV = "DSA_STAGES"
 # The base's tree, for tests that compare a stage with the base it patches.
 BASE_TREE_ENV = "DSA_BASE_TREE"
+# {plugin module: [test files it applies to]} for vLLM's own tests.
+PLUGIN_FILES_ENV = "DSA_PLUGIN_FILES"
 
 # CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
 # Triton kernels through the interpreter, and bytecode written so a tree is
@@ -71,43 +74,64 @@ def stage_runs(
     out = results_dir(series) / stage_id
     is_top = bool(applied) and applied[-1] == series.stages[-1]
     tested = applied if is_top else applied[-1:]
-    own_dirs = [str(series.tests_dir / "base")]
-    own_dirs += [str(series.tests_dir / s.tests) for s in tested]
+    own_dirs = ["base", *(s.tests for s in tested)]
     env = {
         **CPU_ENV,
         TREE_ENV: str(tree),
         STAGES_ENV: ",".join(stages),
         BASE_TREE_ENV: str(base_tree),
     }
+    # One run per test folder, so that runs side by side stay balanced.
     runs = [
         PytestRun(
             stage_id,
-            "series tests",
-            (*own_dirs, f"--junitxml={out / 'series.xml'}", "-q"),
+            f"series tests ({folder})",
+            (
+                str(series.tests_dir / folder),
+                f"--junitxml={out / f'series-{folder}.xml'}",
+                "-q",
+            ),
             env,
-            out / "series.xml",
+            out / f"series-{folder}.xml",
         )
+        for folder in own_dirs
     ]
-    for suite in series.regression:
-        junit = out / f"{suite.name}.xml"
-        plugin = ("-p", suite.plugin) if suite.plugin else ()
+    if series.regression:
+        # vLLM's own tests, every suite in one run (each run imports vLLM
+        # anew). A suite's plugin applies to that suite's files only: the
+        # plugin finds them under its module name in PLUGIN_FILES_ENV.
+        junit = out / "vllm-tests.xml"
+        plugins = sorted({s.plugin for s in series.regression if s.plugin})
+        plugin_files = {
+            plugin: [
+                str(tree / p)
+                for s in series.regression
+                if s.plugin == plugin
+                for p in s.paths
+            ]
+            for plugin in plugins
+        }
         runs.append(
             PytestRun(
                 stage_id,
-                f"vLLM tests ({suite.name})",
+                "vLLM tests (" + ", ".join(s.name for s in series.regression) + ")",
                 (
                     "--noconftest",
                     f"--rootdir={tree}",
                     "-p",
                     "no:cacheprovider",
-                    *plugin,
+                    *(arg for plugin in plugins for arg in ("-p", plugin)),
                     f"--junitxml={junit}",
                     "-q",
-                    *(str(tree / p) for p in suite.paths),
+                    *(str(tree / p) for s in series.regression for p in s.paths),
                 ),
                 # vLLM's tests import `tests.*` helpers from the tree root;
-                # the plugin lives in our tests/ folder.
-                {**env, "PYTHONPATH": f"{tree}:{series.tests_dir}"},
+                # the plugins live in our tests/ folder.
+                {
+                    **env,
+                    "PYTHONPATH": f"{tree}:{series.tests_dir}",
+                    PLUGIN_FILES_ENV: json.dumps(plugin_files),
+                },
                 junit,
             )
         )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from scripts.series.testrun import (
@@ -60,10 +61,20 @@ def test_summary_table_lists_every_stage_and_reason():
     assert table.endswith("Failed:\n- t::x")
 
 
+def _series_folders(runs) -> list[str]:
+    """The test folders of a tree's series runs (one run each)."""
+    folders = []
+    for run in runs:
+        if run.label.startswith("series tests"):
+            (folder,) = [a for a in run.args if not a.startswith("-")]
+            folders.append(folder)
+    return folders
+
+
 def test_a_middle_stage_runs_its_own_tests(two_stages: Project):
     series = two_stages.series()
-    run = stage_runs(series, "0001", Path("/t"), Path("/b"))[0]
-    assert [a for a in run.args if not a.startswith("-")] == [
+    runs = stage_runs(series, "0001", Path("/t"), Path("/b"))
+    assert _series_folders(runs) == [
         str(series.tests_dir / "base"),
         str(series.tests_dir / "stage_0001"),
     ]
@@ -74,11 +85,12 @@ def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
     tree = Path("/trees/0002")
     runs = stage_runs(series, "0002", tree, Path("/trees/base"))
     own = runs[0]
-    assert [a for a in own.args if not a.startswith("-")] == [
+    assert _series_folders(runs) == [
         str(series.tests_dir / "base"),
         str(series.tests_dir / "stage_0001"),
         str(series.tests_dir / "stage_0002"),
     ]
+    assert len({run.junit for run in runs}) == len(runs)
     assert own.env["DSA_VLLM_TREE"] == str(tree)
     assert own.env["DSA_STAGES"] == "base,0001,0002"
     assert own.env["CUDA_VISIBLE_DEVICES"] == ""
@@ -87,16 +99,24 @@ def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
 
 
 def test_the_regression_selection_runs_on_every_stage_tree():
+    """vLLM's own tests: every suite in one run; a suite's plugin is loaded
+    and told which files are its own."""
     from scripts.series.config import load_series
 
     series = load_series()
     tree = Path("/trees/x")
     runs = stage_runs(series, "base", tree, tree)
-    assert len(runs) == 1 + len(series.regression)
-    for suite, run in zip(series.regression, runs[1:], strict=True):
-        assert "--noconftest" in run.args
-        assert [a for a in run.args if a.startswith("/trees")] == [
-            str(tree / p) for p in suite.paths
-        ]
+    assert len(runs) == 2
+    run = runs[1]
+    assert "--noconftest" in run.args
+    assert [a for a in run.args if a.startswith("/trees")] == [
+        str(tree / p) for suite in series.regression for p in suite.paths
+    ]
+    plugin_files = json.loads(run.env["DSA_PLUGIN_FILES"])
+    for suite in series.regression:
         if suite.plugin:
             assert run.args[run.args.index(suite.plugin) - 1] == "-p"
+            assert plugin_files[suite.plugin] == [str(tree / p) for p in suite.paths]
+    assert sum(len(files) for files in plugin_files.values()) < sum(
+        len(suite.paths) for suite in series.regression
+    )
