@@ -11,6 +11,8 @@ nox -s refresh | status   write patches/ from the tree | show the tree
 nox -s rebase -- TARGET   rebase the stages onto a newer vLLM (see README)
 nox -s rebased            apply and test each rebased series under review
                           (patches/next/<target>/) on its target
+nox -s export [-- STAGE]  each stage as an upstream PR (build/export/, pr/<id>)
+nox -s cost-model         stage 0001's row-assignment cost model (docs/)
 """
 
 from __future__ import annotations
