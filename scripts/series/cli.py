@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -24,6 +25,16 @@ from scripts.series.prepare import prepare
 from scripts.series.status import format_status, tree_status
 from scripts.series.testrun import format_summary, results_dir, run_tests
 from scripts.series.trees import stage_tree
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("stages", nargs="*", help="'base' and/or stage ids")
     test.add_argument("--tooling", action="store_true", help="also test the tool")
     test.add_argument(
-        "--jobs", type=int, default=0, help="pytest runs at once (default: CPUs)"
+        "--jobs",
+        type=_positive_int,
+        default=0,
+        help="pytest runs at once (default: one per CPU)",
     )
     reb = sub.add_parser(
         "rebase",
@@ -114,6 +128,12 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
 
 
 def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
+    if importlib.util.find_spec("pytest") is None:
+        raise SeriesError(
+            f"pytest is not installed for {sys.executable}; run the tests "
+            "through nox (nox -s apply-and-test, or tests(STAGE)), which "
+            "installs tests/requirements-cpu.txt"
+        )
     stage_ids = args.stages or ["base", *(s.id for s in series.stages)]
     for stage_id in stage_ids:
         if stage_id != "base":

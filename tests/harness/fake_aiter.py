@@ -124,9 +124,11 @@ IDEAL_PAGE_SIZE = 64
 def _flash_attn_varlen_func(*args, **kwargs):
     """MLA prefill attention: vLLM imports it when it builds an MLA layer
     (``from aiter import flash_attn_varlen_func``, vllm-project/vllm v0.32.0
-    vllm/v1/attention/backends/mla/prefill/aiter_flash_attn.py line 80;
-    defined in ROCm/aiter aiter/ops/mha.py, commit e11da613). No test runs
-    attention; the stand-in only exists to be imported."""
+    vllm/v1/attention/backends/mla/prefill/aiter_flash_attn.py line 80).
+    AITER defines it in aiter/ops/mha.py (ROCm/aiter commit 00472f7d) and
+    exports it with ``from .ops.mha import *`` in aiter/__init__.py (commit
+    0302bf1b). No test runs attention; the stand-in only exists to be
+    imported."""
     raise NotImplementedError("the AITER stand-in does not run MLA attention")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 WORKER_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -96,7 +96,7 @@ def run_ranks(
     not have initialised CUDA before (forked children cannot use it then)."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     default_vllm_config(device)
     workers = [
         context.Process(

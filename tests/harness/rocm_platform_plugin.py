@@ -6,7 +6,9 @@ They skip at import unless ``current_platform.is_rocm()`` and
 The two checks answer true only while one of this plugin's files is
 collected or one of its tests runs, so vLLM's other tests in the same run
 keep the CPU platform. The files are listed under this module's name in the
-JSON of ``DSA_PLUGIN_FILES`` (the series tool sets it from series.toml).
+JSON of ``DSA_PLUGIN_FILES`` (the series tool sets it from series.toml). A
+listed file that still skips as a whole is reported as a failure: the shim
+did not take, and its tests would silently stop running.
 """
 
 from __future__ import annotations
@@ -42,7 +44,18 @@ def _rocm_checks(path: Path) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector):
     with _rocm_checks(collector.path):
-        return (yield)
+        report = yield
+    if (
+        isinstance(collector, pytest.Module)
+        and Path(collector.path).resolve() in _FILES
+        and report.skipped
+    ):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{collector.path}: skipped although the ROCm shim covers it "
+            f"({report.longrepr}); the shim no longer makes it run"
+        )
+    return report
 
 
 @pytest.hookimpl(wrapper=True)

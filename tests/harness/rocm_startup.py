@@ -30,7 +30,7 @@ from typing import Any
 
 from harness import compiled_stub
 from harness.indexer_batch import ensure_workspace
-from harness.multiproc import _free_port
+from harness.multiproc import free_port
 from harness.rocm_platform import emulate_rocm
 
 ARCH = "gfx950"
@@ -112,7 +112,7 @@ def _run(scenario: dict[str, Any], workdir: Path) -> dict[str, Any]:
         ensure_workspace(torch.device("cpu"))
         with set_current_vllm_config(config):
             parallel_state.init_distributed_environment(
-                1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo"
+                1, 0, f"tcp://127.0.0.1:{free_port()}", 0, backend="gloo"
             )
             try:
                 parallel_state.initialize_model_parallel(1)

@@ -129,3 +129,21 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
     assert only.returncode == 0, only.stdout
     assert "| 0002 | 3 | 0 | 0 | - |" in only.stdout
     assert _cli(two_stages, "test", "0009").returncode == 1
+
+
+def test_test_without_pytest_or_with_no_jobs_says_so(
+    two_stages: Project, monkeypatch, capsys
+):
+    jobs = _cli(two_stages, "test", "--jobs", "0")
+    assert jobs.returncode == 2 and "expected a positive integer" in jobs.stderr
+    from scripts.series import cli
+
+    real_find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(
+        cli.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "pytest" else real_find_spec(name, *a),
+    )
+    code = cli.main(["--series", str(two_stages.series_file), "test"])
+    assert code == 1
+    assert "error: pytest is not installed" in capsys.readouterr().err
