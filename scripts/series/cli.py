@@ -18,9 +18,15 @@ from scripts.series.config import (
     Series,
     load_series,
 )
-from scripts.series.export import refresh, stale_files
+from scripts.series.check import (
+    HUNK_BUDGET,
+    format_hunk_sizes,
+    hunk_budget,
+    stale_files,
+)
+from scripts.series.refresh import refresh
 from scripts.series.fetch import fetch_sdist
-from scripts.series.pr_export import export_stages
+from scripts.series.export import export_stages
 from scripts.series.prepare import prepare
 from scripts.series.status import format_status, tree_status
 from scripts.series.testrun import format_summary, results_dir, run_tests
@@ -56,7 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     app.add_argument("--upto", help="stop after this stage ('base' for none)")
     app.add_argument("--offline", action="store_true")
     sub.add_parser("refresh", help="write patches/ and vllm_overlay/ from the tree")
-    sub.add_parser("check", help="fail if patch files differ from a fresh export")
+    sub.add_parser(
+        "check",
+        help="fail if patch files differ from a fresh export, or a hunk is "
+        "over the glue budget",
+    )
     sub.add_parser("status", help="which stages are applied; edits beyond them")
     pr = sub.add_parser("export", help="each stage as one upstream PR commit")
     pr.add_argument("stage", nargs="?", help="only this stage (and what it needs)")
@@ -178,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(f"  {path}" for path in stale))
                 return 1
             print("patch files match a fresh export of the stage commits")
+            sizes, problems = hunk_budget(series)
+            print(f"hunks in vLLM's files (budget {HUNK_BUDGET} changed lines):")
+            print(format_hunk_sizes(sizes))
+            if problems:
+                print("\n".join(f"error: {problem}" for problem in problems))
+                return 1
         elif args.command == "status":
             print(format_status(series, tree_status(series)))
         elif args.command == "export":

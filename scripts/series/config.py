@@ -58,6 +58,15 @@ Base = SdistBase | GitBase
 
 
 @dataclass(frozen=True)
+class LargeHunk:
+    """A hunk allowed over the glue budget, and why (``check`` enforces it)."""
+
+    path: str
+    number: int  # 1-based, within its file, as ``check`` lists them
+    reason: str
+
+
+@dataclass(frozen=True)
 class Stage:
     id: str
     title: str
@@ -71,6 +80,7 @@ class Stage:
     # own modules: passing on a newer vLLM without the stage means upstream
     # has it. Empty: the stage's whole tests folder.
     upstream_probe: tuple[str, ...] = ()
+    large_hunks: tuple[LargeHunk, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +206,7 @@ def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> St
             "tests",
             "upstream",
             "upstream_probe",
+            "large_hunks",
         }
     )
     stage_id = fields.string("id")
@@ -232,6 +243,7 @@ def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> St
             f"stage[{index}].upstream.status",
             f"expected one of {', '.join(UPSTREAM_STATUSES)}, got {status!r}",
         )
+    large_hunks = _parse_large_hunks(source, f"stage[{index}]", raw)
     return Stage(
         id=stage_id,
         title=fields.string("title"),
@@ -245,7 +257,29 @@ def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> St
             fields.relative_path("upstream_probe", p)
             for p in fields.string_list("upstream_probe")
         ),
+        large_hunks=large_hunks,
     )
+
+
+def _parse_large_hunks(source: Path, where: str, raw: Any) -> tuple[LargeHunk, ...]:
+    entries = raw.get("large_hunks", [])
+    if not isinstance(entries, list):
+        _Fields(source, where, raw).fail(
+            f"{where}.large_hunks", "expected a list of {file, hunk, reason} tables"
+        )
+    allowed = []
+    for i, entry in enumerate(entries):
+        fields = _Fields(source, f"{where}.large_hunks[{i}]", entry)
+        fields.check_keys({"file", "hunk", "reason"})
+        number = fields.table.get("hunk")
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            fields.fail(
+                f"{where}.large_hunks[{i}].hunk",
+                f"expected a hunk number (1, 2, ...), got {number!r}",
+            )
+        path = fields.relative_path("file", fields.string("file"))
+        allowed.append(LargeHunk(path, number, fields.string("reason")))
+    return tuple(allowed)
 
 
 def _parse_regression(source: Path, index: int, raw: Any) -> RegressionSuite:

@@ -6,14 +6,15 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.git import Identity, git_env
 
 _DIFF_HEADER = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
-_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,15 @@ class Hunk:
     number: int  # 1-based, within its file
     old_start: int
     header: str
+    added: int = 0
+    removed: int = 0
+    reindented: int = 0  # removed lines added back with other indentation
+
+    @property
+    def changed(self) -> int:
+        """Lines the hunk really changes: added plus removed, a line that is
+        only re-indented (under a new ``if``) not counted."""
+        return self.added + self.removed - 2 * self.reindented
 
 
 @dataclass(frozen=True)
@@ -70,14 +80,40 @@ def read_patch(path: Path) -> PatchInfo:
     return PatchInfo(author, message, hunks, files, new_files)
 
 
+def _counted(hunk: Hunk, added: list[str], removed: list[str]) -> Hunk:
+    unmatched = Counter(line.strip() for line in added)
+    reindented = 0
+    for line in removed:
+        if unmatched[line.strip()] > 0:
+            unmatched[line.strip()] -= 1
+            reindented += 1
+    return replace(hunk, added=len(added), removed=len(removed), reindented=reindented)
+
+
 def _scan_diff(text: str) -> tuple[tuple[Hunk, ...], tuple[str, ...], tuple[str, ...]]:
     hunks: list[Hunk] = []
     files: list[str] = []
     new_files: list[str] = []
     path = ""
     number = 0
+    added: list[str] = []
+    removed: list[str] = []
+    old_left = new_left = 0  # lines of the current hunk still to come
     for line in text.splitlines():
-        if match := _DIFF_HEADER.match(line):
+        if old_left or new_left:
+            if line.startswith("+"):
+                added.append(line[1:])
+                new_left -= 1
+            elif line.startswith("-"):
+                removed.append(line[1:])
+                old_left -= 1
+            elif not line.startswith("\\"):  # "\ No newline at end of file"
+                old_left -= 1
+                new_left -= 1
+            if not (old_left or new_left):
+                hunks[-1] = _counted(hunks[-1], added, removed)
+                added, removed = [], []
+        elif match := _DIFF_HEADER.match(line):
             path = match.group(2)
             files.append(path)
             number = 0
@@ -86,6 +122,8 @@ def _scan_diff(text: str) -> tuple[tuple[Hunk, ...], tuple[str, ...], tuple[str,
         elif (match := _HUNK_HEADER.match(line)) and path:
             number += 1
             hunks.append(Hunk(path, number, int(match.group(1)), line))
+            old_left = int(match.group(2) or 1)
+            new_left = int(match.group(3) or 1)
     return tuple(hunks), tuple(files), tuple(new_files)
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.apply import apply
 from scripts.series.config import Base, GitBase, SdistBase, Series, Stage
-from scripts.series.export import format_stage_patch, overlay_bytes
+from scripts.series.refresh import format_stage_patch, overlay_bytes
 from scripts.series.git import commit_verbatim, git, git_out
 from scripts.series.patchfile import read_patch
 from scripts.series.prepare import BASE_TAG, BUILD_DIR_NAME, prepare, workdir

@@ -58,7 +58,17 @@ def test_the_stripe_size_differing_is_an_error_on_every_rank():
     for status, message in _on_every_rank(settings):
         assert status == "error"
         assert f"{STRIPE} differs across the TP ranks" in message
-        assert "rank 1: '1024'" in message
+        assert "rank 1: 1024" in message
+
+
+def test_a_bad_stripe_size_on_one_rank_is_an_error_on_every_rank():
+    """The rank that cannot read its stripe size must not raise while the
+    others wait for it in the collective."""
+    settings = [("1", "512"), ("1", "512"), ("1", "oops"), ("1", "512")]
+    for status, message in _on_every_rank(settings):
+        assert status == "error"
+        assert f"{STRIPE} differs across the TP ranks" in message
+        assert "must be a positive number of rows, got 'oops'" in message
 
 
 def test_the_stripe_size_only_matters_with_the_split_on():

@@ -170,9 +170,10 @@ def test_fused_q_mxfp4_values_scales_and_weights():
     tokens = 6
     index_q = (torch.randn(tokens, INDEX_HEADS, HEAD_DIM) * 7).to(torch.bfloat16)
     weights = torch.randn(tokens, INDEX_HEADS)
-    (values, scales), weights_out, _ = _fused_q(
+    index_q_out, weights_out, _ = _fused_q(
         index_q, weights, _cos_sin(identity=True), mxfp4=True
     )
+    values, scales = index_q_out.values, index_q_out.scales
     want_values, want_scales = ref.quantize(index_q.float())
     assert values.dtype == scales.dtype == torch.uint8
     assert values.shape == (tokens, INDEX_HEADS, HEAD_DIM // 2)

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``check``: the patch files match a fresh export, and each hunk is glue.
+
+A hunk in vLLM's files should only wire an overlay module in: at most
+``HUNK_BUDGET`` changed lines (a line only re-indented under a new ``if`` is
+not counted). A larger hunk needs an entry in its stage's ``large_hunks`` in
+series.toml saying why; an entry that no longer names a large hunk is an
+error too, so the list stays true.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scripts.series import SeriesError
+from scripts.series.config import LargeHunk, Series, Stage
+from scripts.series.git import changed_files, rev_parse
+from scripts.series.patchfile import Hunk, read_patch
+from scripts.series.prepare import workdir
+from scripts.series.refresh import format_stage_patch, overlay_bytes
+from scripts.series.state import read_chain
+
+HUNK_BUDGET = 15
+
+
+def stale_files(series: Series) -> list[str]:
+    """Committed patch/overlay files that differ from a fresh export."""
+    repo = workdir(series)
+    chain = read_chain(series, repo)
+    if len(chain.applied) < len(series.stages) or chain.current < len(chain.applied):
+        raise SeriesError("the work tree is not at the last stage; run apply first")
+    if changed_files(repo) or rev_parse(repo, "HEAD") != chain.tip:
+        raise SeriesError(
+            f"{repo} has edits beyond the last stage; run refresh to keep them"
+        )
+    stale = []
+    for stage, commit in chain.applied:
+        patch = series.patches_dir / stage.patch
+        if patch.read_bytes() != format_stage_patch(series, repo, stage, commit):
+            stale.append(str(patch.relative_to(series.root)))
+        for overlay in stage.overlays:
+            source = series.overlay_dir / overlay
+            if source.read_bytes() != overlay_bytes(repo, commit, overlay):
+                stale.append(str(source.relative_to(series.root)))
+    return stale
+
+
+@dataclass(frozen=True)
+class HunkSize:
+    stage: Stage
+    hunk: Hunk
+    allowed: LargeHunk | None  # its large_hunks entry, if it has one
+
+    @property
+    def over_budget(self) -> bool:
+        return self.hunk.changed > HUNK_BUDGET and self.allowed is None
+
+
+def hunk_budget(series: Series) -> tuple[list[HunkSize], list[str]]:
+    """Every hunk of every patch with its size, and the problems: hunks over
+    the budget without a reason, and ``large_hunks`` entries naming none."""
+    sizes: list[HunkSize] = []
+    problems: list[str] = []
+    for stage in series.stages:
+        hunks = read_patch(series.patches_dir / stage.patch).hunks
+        entries = {(e.path, e.number): e for e in stage.large_hunks}
+        for hunk in hunks:
+            size = HunkSize(stage, hunk, entries.pop((hunk.path, hunk.number), None))
+            sizes.append(size)
+            if size.over_budget:
+                problems.append(
+                    f"stage {stage.id}: {hunk.path} hunk {hunk.number} changes "
+                    f"{hunk.changed} lines (budget {HUNK_BUDGET}); move its logic "
+                    "into an overlay module, or allow it in series.toml "
+                    "(large_hunks, with a reason)"
+                )
+            elif size.allowed and hunk.changed <= HUNK_BUDGET:
+                entries[(hunk.path, hunk.number)] = size.allowed
+        for entry in entries.values():
+            problems.append(
+                f"stage {stage.id}: large_hunks names {entry.path} hunk "
+                f"{entry.number}, which is not over the budget of {HUNK_BUDGET} "
+                "lines (or no longer exists); remove the entry"
+            )
+    return sizes, problems
+
+
+def format_hunk_sizes(sizes: list[HunkSize]) -> str:
+    lines = []
+    for size in sizes:
+        hunk = size.hunk
+        flag = ""
+        if size.over_budget:
+            flag = "  OVER BUDGET"
+        elif size.allowed is not None:
+            flag = f"  allowed: {size.allowed.reason}"
+        moved = f", {hunk.reindented} re-indented" if hunk.reindented else ""
+        lines.append(
+            f"  {size.stage.id}  {hunk.path} hunk {hunk.number}: {hunk.changed:>2} "
+            f"changed (+{hunk.added} -{hunk.removed}{moved}){flag}"
+        )
+    return "\n".join(lines)

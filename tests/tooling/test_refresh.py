@@ -1,0 +1,234 @@
+# SPDX-License-Identifier: Apache-2.0
+"""refresh / check: byte-identical exports, stale patches, edits into stages."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.series import SeriesError
+from scripts.series.apply import apply
+from scripts.series.check import stale_files
+from scripts.series.refresh import FORMAT_PATCH_FLAGS, refresh
+from scripts.series.git import changed_files, git_out
+from scripts.series.patchfile import read_patch
+from tests.tooling.conftest import Project, sh
+
+
+def _patch_bytes(project: Project) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (project.root / "patches").glob("*.patch")}
+
+
+def test_two_exports_are_byte_identical(two_stages: Project):
+    series = two_stages.series()
+    apply(series)
+    refresh(series)
+    first = _patch_bytes(two_stages)
+    refresh(series)
+    assert _patch_bytes(two_stages) == first
+    assert stale_files(series) == []
+
+
+def test_exported_patches_are_canonical(two_stages: Project):
+    series = two_stages.series()
+    apply(series)
+    refresh(series)
+    text = (two_stages.root / "patches" / two_stages.stages[0]["patch"]).read_text()
+    assert text.startswith("From 0000000000000000000000000000000000000000 ")
+    assert "Subject: Striped indexer\n" in text  # --keep-subject: no [PATCH]
+    assert " 1 file changed" not in text  # --no-stat
+    assert "vllm/cp_indexer.py" not in text  # overlays stay out of the patch
+    assert "Signed-off-by: Ada Dev <ada@example.com>" in text
+    index_lines = [line for line in text.splitlines() if line.startswith("index ")]
+    assert index_lines and all(len(line.split()[1]) == 82 for line in index_lines)
+    assert not text.rstrip().endswith(
+        git_out(two_stages.root.parent, "--version").split()[-1]
+    )  # --no-signature
+    assert "--full-index" in FORMAT_PATCH_FLAGS
+
+
+def test_user_git_config_does_not_change_the_bytes(
+    two_stages: Project, monkeypatch, tmp_path
+):
+    series = two_stages.series()
+    apply(series)
+    refresh(series)
+    first = _patch_bytes(two_stages)
+    home = tmp_path / "home"
+    home.mkdir()
+    config = home / ".gitconfig"
+    config.write_text(
+        "[format]\n\tsignOff = true\n\tnumbered = true\n"
+        "[diff]\n\tmnemonicPrefix = true\n\tnoprefix = true\n"
+        "[core]\n\tabbrev = 7\n"
+    )
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    refresh(series)
+    assert _patch_bytes(two_stages) == first
+
+
+def test_check_detects_a_stale_patch(two_stages: Project):
+    """A patch that applies but is not what the stage commit exports (here:
+    hand-written with default flags, stat and all) is reported stale."""
+    series = two_stages.series()
+    apply(series)
+    assert stale_files(series) == [f"patches/{s['patch']}" for s in two_stages.stages]
+    refresh(series)
+    assert stale_files(series) == []
+    patch = two_stages.root / "patches" / two_stages.stages[1]["patch"]
+    patch.write_text(
+        patch.read_text().replace("Subject: Top-k gate", "Subject: Top-k gate, edited")
+    )
+    apply(series)  # the new message makes a new commit; the bytes still differ
+    assert stale_files(series) == []
+    patch.write_text(patch.read_text() + "\n")
+    apply(series)
+    assert stale_files(series) == [f"patches/{two_stages.stages[1]['patch']}"]
+
+
+def test_check_detects_a_stale_overlay(two_stages: Project):
+    series = two_stages.series()
+    apply(series)
+    refresh(series)
+    repo = apply(series)
+    (repo / "vllm/cp_indexer.py").write_text("edited in the tree\n")
+    with pytest.raises(SeriesError, match="edits beyond the last stage"):
+        stale_files(series)
+
+
+def test_refresh_folds_tree_edits_into_the_top_stage(two_stages: Project):
+    """Edits to vLLM files join the top stage's patch; an edit to stage 0001's
+    overlay module goes to stage 0001's overlay, not into stage 0002."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)  # make the hand-made patches canonical first
+    (repo / "vllm/ops.py").write_text(
+        (repo / "vllm/ops.py").read_text().replace("return 7\n", "return 77\n")
+    )
+    (repo / "vllm/cp_indexer.py").write_text("def split():\n    return 'mirrored'\n")
+    written = refresh(series)
+    assert [s.id for s in written] == ["0001", "0002"]
+    patch = read_patch(two_stages.root / "patches" / two_stages.stages[1]["patch"])
+    assert patch.files == ("vllm/envs.py", "vllm/ops.py")
+    assert (
+        two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    ).read_text() == "def split():\n    return 'mirrored'\n"
+    assert not changed_files(repo)
+    head = git_out(repo, "rev-parse", "HEAD")
+    apply(series)  # the tree is exactly what the files describe: a no-op
+    assert git_out(repo, "rev-parse", "HEAD") == head
+    assert stale_files(series) == []
+    assert "return 77" in (repo / "vllm/ops.py").read_text()
+
+
+def test_refresh_turns_a_commit_on_top_into_the_next_stage(two_stages: Project):
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    (repo / "vllm/ops.py").write_text(
+        (repo / "vllm/ops.py").read_text().replace("return 9\n", "return 99\n")
+    )
+    (repo / "vllm/mxfp4.py").write_text("ROW_BYTES = 68\n")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-q", "-s", "-m", "MXFP4 cache", "-m", "68-byte rows.")
+    two_stages.stages.append(
+        dict(
+            id="0003",
+            title="MXFP4 cache",
+            patch="0003-mxfp4-cache.patch",
+            overlays=["vllm/mxfp4.py"],
+        )
+    )
+    two_stages.write_series()
+    series = two_stages.series()
+    written = refresh(series)
+    assert [s.id for s in written] == ["0003"]
+    patch = read_patch(two_stages.root / "patches/0003-mxfp4-cache.patch")
+    assert patch.message.startswith("MXFP4 cache\n\n68-byte rows.")
+    assert patch.files == ("vllm/ops.py",)
+    assert (
+        two_stages.root / "vllm_overlay/vllm/mxfp4.py"
+    ).read_text() == "ROW_BYTES = 68\n"
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(
+        repo, "rev-parse", "stage/0003"
+    )
+
+
+def test_refresh_refuses_commits_without_a_stage_entry(two_stages: Project):
+    series = two_stages.series()
+    repo = apply(series)
+    (repo / "vllm/ops.py").write_text("x\n")
+    sh(repo, "git", "commit", "-qam", "unplanned")
+    with pytest.raises(SeriesError, match=r"add a \[\[stage\]\] entry"):
+        refresh(series)
+    assert (repo / "vllm/ops.py").read_text() == "x\n"
+
+
+def test_a_later_stage_may_not_edit_an_earlier_stages_overlay(two_stages: Project):
+    series = two_stages.series()
+    repo = apply(series)
+    (repo / "vllm/ops.py").write_text("x\n")
+    (repo / "vllm/cp_indexer.py").write_text("rewritten by stage 0003\n")
+    sh(repo, "git", "commit", "-qam", "stage three")
+    two_stages.stages.append(
+        dict(id="0003", title="Three", patch="0003-three.patch", overlays=[])
+    )
+    two_stages.write_series()
+    with pytest.raises(
+        SeriesError, match="changes vllm/cp_indexer.py, an overlay of stage 0001"
+    ):
+        refresh(two_stages.series())
+    assert not (two_stages.root / "patches/0003-three.patch").exists()
+
+
+def test_a_new_module_in_the_patch_gets_a_warning(two_stages: Project, capsys):
+    series = two_stages.series()
+    repo = apply(series)
+    (repo / "vllm/helper.py").write_text("logic = 'belongs in an overlay'\n")
+    refresh(series)
+    assert (
+        "adds vllm/helper.py; new modules belong in vllm_overlay/"
+        in capsys.readouterr().err
+    )
+
+
+def test_the_readme_flow_for_changing_an_earlier_stage(two_stages: Project):
+    """README, 'Changing a stage': apply up to a stage, edit, refresh, then
+    apply the rest on top."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    apply(series, "0001")
+    (repo / "vllm/ops.py").write_text(
+        (repo / "vllm/ops.py").read_text().replace("return 3\n", "return 33\n")
+    )
+    written = refresh(series)
+    assert [s.id for s in written] == ["0001"]
+    assert (
+        "vllm/ops.py"
+        in read_patch(two_stages.root / "patches" / two_stages.stages[0]["patch"]).files
+    )
+    apply(series)
+    text = (repo / "vllm/ops.py").read_text()
+    assert "return 33" in text and "return 2020" in text
+    # Stage 0002's patch names the blobs it changes, one of which stage 0001
+    # just changed: a last refresh brings its patch file up to date.
+    assert stale_files(series) == [f"patches/{two_stages.stages[1]['patch']}"]
+    assert [s.id for s in refresh(series)] == ["0002"]
+    assert stale_files(series) == []
+
+
+def test_refresh_keeps_hand_edits_to_the_series_files(two_stages: Project):
+    """A patch edited by hand after the tree was applied is newer than the
+    tree: refresh must not overwrite it with the tree's older state."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    patch = two_stages.root / "patches" / two_stages.stages[0]["patch"]
+    edited = patch.read_text().replace("Why this stage exists.", "Hand-edited.")
+    patch.write_text(edited)
+    (repo / "vllm/ops.py").write_text("tree edit\n")
+    with pytest.raises(SeriesError, match="changed since the tree was applied"):
+        refresh(series)
+    assert patch.read_text() == edited
+    assert (repo / "vllm/ops.py").read_text() == "tree edit\n"
