@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""nox sessions: thin wrappers over scripts/series (see README).
+"""nox sessions: thin wrappers that call the series tool, scripts/series
+(see README); they only set up Python environments.
 
 nox -s apply-and-test     fetch, apply every stage, test each stage's tree
 nox -s apply [-- STAGE]   the patched tree, optionally only up to STAGE
@@ -27,15 +28,14 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-
-from scripts.series.config import Series, load_series  # noqa: E402
-from scripts.series.prepare import workdir  # noqa: E402
-from scripts.series.rebase import review_is_current  # noqa: E402
-
 SERIES_FILE = ROOT / "patches" / "series.toml"
-SERIES = load_series(SERIES_FILE)
-STAGE_IDS = ["base", *(s.id for s in SERIES.stages)]
+STAGE_IDS = subprocess.run(
+    [sys.executable, "-m", "scripts.series", "stages"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+).stdout.split()
 # Rebased series written by `rebase` for review, one folder per target.
 REBASED = sorted((ROOT / "patches" / "next").glob("*/series.toml"))
 REQUIREMENTS = ROOT / "tests" / "requirements-cpu.txt"
@@ -70,9 +70,10 @@ def _find_links() -> list[str]:
     return [arg for link in links for arg in ("--find-links", link)]
 
 
-def _install_cpu_deps(session: nox.Session, series: Series = SERIES) -> None:
-    """Install what the indexer modules need, once per change of inputs."""
-    constraints = workdir(series) / "requirements" / "common.txt"
+def _install_cpu_deps(session: nox.Session, series: Path = SERIES_FILE) -> None:
+    """Install what the indexer modules need (vLLM's own pins as
+    constraints), once per change of inputs."""
+    constraints = _stage_tree(session, "base", series) / "requirements" / "common.txt"
     find_links = _find_links()
     key = hashlib.sha256(
         REQUIREMENTS.read_bytes()
@@ -102,9 +103,19 @@ def _install_cpu_deps(session: nox.Session, series: Series = SERIES) -> None:
     stamp.write_text(key)
 
 
-def _stage_tree(session: nox.Session, stage_id: str) -> Path:
+def _stage_tree(
+    session: nox.Session, stage_id: str, series: Path = SERIES_FILE
+) -> Path:
     tree = session.run(
-        "python", "-m", "scripts.series", "tree", stage_id, silent=True, external=True
+        "python",
+        "-m",
+        "scripts.series",
+        "--series",
+        str(series),
+        "tree",
+        stage_id,
+        silent=True,
+        external=True,
     )
     return Path(str(tree).strip())
 
@@ -154,14 +165,8 @@ def rebased(session: nox.Session) -> None:
     if not REBASED:
         session.skip("no rebased series under patches/next/")
     for series_file in REBASED:
-        if not review_is_current(SERIES, series_file.parent):
-            session.error(
-                f"{series_file.parent} was rebased from an older version of "
-                "patches/; rebase again (nox -s rebase -- ...): the recorded "
-                "conflict resolutions are replayed"
-            )
         _series(session, "apply", series=series_file)
-        _install_cpu_deps(session, load_series(series_file))
+        _install_cpu_deps(session, series_file)
         _series(session, "test", "--", *session.posargs, series=series_file)
 
 

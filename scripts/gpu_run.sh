@@ -5,7 +5,7 @@
 # dependencies come as wheels, the tree as a tarball of its vllm/ package and
 # egg-info (README, "GPU runs").
 #   scripts/gpu_run.sh STAGE TREE_TGZ WHEEL_DIR COMMAND...
-# COMMAND sees the tree in $DSA_VLLM_TREE and on PYTHONPATH.
+# COMMAND sees the tree on PYTHONPATH and the test contract's variables.
 set -euo pipefail
 stage=$1 tree_tgz=$2 wheels=$3
 shift 3
@@ -15,10 +15,8 @@ if [ ! -d "$site" ]; then
         --upgrade --target "$site" "$wheels"/*.whl
 fi
 rm -rf "$tree" && mkdir -p "$tree" && tar xzf "$tree_tgz" -C "$tree"
-export PYTHONPATH="$tree:$PWD/tests:$PWD:$site" DSA_VLLM_TREE="$tree"
-# The stages the tree holds, from patches/series.toml (the one list of them).
-stages=$(python3 -c "import sys; from scripts.series.config import load_series
-print(','.join(['base', *(s.id for s in load_series().stages_upto(sys.argv[1]))]))" "$stage")
-export DSA_STAGES="$stages" PYTHONUNBUFFERED=1
+export PYTHONPATH="$tree:$PWD/tests:$PWD:$site" PYTHONUNBUFFERED=1
+# The test contract for this tree (scripts/series/contract.py).
+eval "$(python3 -m scripts.series env "$stage" --tree "$tree" --gpu)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 "$@"

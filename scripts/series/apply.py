@@ -16,8 +16,9 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import changed_files, commit_verbatim, git, rev_parse
+from scripts.series.layout import SERIES_BRANCH, stage_tag
 from scripts.series.patchfile import failing_hunk, read_patch
-from scripts.series.prepare import BRANCH, prepare
+from scripts.series.prepare import prepare
 from scripts.series.state import (
     Chain,
     fingerprint,
@@ -25,7 +26,6 @@ from scripts.series.state import (
     load_state,
     read_chain,
     save_state,
-    stage_tag,
 )
 
 
@@ -124,7 +124,7 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
     if stage.overlays:
         git(repo, "add", "-f", "--", *stage.overlays)
     commit = commit_verbatim(repo, info.message, info.author)
-    git(repo, "tag", "-f", stage_tag(stage), commit)
+    git(repo, "tag", "-f", stage_tag(stage.id), commit)
     state = load_state(repo)
     state[stage.id] = {"commit": commit, "inputs": fingerprint(series, stage, parent)}
     save_state(repo, state)
@@ -155,8 +155,8 @@ def apply(
 
     keep = min(chain.current, len(target))
     start = chain.applied[keep - 1][1] if keep else chain.base
-    if rev_parse(repo, "HEAD") != start or rev_parse(repo, BRANCH) != start:
-        git(repo, "checkout", "-q", "-B", BRANCH, start)
+    if rev_parse(repo, "HEAD") != start or rev_parse(repo, SERIES_BRANCH) != start:
+        git(repo, "checkout", "-q", "-B", SERIES_BRANCH, start)
     parent = start
     for stage in target[:keep]:
         if not quiet:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from scripts.series import SeriesError
 from scripts.series.config import LargeHunk, Series, Stage
 from scripts.series.git import changed_files, rev_parse
+from scripts.series.layout import workdir
 from scripts.series.patchfile import Hunk, read_patch
-from scripts.series.prepare import workdir
 from scripts.series.refresh import format_stage_patch, overlay_bytes
 from scripts.series.state import read_chain
 

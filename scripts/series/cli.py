@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shlex
 import sys
 from pathlib import Path
 
 from scripts.series import SeriesError, rebase
 from scripts.series.apply import apply
+from scripts.series.check import (
+    HUNK_BUDGET,
+    format_hunk_sizes,
+    hunk_budget,
+    stale_files,
+)
 from scripts.series.config import (
     SERIES_FILE,
     Base,
@@ -18,18 +25,14 @@ from scripts.series.config import (
     Series,
     load_series,
 )
-from scripts.series.check import (
-    HUNK_BUDGET,
-    format_hunk_sizes,
-    hunk_budget,
-    stale_files,
-)
-from scripts.series.refresh import refresh
-from scripts.series.fetch import fetch_sdist
+from scripts.series.contract import tree_env
 from scripts.series.export import export_stages
+from scripts.series.fetch import fetch_sdist
+from scripts.series.layout import results_dir
 from scripts.series.prepare import prepare
+from scripts.series.refresh import refresh
 from scripts.series.status import format_status, tree_status
-from scripts.series.testrun import format_summary, results_dir, run_tests
+from scripts.series.testrun import format_summary, run_tests
 from scripts.series.trees import stage_tree
 
 
@@ -70,8 +73,22 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="which stages are applied; edits beyond them")
     pr = sub.add_parser("export", help="each stage as one upstream PR commit")
     pr.add_argument("stage", nargs="?", help="only this stage (and what it needs)")
+    sub.add_parser("stages", help="print 'base' and the stage ids, in order")
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
+    env = sub.add_parser(
+        "env", help="print the environment a stage's tests run with (shell exports)"
+    )
+    env.add_argument("stage", help="'base' or a stage id")
+    env.add_argument(
+        "--tree",
+        type=Path,
+        help="a copy of the stage's tree elsewhere (a GPU machine); default: "
+        "its test tree, built if needed",
+    )
+    env.add_argument(
+        "--gpu", action="store_true", help="leave out the CPU platform's variables"
+    )
     test = sub.add_parser(
         "test",
         help="test stages' trees (default: all) with this Python; -- ARGS go to pytest",
@@ -158,6 +175,15 @@ def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     return 1 if any(tally.failed for _, tally in rows) else 0
 
 
+def _env(series: Series, stage_id: str, tree: Path | None, *, gpu: bool) -> str:
+    stages = ["base", *(s.id for s in series.stages_upto(stage_id))]
+    base_tree = None
+    if tree is None:
+        tree, base_tree = stage_tree(series, stage_id), stage_tree(series, "base")
+    variables = tree_env(tree.resolve(), stages, base_tree, cpu=not gpu)
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in variables.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -169,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"`{args.command}` takes no arguments after --")
     try:
         series = load_series(args.series)
+        if args.command in ("apply", "test"):
+            rebase.check_review_is_current(series)
         if args.command == "fetch":
             if not isinstance(series.base, SdistBase):
                 raise SeriesError("the base is a git checkout; nothing to fetch")
@@ -205,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"{pr.stage.id}: {pr.branch} {pr.commit[:12]} ({where})")
                 print(f"  {pr.patch}\n  {pr.description}")
+        elif args.command == "stages":
+            print(" ".join(["base", *(s.id for s in series.stages)]))
         elif args.command == "tree":
             print(stage_tree(series, args.stage))
+        elif args.command == "env":
+            print(_env(series, args.stage, args.tree, gpu=args.gpu))
         elif args.command == "test":
             return _test(series, args, extra)
         elif args.command == "rebase":

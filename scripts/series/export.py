@@ -19,9 +19,9 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
-from scripts.series.refresh import FORMAT_PATCH_FLAGS
 from scripts.series.git import Identity, git, git_out
-from scripts.series.prepare import BUILD_DIR_NAME, workdir
+from scripts.series.layout import export_dir, pr_branch, workdir
+from scripts.series.refresh import FORMAT_PATCH_FLAGS
 from scripts.series.state import read_chain
 
 _TRAILER = re.compile(r"^[A-Za-z-]+: .+$")
@@ -35,10 +35,6 @@ class PullRequest:
     needs: str | None  # the stage whose PR must land first, if any
     patch: Path
     description: Path
-
-
-def export_dir(series: Series) -> Path:
-    return series.root / BUILD_DIR_NAME / "export"
 
 
 def _slug(title: str) -> str:
@@ -167,7 +163,7 @@ def export_stage(
         .stdout.decode()
         .strip()
     )
-    branch = f"pr/{stage.id}"
+    branch = pr_branch(stage.id)
     git(repo, "update-ref", f"refs/heads/{branch}", pr_commit)
     out = export_dir(series)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.git import Identity, git_env
+from scripts.series.git import Identity, git
 
 _DIFF_HEADER = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
 _HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@")
@@ -53,11 +52,15 @@ def read_patch(path: Path) -> PatchInfo:
     data = path.read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         msg_file = Path(tmp) / "msg"
-        result = subprocess.run(
-            ["git", "mailinfo", "-b", "-u", str(msg_file), str(Path(tmp) / "diff")],
+        result = git(
+            Path(tmp),
+            "mailinfo",
+            "-b",
+            "-u",
+            str(msg_file),
+            str(Path(tmp) / "diff"),
             input=data,
-            capture_output=True,
-            env=git_env(),
+            check=False,
         )
         if result.returncode != 0:
             raise SeriesError(f"{path.name}: not a git format-patch file")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -21,15 +20,9 @@ from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, SdistBase, Series
 from scripts.series.fetch import fetch_sdist
 from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out, is_repo
+from scripts.series.layout import BASE_TAG, SERIES_BRANCH, staging_dir, workdir
 
-BASE_TAG = "base"
-BRANCH = "series"
 BASE_DATE = "2000-01-01T00:00:00+00:00"
-BUILD_DIR_NAME = "build"
-
-
-def workdir(series: Series) -> Path:
-    return series.root / BUILD_DIR_NAME / series.base.label
 
 
 def base_id(base: Base) -> str:
@@ -70,13 +63,8 @@ def _extract_sdist(sdist: Path, dest: Path) -> None:
 
 
 def _extract_git(base: GitBase, commit: str, dest: Path) -> None:
-    archive = subprocess.run(
-        ["git", "-C", str(base.path), "archive", "--format=tar", commit],
-        capture_output=True,
-    )
-    if archive.returncode != 0:
-        raise SeriesError(f"git archive {commit} failed: {archive.stderr.decode()}")
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+    archive = git(base.path, "archive", "--format=tar", commit).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
 
 
@@ -125,7 +113,7 @@ def prepare(
             f", expected {expected}); move it away or delete it, then run again"
         )
     started = time.monotonic()
-    staging = repo.with_name(repo.name + ".preparing")
+    staging = staging_dir(repo)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if isinstance(series.base, SdistBase):
@@ -134,7 +122,7 @@ def prepare(
         _extract_git(series.base, _resolve_git_rev(series.base), staging)
     extracted = time.monotonic()
     identity = Identity(*TOOL_IDENTITY, date=BASE_DATE)
-    git(staging, "init", "-q", "-b", BRANCH)
+    git(staging, "init", "-q", "-b", SERIES_BRANCH)
     git(staging, "add", "-A", "-f")
     git(
         staging,

@@ -46,22 +46,23 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.apply import apply
 from scripts.series.config import Base, GitBase, SdistBase, Series, Stage
-from scripts.series.refresh import format_stage_patch, overlay_bytes
+from scripts.series.contract import tree_env
 from scripts.series.git import commit_verbatim, git, git_out
-from scripts.series.patchfile import read_patch
-from scripts.series.prepare import BASE_TAG, BUILD_DIR_NAME, prepare, workdir
-from scripts.series.state import read_chain
-from scripts.series.testrun import (
-    BASE_TREE_ENV,
-    CPU_ENV,
-    STAGES_ENV,
-    TREE_ENV,
-    read_junit,
+from scripts.series.layout import (
+    BASE_TAG,
+    NEXT_DIR,
+    REBASE_OLD_REF,
+    REBASED_BRANCH,
+    rebase_dir,
+    review_dir,
+    workdir,
 )
+from scripts.series.patchfile import read_patch
+from scripts.series.prepare import prepare
+from scripts.series.refresh import format_stage_patch, overlay_bytes
+from scripts.series.state import read_chain
+from scripts.series.testrun import read_junit
 
-OLD_REF = "refs/dsa-rebase/old"
-BRANCH = "rebased"
-NEXT_DIR = "next"
 RESOLUTIONS = "resolutions"  # git rerere's rr-cache, kept with the review
 
 # (passed, failed) of a stage's upstream probe on a tree that lacks the stage
@@ -95,16 +96,8 @@ class RebaseState:
     commits: dict[str, str] = field(default_factory=dict)
 
 
-def _area(series: Series) -> Path:
-    return series.root / BUILD_DIR_NAME / "rebase"
-
-
 def _state_file(series: Series) -> Path:
-    return _area(series) / "state.json"
-
-
-def review_dir(series: Series, target: Base) -> Path:
-    return series.patches_dir / NEXT_DIR / target.label
+    return rebase_dir(series) / "state.json"
 
 
 def _target_dict(target: Base) -> dict[str, str]:
@@ -151,7 +144,7 @@ def _series_digest(series: Series) -> str:
 
 
 def _repo(series: Series, state: RebaseState) -> Path:
-    return _area(series) / _target_from(state.target).label / "vllm"
+    return rebase_dir(series) / _target_from(state.target).label / "vllm"
 
 
 def start(series: Series, target: Base, tester: Tester | None) -> list[StageReport]:
@@ -165,13 +158,13 @@ def start(series: Series, target: Base, tester: Tester | None) -> list[StageRepo
         raise SeriesError(f"the series is already on {target.label}")
     old_repo = apply(series, quiet=True)
     old_tip = read_chain(series, old_repo).tip
-    area = _area(series)
+    area = rebase_dir(series)
     work = area / target.label / "vllm"
     shutil.rmtree(area / target.label, ignore_errors=True)
     work.parent.mkdir(parents=True)
     prepare(replace(series, base=target), repo=work, quiet=True)
-    git(work, "fetch", "-q", str(old_repo), f"+{old_tip}:{OLD_REF}")
-    git(work, "checkout", "-q", "-b", BRANCH, BASE_TAG)
+    git(work, "fetch", "-q", str(old_repo), f"+{old_tip}:{REBASE_OLD_REF}")
+    git(work, "checkout", "-q", "-b", REBASED_BRANCH, BASE_TAG)
     git(work, "config", "rerere.enabled", "true")
     git(work, "config", "rerere.autoUpdate", "true")
     recorded = review_dir(series, target) / RESOLUTIONS
@@ -230,7 +223,7 @@ def abort(series: Series) -> None:
     """Drop the rebase in progress: its work area and record, nothing else."""
     state = _load_state(series)
     label = _target_from(state.target).label
-    shutil.rmtree(_area(series) / label, ignore_errors=True)
+    shutil.rmtree(rebase_dir(series) / label, ignore_errors=True)
     _state_file(series).unlink()
     print(f"rebase onto {label} aborted; the series and its tree are as before")
 
@@ -267,7 +260,7 @@ def _run(
 def _old_commit(repo: Path, series: Series, stage: Stage) -> str:
     """The current series' commit of ``stage`` (fetched into the rebase repo)."""
     back = len(series.stages) - 1 - series.stages.index(stage)
-    return git_out(repo, "rev-parse", f"{OLD_REF}~{back}")
+    return git_out(repo, "rev-parse", f"{REBASE_OLD_REF}~{back}")
 
 
 def _rebase_stage(
@@ -458,12 +451,7 @@ def pytest_tester(python: str) -> Tester:
         git(repo, "worktree", "prune")
         git(repo, "worktree", "add", "-q", "--detach", str(probe_tree), "HEAD")
         junit = repo.parent / f"probe-{stage.id}.xml"
-        env = {
-            **CPU_ENV,
-            TREE_ENV: str(probe_tree),
-            STAGES_ENV: ",".join(["base", *kept, stage.id]),
-            BASE_TREE_ENV: str(probe_tree),
-        }
+        env = tree_env(probe_tree, ["base", *kept, stage.id], probe_tree)
         paths = [str(series.tests_dir / p) for p in _probe(stage)]
         try:
             subprocess.run(
@@ -586,8 +574,23 @@ def accept(series: Series, label: str | None = None) -> None:
 def review_is_current(series: Series, review: Path) -> bool:
     """Whether the rebased series in ``review`` was made from the committed
     series as it is now."""
-    recorded = tomllib.loads((review / "series.toml").read_text()).get("rebased_from")
-    return recorded == _series_digest(series)
+    text = (review / "series.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text).get("rebased_from") == _series_digest(series)
+
+
+def check_review_is_current(series: Series) -> None:
+    """Raise if ``series`` is a rebased series under review (it has
+    ``rebased_from``) made from an older version of the project's series."""
+    project_dir = series.root / "patches"
+    text = (series.patches_dir / "series.toml").read_text(encoding="utf-8")
+    if series.patches_dir == project_dir or "rebased_from" not in tomllib.loads(text):
+        return
+    if not review_is_current(_load_review(project_dir), series.patches_dir):
+        raise SeriesError(
+            f"{series.patches_dir} was rebased from an older version of "
+            "patches/; rebase again (nox -s rebase -- ...): the recorded "
+            "conflict resolutions are replayed"
+        )
 
 
 def _load_review(path: Path) -> Series:
@@ -642,6 +645,14 @@ def series_toml(series: Series, *, review: tuple[str, str, str] | None = None) -
         ]
         if stage.upstream_probe:
             lines.append(f"upstream_probe = {strings(stage.upstream_probe)}")
+        if stage.large_hunks:
+            lines.append("large_hunks = [")
+            lines += [
+                f"    {{ file = {s(h.path)}, hunk = {h.number}, "
+                f"reason = {s(h.reason)} }},"
+                for h in stage.large_hunks
+            ]
+            lines.append("]")
         lines.append(
             f"upstream = {{ pr = {s(stage.upstream_pr)}, "
             f"status = {s(stage.upstream_status)} }}"

@@ -15,14 +15,18 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import changed_files, git, rev_parse
+from scripts.series.layout import (
+    REFRESH_BACKUP_REF,
+    SERIES_BRANCH,
+    stage_tag,
+    workdir,
+)
 from scripts.series.patchfile import read_patch
-from scripts.series.prepare import BRANCH, workdir
 from scripts.series.state import (
     Chain,
     load_state,
     read_chain,
     save_state,
-    stage_tag,
 )
 
 FORMAT_PATCH_FLAGS = (
@@ -40,7 +44,6 @@ FORMAT_PATCH_FLAGS = (
     "--diff-algorithm=myers",
     "--encoding=UTF-8",
 )
-BACKUP_REF = "refs/dsa-series/before-refresh"
 
 
 def format_stage_patch(series: Series, repo: Path, stage: Stage, commit: str) -> bytes:
@@ -194,7 +197,7 @@ def refresh(series: Series) -> list[Stage]:
         folded = rev_parse(repo, "HEAD")
         assert folded is not None
         commits[-1] = (commits[-1][0], folded)
-    git(repo, "update-ref", BACKUP_REF, "HEAD")
+    git(repo, "update-ref", REFRESH_BACKUP_REF, "HEAD")
     exported_tree = rev_parse(repo, "HEAD^{tree}")
 
     final = commits[-1][1]
@@ -204,14 +207,16 @@ def refresh(series: Series) -> list[Stage]:
     state = load_state(repo)
     for stage, commit in commits:
         state[stage.id] = {"commit": commit, "inputs": "refreshed"}
-        git(repo, "tag", "-f", stage_tag(stage), commit)
+        git(repo, "tag", "-f", stage_tag(stage.id), commit)
     save_state(repo, state)
-    git(repo, "checkout", "-q", "-B", BRANCH, chain.base)
+    git(repo, "checkout", "-q", "-B", SERIES_BRANCH, chain.base)
     apply(series, commits[-1][0].id, quiet=True)
     if rev_parse(repo, "HEAD^{tree}") != exported_tree:
-        diff = git(repo, "diff", "--name-only", BACKUP_REF, "HEAD").stdout.decode()
+        diff = git(
+            repo, "diff", "--name-only", REFRESH_BACKUP_REF, "HEAD"
+        ).stdout.decode()
         raise SeriesError(
             "the re-applied stages differ from the tree that was exported in: "
-            f"{diff.split()}; your work is kept at {BACKUP_REF}"
+            f"{diff.split()}; your work is kept at {REFRESH_BACKUP_REF}"
         )
     return changed

@@ -17,22 +17,21 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import git, rev_parse
-from scripts.series.prepare import BASE_TAG
-
-STATE_FILE = "dsa-series-state.json"
-IN_PROGRESS_FILE = "dsa-series-applying"
-
-
-def stage_tag(stage: Stage) -> str:
-    return f"stage/{stage.id}"
+from scripts.series.layout import (
+    APPLYING_FILE,
+    BASE_TAG,
+    STATE_FILE,
+    git_file,
+    stage_tag,
+)
 
 
 def _state_path(repo: Path) -> Path:
-    return repo / ".git" / STATE_FILE
+    return git_file(repo, STATE_FILE)
 
 
 def in_progress_path(repo: Path) -> Path:
-    return repo / ".git" / IN_PROGRESS_FILE
+    return git_file(repo, APPLYING_FILE)
 
 
 def load_state(repo: Path) -> dict[str, dict[str, str]]:
@@ -104,7 +103,7 @@ def read_chain(series: Series, repo: Path) -> Chain:
     parent = base
     for stage in series.stages:
         record = state.get(stage.id)
-        if not record or rev_parse(repo, stage_tag(stage)) != record["commit"]:
+        if not record or rev_parse(repo, stage_tag(stage.id)) != record["commit"]:
             break
         if parent_of(repo, record["commit"]) != parent:
             break

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from scripts.series.config import Series
 from scripts.series.git import changed_files, git, rev_parse
-from scripts.series.prepare import workdir
+from scripts.series.layout import workdir
 from scripts.series.state import read_chain
 
 

@@ -27,26 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scripts.series.config import Series
-from scripts.series.prepare import BUILD_DIR_NAME
+from scripts.series.contract import PLUGIN_FILES_ENV, tree_env
+from scripts.series.layout import results_dir
 from scripts.series.trees import stage_tree
-
-TREE_ENV = "DSA_VLLM_TREE"
-STAGES_ENV = "DSA_STAGES"
-# The base's tree, for tests that compare a stage with the base it patches.
-BASE_TREE_ENV = "DSA_BASE_TREE"
-# {plugin module: [test files it applies to]} for vLLM's own tests.
-PLUGIN_FILES_ENV = "DSA_PLUGIN_FILES"
-
-# CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
-# Triton kernels through the interpreter, and bytecode written so a tree is
-# compiled once rather than on every import.
-CPU_ENV = {
-    "CUDA_VISIBLE_DEVICES": "",
-    "TRITON_INTERPRET": "1",
-    "PYTHONDONTWRITEBYTECODE": "",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "PYTHONWARNINGS": "ignore:`torch.jit.script_method` is deprecated",
-}
 
 
 @dataclass(frozen=True)
@@ -61,10 +44,6 @@ class PytestRun:
     junit: Path
 
 
-def results_dir(series: Series) -> Path:
-    return series.root / BUILD_DIR_NAME / "results" / series.base.label
-
-
 def stage_runs(
     series: Series, stage_id: str, tree: Path, base_tree: Path
 ) -> list[PytestRun]:
@@ -75,12 +54,7 @@ def stage_runs(
     is_top = bool(applied) and applied[-1] == series.stages[-1]
     tested = applied if is_top else applied[-1:]
     own_dirs = ["base", *(s.tests for s in tested)]
-    env = {
-        **CPU_ENV,
-        TREE_ENV: str(tree),
-        STAGES_ENV: ",".join(stages),
-        BASE_TREE_ENV: str(base_tree),
-    }
+    env = tree_env(tree, stages, base_tree)
     # One run per test folder, so that runs side by side stay balanced.
     runs = [
         PytestRun(

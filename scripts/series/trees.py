@@ -12,7 +12,7 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series
 from scripts.series.git import changed_files, git, rev_parse
-from scripts.series.prepare import BUILD_DIR_NAME, workdir
+from scripts.series.layout import stage_tree_dir, workdir
 from scripts.series.state import read_chain
 
 
@@ -23,7 +23,7 @@ def stage_tree(series: Series, stage_id: str) -> Path:
     repo = workdir(series)
     chain = read_chain(series, repo)
     commit = chain.current_commit(stage_id)
-    tree = series.root / BUILD_DIR_NAME / "trees" / series.base.label / stage_id
+    tree = stage_tree_dir(series, stage_id)
     if not (tree / ".git").exists():
         tree.parent.mkdir(parents=True, exist_ok=True)
         git(repo, "worktree", "prune")

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The applied vLLM tree a test runs against.
 
-``nox -s tests`` puts the tree of the stage under test first on ``sys.path``
-and names it in ``DSA_VLLM_TREE``; ``DSA_STAGES`` lists what it holds
-("base,0001,..."). A test module asks for the stage it needs; without such a
-tree it is skipped with the reason, never run against some other vLLM.
+The tool names the tree of the stage under test in ``DSA_VLLM_TREE`` and
+what it holds in ``DSA_STAGES`` ("base,0001,..."): the test contract of
+scripts/series/contract.py, set by ``python -m scripts.series test`` and
+printed by ``... env STAGE``. tests/conftest.py puts the tree first on
+``sys.path``. A test module asks for the stage it needs; without such a tree
+it is skipped with the reason, never run against some other vLLM.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-TREE_ENV = "DSA_VLLM_TREE"
-STAGES_ENV = "DSA_STAGES"
+from scripts.series.contract import STAGES_ENV, TREE_ENV
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from harness import adversary, indexer_batch, topk_reference
 from harness.multiproc import run_ranks
 from harness.rocm_platform import emulate_rocm
 from harness.tree import applied_tree
+from scripts.series.contract import BASE_TREE_ENV, tree_env
 
 TREE = applied_tree("0001")
 
@@ -281,16 +282,15 @@ torch.save(outputs, sys.argv[1])
 @pytest.fixture(scope="module")
 def base_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
     """The base tree's buffers for the byte-identity scenarios (one process)."""
-    base_tree = os.environ.get("DSA_BASE_TREE")
+    base_tree = os.environ.get(BASE_TREE_ENV)
     if not base_tree or not Path(base_tree).is_dir():
-        pytest.skip("needs the base tree (DSA_BASE_TREE); run through nox")
+        pytest.skip(f"needs the base tree ({BASE_TREE_ENV}); run through nox")
     out_file = tmp_path_factory.mktemp("base") / "base.pt"
     tests_dir = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
-        "DSA_VLLM_TREE": base_tree,
-        "DSA_STAGES": "base",
-        "PYTHONPATH": f"{base_tree}:{tests_dir}",
+        **tree_env(Path(base_tree), ["base"], Path(base_tree), cpu=False),
+        "PYTHONPATH": f"{base_tree}:{tests_dir}:{tests_dir.parent}",
     }
     requests = {name: SCENARIOS[name][0] for name in BYTE_IDENTITY_SCENARIOS}
     subprocess.run(

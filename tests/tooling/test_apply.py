@@ -9,7 +9,7 @@ import pytest
 from scripts.series import SeriesError
 from scripts.series.apply import StageApplyError, apply
 from scripts.series.git import changed_files, git_out
-from scripts.series.prepare import workdir
+from scripts.series.layout import workdir
 from scripts.series.state import in_progress_path
 from scripts.series.status import format_status, tree_status
 from tests.tooling.conftest import Project

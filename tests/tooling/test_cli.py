@@ -85,7 +85,18 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     )
     assert done.returncode == 0, done.stderr
     assert "| 0002 Top-k gate | applied cleanly |" in done.stdout
-    assert (two_stages.root / "patches/next/vllm-git-main/series.toml").exists()
+    review = two_stages.root / "patches/next/vllm-git-main/series.toml"
+    assert review.exists()
+    assert _cli(two_stages, "--series", str(review), "apply").returncode == 0
+    # An edit to the project's series makes the review stale: apply and
+    # test of it refuse, naming what to do.
+    series_text = two_stages.series_file.read_text()
+    two_stages.series_file.write_text(series_text + "# edited\n")
+    for verb in ("apply", "test"):
+        stale = _cli(two_stages, "--series", str(review), verb)
+        assert stale.returncode == 1
+        assert "was rebased from an older version of patches/" in stale.stderr
+    two_stages.series_file.write_text(series_text)
     assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
     accepted = _cli(two_stages, "rebase", "--accept")
     assert accepted.returncode == 0, accepted.stderr
@@ -147,3 +158,27 @@ def test_test_without_pytest_or_with_no_jobs_says_so(
     code = cli.main(["--series", str(two_stages.series_file), "test"])
     assert code == 1
     assert "error: pytest is not installed" in capsys.readouterr().err
+
+
+def test_env_prints_the_test_contract_a_shell_can_source(two_stages: Project):
+    assert _cli(two_stages, "apply").returncode == 0
+    assert _cli(two_stages, "stages").stdout.split() == ["base", "0001", "0002"]
+    printed = _cli(two_stages, "env", "0001").stdout
+    tree = _cli(two_stages, "tree", "0001").stdout.strip()
+    base = _cli(two_stages, "tree", "base").stdout.strip()
+    shown = subprocess.run(
+        ["bash", "-c", printed + "\nenv"], capture_output=True, text=True
+    ).stdout.splitlines()
+    for line in (
+        f"DSA_VLLM_TREE={tree}",
+        "DSA_STAGES=base,0001",
+        f"DSA_BASE_TREE={base}",
+        "CUDA_VISIBLE_DEVICES=",
+        "TRITON_INTERPRET=1",
+    ):
+        assert line in shown
+    gpu = _cli(two_stages, "env", "0002", "--tree", "/copy of/tree", "--gpu").stdout
+    assert gpu.splitlines() == [
+        "export DSA_VLLM_TREE='/copy of/tree'",
+        "export DSA_STAGES=base,0001,0002",
+    ]

@@ -8,8 +8,8 @@ import shutil
 
 from scripts.series.apply import apply
 from scripts.series.config import load_series
-from scripts.series.git import changed_files, git_out
 from scripts.series.export import export_stages
+from scripts.series.git import changed_files, git_out
 from tests.tooling.conftest import Project
 
 

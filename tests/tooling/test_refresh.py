@@ -8,9 +8,9 @@ import pytest
 from scripts.series import SeriesError
 from scripts.series.apply import apply
 from scripts.series.check import stale_files
-from scripts.series.refresh import FORMAT_PATCH_FLAGS, refresh
 from scripts.series.git import changed_files, git_out
 from scripts.series.patchfile import read_patch
+from scripts.series.refresh import FORMAT_PATCH_FLAGS, refresh
 from tests.tooling.conftest import Project, sh
 
 

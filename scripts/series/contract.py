@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The test contract: the environment a test process of one stage's tree gets.
+
+The tool sets it for every pytest run (``test``, the rebase probe) and prints
+it for anything else that runs the tests (``python -m scripts.series env
+STAGE``: GPU runs, a shell); the tests read it through tests/harness/tree.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+TREE_ENV = "DSA_VLLM_TREE"  # the applied vLLM tree under test
+STAGES_ENV = "DSA_STAGES"  # what it holds: "base,0001,..."
+# The base's tree, for tests that compare a stage with the base it patches.
+BASE_TREE_ENV = "DSA_BASE_TREE"
+# {plugin module: [test files it applies to]} for vLLM's own tests.
+PLUGIN_FILES_ENV = "DSA_PLUGIN_FILES"
+
+# CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
+# Triton kernels through the interpreter, and bytecode written so a tree is
+# compiled once rather than on every import.
+CPU_ENV = {
+    "CUDA_VISIBLE_DEVICES": "",
+    "TRITON_INTERPRET": "1",
+    "PYTHONDONTWRITEBYTECODE": "",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "PYTHONWARNINGS": "ignore:`torch.jit.script_method` is deprecated",
+}
+
+
+def tree_env(
+    tree: Path, stages: Sequence[str], base_tree: Path | None, *, cpu: bool = True
+) -> dict[str, str]:
+    """The variables for testing ``tree`` (holding ``stages``); ``cpu``
+    adds the CPU platform's. Without a base tree, the tests that compare
+    with the base skip."""
+    env = {
+        **(CPU_ENV if cpu else {}),
+        TREE_ENV: str(tree),
+        STAGES_ENV: ",".join(stages),
+    }
+    if base_tree is not None:
+        env[BASE_TREE_ENV] = str(base_tree)
+    return env

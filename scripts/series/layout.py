@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where everything lives: every path under build/, and every tag, branch, ref
+and state-file name the tool writes into a work repo. No other module spells
+them out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scripts.series.config import Base, Series
+
+BUILD_DIR = "build"
+NEXT_DIR = "next"  # patches/next/<target>/: a rebased series under review
+
+# In a work repo (build/<base label>/).
+BASE_TAG = "base"
+SERIES_BRANCH = "series"
+REBASED_BRANCH = "rebased"
+REFRESH_BACKUP_REF = "refs/dsa-series/before-refresh"
+REBASE_OLD_REF = "refs/dsa-rebase/old"
+STATE_FILE = "dsa-series-state.json"  # under .git/
+APPLYING_FILE = "dsa-series-applying"  # under .git/, while apply runs
+
+
+def stage_tag(stage_id: str) -> str:
+    return f"stage/{stage_id}"
+
+
+def pr_branch(stage_id: str) -> str:
+    return f"pr/{stage_id}"
+
+
+def build_dir(series: Series) -> Path:
+    return series.root / BUILD_DIR
+
+
+def workdir(series: Series) -> Path:
+    """The work repo: the base commit and one commit per stage."""
+    return build_dir(series) / series.base.label
+
+
+def staging_dir(repo: Path) -> Path:
+    """Where ``prepare`` builds a work repo before moving it into place."""
+    return repo.with_name(repo.name + ".preparing")
+
+
+def git_file(repo: Path, name: str) -> Path:
+    return repo / ".git" / name
+
+
+def stage_tree_dir(series: Series, stage_id: str) -> Path:
+    """The test tree of ``stage_id`` ("base" or a stage id)."""
+    return build_dir(series) / "trees" / series.base.label / stage_id
+
+
+def results_dir(series: Series) -> Path:
+    return build_dir(series) / "results" / series.base.label
+
+
+def export_dir(series: Series) -> Path:
+    return build_dir(series) / "export"
+
+
+def rebase_dir(series: Series) -> Path:
+    return build_dir(series) / "rebase"
+
+
+def review_dir(series: Series, target: Base) -> Path:
+    return series.patches_dir / NEXT_DIR / target.label
