@@ -29,6 +29,7 @@ from scripts.series.contract import tree_env
 from scripts.series.export import export_stages
 from scripts.series.fetch import fetch_sdist
 from scripts.series.layout import results_dir
+from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.prepare import prepare
 from scripts.series.refresh import refresh
 from scripts.series.status import format_status, tree_status
@@ -74,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("export", help="each stage as one upstream PR commit")
     pr.add_argument("stage", nargs="?", help="only this stage (and what it needs)")
     sub.add_parser("stages", help="print 'base' and the stage ids, in order")
+    sub.add_parser("overview", help="print the README's stage table")
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
     env = sub.add_parser(
@@ -219,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             sizes, problems = hunk_budget(series)
             print(f"hunks in vLLM's files (budget {HUNK_BUDGET} changed lines):")
             print(format_hunk_sizes(sizes))
+            readme = series.root / "README.md"
+            if readme.exists() and not readme_table_is_current(series, readme):
+                problems.append(
+                    "README.md's stage table differs from series.toml; paste "
+                    "`python -m scripts.series overview` between its markers"
+                )
             if problems:
                 print("\n".join(f"error: {problem}" for problem in problems))
                 return 1
@@ -233,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"{pr.stage.id}: {pr.branch} {pr.commit[:12]} ({where})")
                 print(f"  {pr.patch}\n  {pr.description}")
+        elif args.command == "overview":
+            print(stage_table(series))
         elif args.command == "stages":
             print(" ".join(["base", *(s.id for s in series.stages)]))
         elif args.command == "tree":

@@ -81,6 +81,10 @@ class Stage:
     # has it. Empty: the stage's whole tests folder.
     upstream_probe: tuple[str, ...] = ()
     large_hunks: tuple[LargeHunk, ...] = ()
+    # For the README's stage table: how a user turns the stage on, and the
+    # hardware its behaviour was checked on.
+    switches: tuple[str, ...] = ()
+    validated_on: str = "not stated"
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,8 @@ def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> St
             "upstream",
             "upstream_probe",
             "large_hunks",
+            "switches",
+            "validated_on",
         }
     )
     stage_id = fields.string("id")
@@ -258,6 +264,8 @@ def _parse_stage(source: Path, index: int, raw: Any, earlier: list[Stage]) -> St
             for p in fields.string_list("upstream_probe")
         ),
         large_hunks=large_hunks,
+        switches=fields.string_list("switches"),
+        validated_on=fields.string("validated_on", default="not stated"),
     )
 
 

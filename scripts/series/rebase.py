@@ -645,6 +645,9 @@ def series_toml(series: Series, *, review: tuple[str, str, str] | None = None) -
         ]
         if stage.upstream_probe:
             lines.append(f"upstream_probe = {strings(stage.upstream_probe)}")
+        if stage.switches:
+            lines.append(f"switches = {strings(stage.switches)}")
+        lines.append(f"validated_on = {s(stage.validated_on)}")
         if stage.large_hunks:
             lines.append("large_hunks = [")
             lines += [

@@ -9,6 +9,7 @@ from conftest import Project
 
 from scripts.series.check import HUNK_BUDGET, format_hunk_sizes, hunk_budget
 from scripts.series.config import SeriesFileError
+from scripts.series.overview import BEGIN, END, readme_table_is_current, stage_table
 
 # 30 functions of two lines each in the synthetic vllm/ops.py.
 NEW_LINES = "".join(f"EXTRA_{i} = {i}\n" for i in range(HUNK_BUDGET + 1))
@@ -91,3 +92,18 @@ def test_a_malformed_allowance_names_its_field(project: Project, entry, field):
     _allow(project, entry)
     with pytest.raises(SeriesFileError, match=rf"large_hunks\[0\]\.{field}"):
         project.series()
+
+
+def test_the_readme_stage_table_is_generated_and_checked(two_stages: Project):
+    series = two_stages.series()
+    table = stage_table(series)
+    assert table.splitlines()[2].startswith("| **0001** Striped indexer | none |")
+    assert "`envs.py`" in table and "`cp_indexer.py`" in table
+    assert "`tests/stage_0001/`" in table and "| not stated | not submitted |" in table
+    readme = two_stages.root / "README.md"
+    readme.write_text(f"# Series\n\n{BEGIN}\n{table}\n{END}\n\nMore.\n")
+    assert readme_table_is_current(series, readme)
+    readme.write_text(readme.read_text().replace("Striped indexer", "Striped"))
+    assert not readme_table_is_current(series, readme)
+    readme.write_text("# Series without the table\n")
+    assert not readme_table_is_current(series, readme)

@@ -26,6 +26,8 @@ from AITER's ``cache_format`` for the model's head count): a page's values,
 then its scales, both grouped in runs of ``n_per_tile`` tokens.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from vllm.triton_utils import tl, triton
@@ -38,6 +40,25 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
 def mxfp4_indexer_row_bytes(head_dim: int) -> int:
     """Bytes of one MXFP4 indexer key: packed values, then e8m0 scales."""
     return head_dim // 2 + head_dim // MXFP4_BLOCK_SIZE
+
+
+class Mxfp4IndexQuery(NamedTuple):
+    """The index query as MXFP4, both buffers contiguous: [T, H, D // 2]
+    uint8 E2M1 pairs and [T, H, D // 32] uint8 E8M0 scales."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def empty_mxfp4_index_query(index_q: torch.Tensor) -> Mxfp4IndexQuery:
+    """Uninitialised MXFP4 buffers for ``index_q`` [T, H, D]."""
+    tokens, heads, head_dim = index_q.shape
+    return Mxfp4IndexQuery(
+        index_q.new_empty((tokens, heads, head_dim // 2), dtype=torch.uint8),
+        index_q.new_empty(
+            (tokens, heads, head_dim // MXFP4_BLOCK_SIZE), dtype=torch.uint8
+        ),
+    )
 
 
 @triton.jit
@@ -131,6 +152,50 @@ def mxfp4_paged_cache_store(
         + s // SCALE_LANES
     )
     tl.store(page_ptr + scale_off, scales, mask=valid & (s >= 0))
+
+
+@triton.jit
+def mxfp4_index_k_cache_write(
+    index_k,
+    slot,
+    cache_ptr,
+    page_stride,
+    page_entries,
+    HEAD_DIM: tl.constexpr,
+    N_PER_TILE: tl.constexpr,
+    D_PER_TILE: tl.constexpr,
+    SCALE_LANES: tl.constexpr,
+):
+    """Quantise one index key ([HEAD_DIM] floats) and store it at ``slot``
+    of the paged cache (``mxfp4_paged_cache_store``)."""
+    packed, scales = mxfp4_quantize(tl.reshape(index_k, (1, HEAD_DIM)), 1, HEAD_DIM)
+    mxfp4_paged_cache_store(
+        packed,
+        scales,
+        tl.zeros((1,), tl.int64) + slot,
+        cache_ptr,
+        page_stride,
+        page_entries,
+        HEAD_DIM,
+        N_PER_TILE,
+        D_PER_TILE,
+        SCALE_LANES,
+    )
+
+
+@triton.jit
+def mxfp4_index_q_store(index_q, values_ptr, scales_ptr, row, HEAD_DIM: tl.constexpr):
+    """Quantise one query head ([HEAD_DIM] floats) into row ``row`` (token *
+    heads + head) of the ``Mxfp4IndexQuery`` buffers. Returns the scale the
+    head's index weight takes: 1, since the per-32 scales go to the logits
+    kernel with the values."""
+    packed, scales = mxfp4_quantize(tl.reshape(index_q, (1, HEAD_DIM)), 1, HEAD_DIM)
+    row = row.to(tl.int64)
+    values = tl.arange(0, HEAD_DIM // 2)[None, :]
+    tl.store(values_ptr + row * (HEAD_DIM // 2) + values, packed)
+    scale_idx = tl.arange(0, HEAD_DIM // 32)[None, :]
+    tl.store(scales_ptr + row * (HEAD_DIM // 32) + scale_idx, scales)
+    return 1.0
 
 
 def check_mxfp4_indexer_cache(

@@ -57,19 +57,6 @@ ENABLE_ENV = "VLLM_ROCM_USE_AITER_CP_INDEXER"
 STRIPE_SIZE_ENV = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
 
 
-def parse_stripe_size(value: str) -> int:
-    """The stripe size from its env var; a clear error for a bad value."""
-    try:
-        stripe = int(value)
-    except ValueError:
-        stripe = 0
-    if stripe <= 0:
-        raise ValueError(
-            f"{STRIPE_SIZE_ENV} must be a positive number of rows, got {value!r}"
-        )
-    return stripe
-
-
 def unsafe_config_reason(
     vllm_config: VllmConfig, dcp_world_size: int, use_pcp: bool
 ) -> str | None:
@@ -86,12 +73,12 @@ def unsafe_config_reason(
     return None
 
 
-def _check_ranks_agree(enabled: bool, stripe: str) -> None:
+def _check_ranks_agree(enabled: bool, stripe: int | str) -> None:
     """Every TP rank must hold the same settings; raise on every rank, naming
     the setting and each rank's value, if they do not. The stripe size only
     matters when the split is on."""
     group = get_tp_group()
-    settings: list[tuple[bool, str]] = [(False, "")] * group.world_size
+    settings: list[tuple[bool, int | str]] = [(False, "")] * group.world_size
     torch.distributed.all_gather_object(
         settings, (enabled, stripe), group=group.cpu_group
     )
@@ -116,20 +103,28 @@ def cp_indexer_stripe_at_startup(
     it checks that the TP ranks agree on the settings (a collective on the
     TP group's CPU group), validates the stripe size and says why the split
     stays off in an unsafe configuration."""
-    # vllm._aiter_ops imports the indexer backend, which imports this module.
+    # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
+    # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
 
     if tp_size < 2 or not current_platform.is_rocm():
         return None
     enabled = bool(rocm_aiter_ops.is_cp_indexer_enabled())
-    raw_stripe = envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
+    # A bad stripe size (an error only with the split on) is compared like a
+    # value, so that no rank raises while the others wait in the collective.
+    stripe: int | str
+    try:
+        stripe = envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
+    except ValueError as error:
+        stripe = str(error)
     # Engines always build the TP group before the attention backends; only
     # a builder made outside an engine (a unit test) has no group to ask.
     if model_parallel_is_initialized():
-        _check_ranks_agree(enabled, raw_stripe)
+        _check_ranks_agree(enabled, stripe)
     if not enabled:
         return None
-    stripe = parse_stripe_size(raw_stripe)
+    if isinstance(stripe, str):
+        raise ValueError(stripe)
     reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
     if reason is not None:
         logger.info("CP indexer stays off (replicated prefill): %s.", reason)
