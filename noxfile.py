@@ -29,13 +29,16 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 SERIES_FILE = ROOT / "patches" / "series.toml"
-STAGE_IDS = subprocess.run(
+_stages = subprocess.run(
     [sys.executable, "-m", "scripts.series", "stages"],
     cwd=ROOT,
     capture_output=True,
     text=True,
-    check=True,
-).stdout.split()
+    check=False,
+)
+if _stages.returncode != 0:
+    sys.exit(_stages.stderr.strip() or "python -m scripts.series stages failed")
+STAGE_IDS = _stages.stdout.split()
 # Rebased series written by `rebase` for review, one folder per target.
 REBASED = sorted((ROOT / "patches" / "next").glob("*/series.toml"))
 REQUIREMENTS = ROOT / "tests" / "requirements-cpu.txt"

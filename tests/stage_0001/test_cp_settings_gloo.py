@@ -45,30 +45,36 @@ def test_the_same_settings_start():
     assert _on_every_rank([("0", "512")] * TP) == [("ok", None)] * TP
 
 
-def test_the_flag_differing_is_an_error_on_every_rank():
-    settings = [("1", "512"), ("0", "512"), ("1", "512"), ("1", "512")]
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        pytest.param(
+            [("1", "512"), ("0", "512"), ("1", "512"), ("1", "512")],
+            [f"{ENABLE} differs across the TP ranks", "rank 0: True, rank 1: False"],
+            id="the flag",
+        ),
+        pytest.param(
+            [("1", "512"), ("1", "1024"), ("1", "512"), ("1", "512")],
+            [f"{STRIPE} differs across the TP ranks", "rank 1: 1024"],
+            id="the stripe size",
+        ),
+        # The rank that cannot read its stripe size must not raise while the
+        # others wait for it in the collective.
+        pytest.param(
+            [("1", "512"), ("1", "512"), ("1", "oops"), ("1", "512")],
+            [
+                f"{STRIPE} differs across the TP ranks",
+                "must be a positive number of rows, got 'oops'",
+            ],
+            id="a bad stripe size on one rank",
+        ),
+    ],
+)
+def test_settings_that_differ_are_an_error_on_every_rank(settings, says):
     for status, message in _on_every_rank(settings):
         assert status == "error"
-        assert f"{ENABLE} differs across the TP ranks" in message
-        assert "rank 0: True, rank 1: False" in message
-
-
-def test_the_stripe_size_differing_is_an_error_on_every_rank():
-    settings = [("1", "512"), ("1", "1024"), ("1", "512"), ("1", "512")]
-    for status, message in _on_every_rank(settings):
-        assert status == "error"
-        assert f"{STRIPE} differs across the TP ranks" in message
-        assert "rank 1: 1024" in message
-
-
-def test_a_bad_stripe_size_on_one_rank_is_an_error_on_every_rank():
-    """The rank that cannot read its stripe size must not raise while the
-    others wait for it in the collective."""
-    settings = [("1", "512"), ("1", "512"), ("1", "oops"), ("1", "512")]
-    for status, message in _on_every_rank(settings):
-        assert status == "error"
-        assert f"{STRIPE} differs across the TP ranks" in message
-        assert "must be a positive number of rows, got 'oops'" in message
+        for text in says:
+            assert text in message
 
 
 def test_the_stripe_size_only_matters_with_the_split_on():
