@@ -189,7 +189,8 @@ def cost_model(session: nox.Session) -> None:
     tree = _stage_tree(session, "0001")
     session.run(
         "python",
-        "scripts/cp_indexer_cost_model.py",
+        "-m",
+        "scripts.bench.cp_indexer_cost_model",
         "--tree",
         str(tree),
         env={"CUDA_VISIBLE_DEVICES": ""},

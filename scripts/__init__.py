@@ -1,2 +1,3 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tooling and benchmarks for the DSA indexer patch series."""
+"""The series tool (``series``), the stand-ins that run the applied tree
+without AMD hardware (``harness``) and the benchmarks (``bench``)."""

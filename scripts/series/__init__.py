@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tooling that turns patches/ + vllm_overlay/ into tested vLLM trees.
 
-One module per job: config (series.toml), fetch (the pinned sdist), prepare
-(the base commit), apply (the stage commits), state (which stage commits
-the tree holds), trees (per-stage test trees), testrun (the pytest runs and
-their summary), export (refresh/check: patch files from the stage commits),
-pr_export (export: one upstream PR per stage), rebase (onto a newer vLLM),
-status, git and patchfile (helpers), cli. ``python -m scripts.series
---help`` is the CLI.
+One module per job, named after its verb where it has one: fetch, prepare,
+apply, refresh, check, status, export, overview, testrun (``test``), rebase;
+and what they share: config (series.toml), layout (every build path, tag,
+branch and state-file name), contract (the test environment of a tree),
+state (which stage commits a tree holds), trees (per-stage test trees), git
+and patchfile (helpers). ``cli`` is the command line (``python -m
+scripts.series --help``).
 """
 
 

@@ -105,12 +105,12 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
         )
     git(repo, "apply", "--index", "--whitespace=nowarn", str(patch_path))
     for overlay in stage.overlays:
-        source = series.overlay_dir / overlay
+        source = series.overlay_file(overlay)
         target = repo / overlay
         if not source.is_file():
             _undo(repo, marker)
             raise StageApplyError(
-                f"stage {stage.id}: overlay {overlay} is missing from vllm_overlay/"
+                f"stage {stage.id}: overlay {overlay} is missing ({source} not found)"
             )
         if target.exists():
             _undo(repo, marker)

@@ -39,7 +39,7 @@ def stale_files(series: Series) -> list[str]:
         if patch.read_bytes() != format_stage_patch(series, repo, stage, commit):
             stale.append(str(patch.relative_to(series.root)))
         for overlay in stage.overlays:
-            source = series.overlay_dir / overlay
+            source = series.overlay_file(overlay)
             if source.read_bytes() != overlay_bytes(repo, commit, overlay):
                 stale.append(str(source.relative_to(series.root)))
     return stale

@@ -13,6 +13,7 @@ from scripts.series import SeriesError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERIES_FILE = REPO_ROOT / "patches" / "series.toml"
+DEFAULT_OVERLAYS = ("../vllm_overlay",)  # relative to the series file
 
 UPSTREAM_STATUSES = ("not-submitted", "open", "merged", "closed", "upstreamed")
 _STAGE_ID = re.compile(r"^[0-9]{4}$")
@@ -99,20 +100,30 @@ class RegressionSuite:
 @dataclass(frozen=True)
 class Series:
     """``root`` is the project (tests/, build/, docs/); the patch files sit
-    next to the series file and the overlays in ``overlay_dir``. The
-    project's own series is patches/series.toml with vllm_overlay/; a rebased
-    series written for review keeps its own patches and overlays elsewhere."""
+    next to the series file and the overlays in ``overlay_dirs``, searched in
+    order. The project's own series is patches/series.toml with vllm_overlay/;
+    a rebased series written for review keeps its own patches and only the
+    overlays that differ, and finds the others in the project's vllm_overlay/
+    (which a review checks is unchanged: rebase.review_is_current)."""
 
     root: Path
     base: Base
     stages: tuple[Stage, ...]
     regression: tuple[RegressionSuite, ...]
     patches_dir: Path
-    overlay_dir: Path
+    overlay_dirs: tuple[Path, ...]
 
     @property
     def tests_dir(self) -> Path:
         return self.root / "tests"
+
+    def overlay_file(self, overlay: str) -> Path:
+        """Where ``overlay`` is read from and refreshed to: the first overlay
+        folder that has it (the first folder when none has)."""
+        for folder in self.overlay_dirs:
+            if (folder / overlay).is_file():
+                return folder / overlay
+        return self.overlay_dirs[0] / overlay
 
     def stage(self, stage_id: str) -> Stage:
         for stage in self.stages:
@@ -332,6 +343,11 @@ def load_series(path: Path = SERIES_FILE) -> Series:
     regression = tuple(
         _parse_regression(path, i, r) for i, r in enumerate(raw_regression)
     )
+    overlay_dirs = (
+        top.string_list("overlays") if "overlays" in raw else DEFAULT_OVERLAYS
+    )
+    if not overlay_dirs:
+        top.fail("overlays", "expected at least one overlay folder")
     folder = path.resolve().parent
     return Series(
         root=(folder / top.string("project", default="..")).resolve(),
@@ -339,7 +355,5 @@ def load_series(path: Path = SERIES_FILE) -> Series:
         stages=tuple(stages),
         regression=regression,
         patches_dir=folder,
-        overlay_dir=(
-            folder / top.string("overlays", default="../vllm_overlay")
-        ).resolve(),
+        overlay_dirs=tuple((folder / d).resolve() for d in overlay_dirs),
     )

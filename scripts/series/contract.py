@@ -3,7 +3,7 @@
 
 The tool sets it for every pytest run (``test``, the rebase probe) and prints
 it for anything else that runs the tests (``python -m scripts.series env
-STAGE``: GPU runs, a shell); the tests read it through tests/harness/tree.py.
+STAGE``: GPU runs, a shell); the tests read it through scripts/harness/tree.py.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ are all present on the target, or when its upstream probe (its behaviour
 tests) passes on the target without it; the report keeps the evidence.
 
 When every stage is through, the rebased series is written for review to
-patches/next/<target>/ (its own series.toml, patches, overlays and the
-report in REBASE.md) and the rebase is over; ``nox -s rebased`` tests it on
+patches/next/<target>/ (its own series.toml, patches, the overlays the
+rebase changed, and the report in REBASE.md; the other overlays are the
+project's) and the rebase is over; ``nox -s rebased`` tests it on
 its target. The committed series and pin change only on ``--accept``, and
 only if they are still what the rebase started from. ``--abort``, while a
 rebase is in progress, removes its work area and leaves everything else as
@@ -136,7 +137,7 @@ def _series_digest(series: Series) -> str:
     files = [series.patches_dir / "series.toml"]
     for stage in series.stages:
         files.append(series.patches_dir / stage.patch)
-        files += [series.overlay_dir / o for o in stage.overlays]
+        files += [series.overlay_file(o) for o in stage.overlays]
     for path in files:
         digest.update(str(path.relative_to(series.root)).encode() + b"\0")
         digest.update(path.read_bytes() if path.exists() else b"<missing>")
@@ -287,7 +288,7 @@ def _rebase_stage(
     before = {id(h): _hunk_on(repo, h) for h in hunks}
     overlays_present = all(
         (repo / o).is_file()
-        and (repo / o).read_bytes() == (series.overlay_dir / o).read_bytes()
+        and (repo / o).read_bytes() == series.overlay_file(o).read_bytes()
         for o in stage.overlays
     )
     if all(v == "already upstream" for v in before.values()) and overlays_present:
@@ -485,34 +486,50 @@ def _write_review(series: Series, state: RebaseState) -> Path:
     kept = [s for s in series.stages if s.id in state.commits]
     dropped = {s.id for s in series.stages} - set(state.commits)
     kept = [replace(s, depends_on=_depends(series, s, dropped)) for s in kept]
+    # The review keeps only the overlays that the rebase changed; the others
+    # are read from the project's folder, which must stay as the rebase found
+    # it (review_is_current).
     new = replace(
         series,
         base=target,
         stages=tuple(kept),
         patches_dir=out,
-        overlay_dir=out / "vllm_overlay",
+        overlay_dirs=(out / "vllm_overlay", *series.overlay_dirs),
     )
     out.mkdir(parents=True)
+    changed_overlays = []
     for stage in kept:
         commit = state.commits[stage.id]
         (out / stage.patch).write_bytes(format_stage_patch(new, repo, stage, commit))
         for overlay in stage.overlays:
             data = overlay_bytes(repo, commit, overlay)
             assert data is not None
-            (out / "vllm_overlay" / overlay).parent.mkdir(parents=True, exist_ok=True)
-            (out / "vllm_overlay" / overlay).write_bytes(data)
+            if data != series.overlay_file(overlay).read_bytes():
+                (out / "vllm_overlay" / overlay).parent.mkdir(
+                    parents=True, exist_ok=True
+                )
+                (out / "vllm_overlay" / overlay).write_bytes(data)
+                changed_overlays.append(f"`{overlay}`")
+    folders = ["vllm_overlay"] + [os.path.relpath(d, out) for d in series.overlay_dirs]
     project = Path(*[".."] * len(out.relative_to(series.root).parts))
     (out / "series.toml").write_text(
-        series_toml(
-            new,
-            review=(str(project), "vllm_overlay", state.series_digest),
-        )
+        series_toml(new, review=(str(project), folders, state.series_digest))
     )
     rr_cache = repo / ".git" / "rr-cache"
     if rr_cache.is_dir() and any(rr_cache.iterdir()):
         shutil.copytree(rr_cache, out / RESOLUTIONS)
+    overlays_note = (
+        "Overlays changed by the rebase, kept in this folder's vllm_overlay/: "
+        + ", ".join(changed_overlays)
+        + ". The others are read from the project's vllm_overlay/.\n"
+        if changed_overlays
+        else "No overlay changed: all are read from the project's vllm_overlay/.\n"
+    )
     (out / "REBASE.md").write_text(
-        f"# Rebase onto {target.label}\n\n" + format_report(state.reports) + "\n"
+        f"# Rebase onto {target.label}\n\n"
+        + format_report(state.reports)
+        + "\n\n"
+        + overlays_note
     )
     return out
 
@@ -551,16 +568,22 @@ def accept(series: Series, label: str | None = None) -> None:
             "to overwrite them (rebase again from the current series)"
         )
     new = _load_review(review)
+    # Read everything first: the review reads unchanged overlays from the
+    # very files about to be replaced.
+    files = {
+        series.patches_dir / s.patch: (review / s.patch).read_bytes()
+        for s in new.stages
+    }
+    for stage in new.stages:
+        for overlay in stage.overlays:
+            files[series.overlay_file(overlay)] = new.overlay_file(overlay).read_bytes()
     for stage in series.stages:
         (series.patches_dir / stage.patch).unlink(missing_ok=True)
         for overlay in stage.overlays:
-            (series.overlay_dir / overlay).unlink(missing_ok=True)
-    for stage in new.stages:
-        shutil.copy2(review / stage.patch, series.patches_dir / stage.patch)
-        for overlay in stage.overlays:
-            dest = series.overlay_dir / overlay
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(review / "vllm_overlay" / overlay, dest)
+            series.overlay_file(overlay).unlink(missing_ok=True)
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
     (series.patches_dir / "series.toml").write_text(series_toml(new))
     shutil.rmtree(review)
     if not any((series.patches_dir / NEXT_DIR).iterdir()):
@@ -599,10 +622,12 @@ def _load_review(path: Path) -> Series:
     return load_series(path / "series.toml")
 
 
-def series_toml(series: Series, *, review: tuple[str, str, str] | None = None) -> str:
+def series_toml(
+    series: Series, *, review: tuple[str, list[str], str] | None = None
+) -> str:
     """``series`` as a series file (the fields load_series reads). A series
-    for review names its project folder, its overlay folder and the digest
-    of the series it was rebased from."""
+    for review names its project folder, its overlay folders (its own, then
+    the project's) and the digest of the series it was rebased from."""
 
     def s(value: str) -> str:
         return json.dumps(value, ensure_ascii=False)
@@ -616,7 +641,7 @@ def series_toml(series: Series, *, review: tuple[str, str, str] | None = None) -
         lines += [
             "# Written by `python -m scripts.series rebase` for review.",
             f"project = {s(project)}",
-            f"overlays = {s(overlays)}",
+            f"overlays = {strings(tuple(overlays))}",
             f"rebased_from = {s(digest)}",
         ]
     lines += ["", "[base]", f"name = {s(series.base.name)}"]

@@ -94,7 +94,7 @@ def _write_stage(
         data = overlay_bytes(repo, overlays_from, overlay)
         if data is None:
             raise SeriesError(f"stage {stage.id}: overlay {overlay} is not in the tree")
-        outputs[series.overlay_dir / overlay] = data
+        outputs[series.overlay_file(overlay)] = data
     changed = False
     for path, data in outputs.items():
         if not path.exists() or path.read_bytes() != data:

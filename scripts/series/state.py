@@ -54,7 +54,7 @@ def fingerprint(series: Series, stage: Stage, parent: str) -> str:
     digest.update(patch.read_bytes() if patch.exists() else b"<missing>")
     for overlay in stage.overlays:
         digest.update(overlay.encode() + b"\0")
-        source = series.overlay_dir / overlay
+        source = series.overlay_file(overlay)
         digest.update(source.read_bytes() if source.exists() else b"<missing>")
     return digest.hexdigest()
 

@@ -100,10 +100,10 @@ def stage_runs(
                     *(str(tree / p) for s in series.regression for p in s.paths),
                 ),
                 # vLLM's tests import `tests.*` helpers from the tree root;
-                # the plugins live in our tests/ folder.
+                # the plugins live in our scripts/harness/.
                 {
                     **env,
-                    "PYTHONPATH": f"{tree}:{series.tests_dir}",
+                    "PYTHONPATH": f"{tree}:{series.root}",
                     PLUGIN_FILES_ENV: json.dumps(plugin_files),
                 },
                 junit,

@@ -5,8 +5,8 @@ open adversarially, so a stand-in made kind again fails here."""
 import pytest
 import torch
 
-from harness import adversary, fake_aiter, topk_reference
-from harness.tree import applied_tree
+from scripts.harness import adversary, fake_aiter, topk_reference
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("base")
 K = 16

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from harness.multiproc import run_ranks
-from harness.tree import applied_tree
+from scripts.harness.multiproc import run_ranks
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("base")
 

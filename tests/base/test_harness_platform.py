@@ -5,8 +5,8 @@ vLLM's real dispatch code, and restores everything afterwards."""
 import pytest
 import torch
 
-from harness.rocm_platform import emulate_rocm
-from harness.tree import applied_tree
+from scripts.harness.rocm_platform import emulate_rocm
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("base")
 
@@ -65,7 +65,7 @@ def test_the_torch_k_cache_writer_matches_vllms_insert_kernel():
     """The harness writes long test contexts with torch; its bytes must be
     the ones vLLM's Triton insert kernel writes, and the reader must invert
     them."""
-    from harness.indexer_k_cache import read_paged_k, write_paged_k
+    from scripts.harness.indexer_k_cache import read_paged_k, write_paged_k
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         indexer_k_quant_and_cache_triton,
     )
@@ -87,7 +87,7 @@ def test_the_torch_k_cache_writer_matches_vllms_insert_kernel():
 def test_the_torch_k_gather_matches_vllms_gather_kernel():
     """Long test contexts gather K with torch; the bytes must be the ones
     vLLM's Triton gather writes, for packed sequences over shuffled pages."""
-    from harness.indexer_k_cache import gather_paged_k
+    from scripts.harness.indexer_k_cache import gather_paged_k
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         FP8_DTYPE,
         cp_gather_indexer_k_quant_cache_triton,
@@ -128,7 +128,7 @@ def test_the_torch_chunk_metadata_matches_vllms_kernel(
     output must equal what vLLM's Triton kernel writes, over a chunk of
     requests with and without context (a request longer than the kernel's
     1,024-token block), query slices and DCP shards."""
-    from harness.chunk_metadata import torch_chunk_metadata
+    from scripts.harness.chunk_metadata import torch_chunk_metadata
     from vllm.v1.attention.backends.mla.indexer import build_prefill_chunk_metadata
 
     query_lens = torch.tensor([5, 1500, 300, 700], dtype=torch.int32)

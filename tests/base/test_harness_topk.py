@@ -5,9 +5,9 @@ and a float64 brute-force reference select."""
 import pytest
 import torch
 
-from harness import fake_aiter, topk_reference
-from harness.rocm_platform import emulate_rocm
-from harness.tree import applied_tree
+from scripts.harness import fake_aiter, topk_reference
+from scripts.harness.rocm_platform import emulate_rocm
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("base")
 K = 16

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tree import applied_tree
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("base")
 

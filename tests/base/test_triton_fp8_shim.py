@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from harness.tree import applied_tree
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("base")
 

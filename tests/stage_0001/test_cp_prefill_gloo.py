@@ -4,7 +4,7 @@ split over 2, 4 and 8 ranks of a real vLLM TP group gives the single-rank
 result, each prefill row scored by one rank, merged once.
 
 The top-k stand-ins choose their output order and tied columns differently
-on every rank and call (``harness.adversary``), as the real kernels may: a
+on every rank and call (``scripts.harness.adversary``), as the real kernels may: a
 row scored by two ranks would merge into duplicates, and results are
 compared as sets, by score where scores tie."""
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import adversary, indexer_batch, topk_reference
-from harness.multiproc import run_ranks
-from harness.rocm_platform import emulate_rocm
-from harness.tree import applied_tree
+from scripts.harness import adversary, indexer_batch, topk_reference
+from scripts.harness.multiproc import run_ranks
+from scripts.harness.rocm_platform import emulate_rocm
+from scripts.harness.tree import applied_tree
 from scripts.series.contract import BASE_TREE_ENV, tree_env
 
 TREE = applied_tree("0001")
@@ -262,8 +262,8 @@ BYTE_IDENTITY_SCENARIOS = ["mixed decode and prefill", "multiple chunks"]
 # Runs in a separate process on the base tree: each scenario's buffer, saved.
 _BASE_RUN = """
 import sys, torch, pytest
-from harness import adversary, indexer_batch, triton_fp8_shim
-from harness.rocm_platform import emulate_rocm
+from scripts.harness import adversary, indexer_batch, triton_fp8_shim
+from scripts.harness.rocm_platform import emulate_rocm
 triton_fp8_shim.install()  # as tests/conftest.py does for this process
 outputs = {}
 for name, requests in eval(sys.argv[2]).items():
@@ -286,11 +286,11 @@ def base_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
     if not base_tree or not Path(base_tree).is_dir():
         pytest.skip(f"needs the base tree ({BASE_TREE_ENV}); run through nox")
     out_file = tmp_path_factory.mktemp("base") / "base.pt"
-    tests_dir = Path(__file__).resolve().parents[1]
+    project = Path(__file__).resolve().parents[2]
     env = {
         **os.environ,
         **tree_env(Path(base_tree), ["base"], Path(base_tree), cpu=False),
-        "PYTHONPATH": f"{base_tree}:{tests_dir}:{tests_dir.parent}",
+        "PYTHONPATH": f"{base_tree}:{project}",
     }
     requests = {name: SCENARIOS[name][0] for name in BYTE_IDENTITY_SCENARIOS}
     subprocess.run(

@@ -15,10 +15,10 @@ import contextlib
 import pytest
 import torch
 
-from harness import indexer_batch
-from harness.multiproc import run_ranks
-from harness.rocm_platform import emulate_rocm, real_gfx950_with_aiter
-from harness.tree import applied_tree
+from scripts.harness import indexer_batch
+from scripts.harness.multiproc import run_ranks
+from scripts.harness.rocm_platform import emulate_rocm, real_gfx950_with_aiter
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
 

@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from harness import indexer_batch
-from harness.multiproc import run_ranks
-from harness.rocm_platform import emulate_rocm
-from harness.tree import applied_tree
+from scripts.harness import indexer_batch
+from scripts.harness.multiproc import run_ranks
+from scripts.harness.rocm_platform import emulate_rocm
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import topk_reference
-from harness.rocm_platform import real_gfx950_with_aiter
-from harness.tree import applied_tree
+from scripts.harness import topk_reference
+from scripts.harness.rocm_platform import real_gfx950_with_aiter
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0002")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import indexer_batch, topk_reference
-from harness.rocm_platform import emulate_rocm
-from harness.tree import applied_tree
+from scripts.harness import indexer_batch, topk_reference
+from scripts.harness.rocm_platform import emulate_rocm
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0002")
 

@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from harness import compiled_stub
-from harness import mxfp4_reference as ref
-from harness.tree import applied_tree
+from scripts.harness import compiled_stub
+from scripts.harness import mxfp4_reference as ref
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0003")
 if torch.cuda.is_available():

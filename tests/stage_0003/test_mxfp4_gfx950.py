@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import mxfp4_reference as ref
-from harness.rocm_platform import real_gfx950_with_aiter
-from harness.tree import applied_tree
+from scripts.harness import mxfp4_reference as ref
+from scripts.harness.rocm_platform import real_gfx950_with_aiter
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0003")
 
@@ -40,7 +40,7 @@ def test_writer_layout_matches_aiter():
         k_norm_rope_mxfp4_cache,
     )
 
-    from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
+    from scripts.harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
 
     torch.manual_seed(0)
     tokens, pages = 300, 8
@@ -66,7 +66,7 @@ def test_writer_layout_matches_aiter():
 
 
 def test_aiter_reads_our_cache_like_the_fp8_indexer():
-    from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
+    from scripts.harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
     from vllm.models.deepseek_v32.common.kernels import fused_q
     from vllm.v1.attention.ops import rocm_paged_mxfp4_indexer as ops
 

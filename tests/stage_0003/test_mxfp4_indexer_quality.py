@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import mxfp4_reference as ref
-from harness.tree import applied_tree
+from scripts.harness import mxfp4_reference as ref
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0003")
 
-from harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache  # noqa: E402
+from scripts.harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache  # noqa: E402
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
     RocmPagedMxfp4CacheLayout,
 )

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import indexer_batch
-from harness.rocm_platform import emulate_rocm
-from harness.tree import applied_tree
+from scripts.harness import indexer_batch
+from scripts.harness.rocm_platform import emulate_rocm
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0003")
 

@@ -5,7 +5,7 @@ vLLM's ROCm platform hooks) -> model construction -> vLLM's block-size step
 (``update_block_size_for_backend``) -> the KV-cache spec each layer reports.
 
 The scenarios run in one fresh interpreter set up as a gfx950 box with AITER
-(``harness.rocm_startup``: vLLM's own ``RocmPlatform`` from the first
+(``scripts.harness.rocm_startup``: vLLM's own ``RocmPlatform`` from the first
 import, AMD SMI and AITER stand-ins); tensors live on the CPU and no weights
 are loaded (startup decides shapes, block size and cache layout first).
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tree import applied_tree
+from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0003")
 
@@ -102,13 +102,13 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def started() -> dict[str, dict]:
     scenarios = [{"name": f"s{i}", **s} for i, s in enumerate(SCENARIOS.values())]
-    tests_dir = Path(__file__).resolve().parents[1]
+    project = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-m", "harness.rocm_startup"],
+        [sys.executable, "-m", "scripts.harness.rocm_startup"],
         input=json.dumps(scenarios),
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": f"{TREE.path}{os.pathsep}{tests_dir}"},
+        env={**os.environ, "PYTHONPATH": f"{TREE.path}{os.pathsep}{project}"},
         timeout=600,
         check=False,
     )

@@ -104,6 +104,8 @@ def test_a_git_base_parses(tmp_path):
         ),
         (BASE + STAGE + "colour = 1\n", "stage[0].colour: unknown field"),
         ("stage = 1\n" + BASE, "stage: expected an array"),
+        ('overlays = "vllm_overlay"\n' + BASE, "series.overlays: expected a list"),
+        ("overlays = []\n" + BASE, "overlays: expected at least one"),
         (BASE + '[[regression]]\nname = "x"\npaths = []\n', "regression[0].paths"),
     ],
 )

@@ -69,6 +69,12 @@ def test_clean_rebase_writes_a_series_for_review(two_stages):
         "| 0001 Striped indexer | applied cleanly |"
         in (review / "REBASE.md").read_text()
     )
+    # an overlay the rebase left alone is read from the project, not copied
+    assert not (review / "vllm_overlay").exists()
+    assert "No overlay changed" in (review / "REBASE.md").read_text()
+    assert rebased.overlay_file("vllm/cp_indexer.py") == (
+        two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    )
 
 
 def _envs(cp_indexer: str) -> str:
@@ -230,6 +236,35 @@ def test_accept_adopts_the_rebased_series(two_stages):
     assert "return 55" in (tree / "vllm/ops.py").read_text()
     with pytest.raises(SeriesError, match="name the rebased series"):
         rebase.accept(series)
+
+
+def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
+    """An overlay edited while resolving is the review's own copy (the
+    project's stays as it was) and becomes the project's on --accept."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target, None)
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    adapted = "def split():\n    return 'striped v2'\n"
+    (_work_repo(two_stages) / "vllm/cp_indexer.py").write_text(adapted)
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series(), None)
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
+    rebase.resume(two_stages.series(), None)
+    review = rebase.review_dir(two_stages.series(), target)
+    project_copy = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    assert (review / "vllm_overlay/vllm/cp_indexer.py").read_text() == adapted
+    assert project_copy.read_text() != adapted
+    assert (
+        "changed by the rebase, kept in this folder's vllm_overlay/: "
+        in (review / "REBASE.md").read_text()
+    )
+    rebase.accept(two_stages.series())
+    assert project_copy.read_text() == adapted
+    tree = apply(two_stages.series(), quiet=True)
+    assert (tree / "vllm/cp_indexer.py").read_text() == adapted
 
 
 def test_accept_refuses_when_the_series_changed(two_stages):

@@ -14,18 +14,27 @@ Replicated: every rank scores every row (the flag off). Split: the flag on,
 each rank scores its stripes, then one all_reduce(MAX) merges. Times are CUDA
 event medians over the runs, per rank; the table takes the slower rank.
 
-Usage (on the device, see README "Benchmarks"):
-    python scripts/bench_cp_indexer.py --tree TREE --out DIR
+Usage (on the device, under scripts/gpu_run.sh; see README "GPU runs"):
+    python3 -m scripts.bench.cp_indexer --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts.bench.common import (
+    DOCS,
+    add_tree_argument,
+    command_line,
+    gpu_versions,
+    median_ms,
+    use_tree,
+)
+
 ROWS = (8192, 32768, 65536)
 TOPK = 2048
 HEADS = 32
@@ -36,9 +45,8 @@ def _bench_rank(rank: int, world_size: int, runs: int, warmup: int) -> dict:
     import pytest
     import torch
 
-    from harness import indexer_batch
-    from harness.gpu_bench import median_ms
-    from harness.rocm_platform import emulate_rocm
+    from scripts.harness import indexer_batch
+    from scripts.harness.rocm_platform import emulate_rocm
     from vllm.distributed import get_tp_group
 
     device = f"cuda:{rank}"
@@ -63,8 +71,11 @@ def _bench_rank(rank: int, world_size: int, runs: int, warmup: int) -> dict:
                         builder, [(0, rows)], heads=HEADS, cache_new_keys=True
                     )
                     entry[mode] = median_ms(
-                        lambda b=batch: indexer_batch.run_indexer(
-                            b, TOPK, skip_k_cache_insert=True
+                        functools.partial(
+                            indexer_batch.run_indexer,
+                            batch,
+                            TOPK,
+                            skip_k_cache_insert=True,
                         ),
                         runs,
                         warmup,
@@ -76,16 +87,19 @@ def _bench_rank(rank: int, world_size: int, runs: int, warmup: int) -> dict:
         half = torch.zeros(rows // world_size, TOPK, dtype=torch.int32, device=device)
         gathered = torch.zeros(rows, TOPK, dtype=torch.int32, device=device)
         entry["all_reduce_max"] = median_ms(
-            lambda t=merged: torch.distributed.all_reduce(
-                t, op=torch.distributed.ReduceOp.MAX, group=group
+            functools.partial(
+                torch.distributed.all_reduce,
+                merged,
+                op=torch.distributed.ReduceOp.MAX,
+                group=group,
             ),
             runs * 4,
             warmup,
             torch.distributed.barrier,
         )
         entry["all_gather_halves"] = median_ms(
-            lambda out=gathered, part=half: torch.distributed.all_gather_into_tensor(
-                out, part, group=group
+            functools.partial(
+                torch.distributed.all_gather_into_tensor, gathered, half, group=group
             ),
             runs * 4,
             warmup,
@@ -155,26 +169,18 @@ def _report(per_rank: list[dict], versions: dict, command: str, out: Path) -> No
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tree", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    add_tree_argument(parser)
+    parser.add_argument("--out", type=Path, default=DOCS)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    sys.path[:0] = [str(args.tree), str(ROOT / "tests")]
-    import os
-
-    os.environ.setdefault("DSA_VLLM_TREE", str(args.tree))
-    from harness import compiled_stub
-    from harness.gpu_bench import gpu_versions
-    from harness.multiproc import run_ranks
-
-    compiled_stub.install()
+    use_tree(args.tree)
+    from scripts.harness.multiproc import run_ranks
 
     per_rank = run_ranks(
         WORLD, _bench_rank, args.runs, args.warmup, device="cuda", timeout_s=1800
     )
-    command = "python scripts/bench_cp_indexer.py " + " ".join(sys.argv[1:])
-    _report(per_rank, gpu_versions(), command, args.out)
+    _report(per_rank, gpu_versions(), command_line(__spec__.name), args.out)
     return 0
 
 

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import torch
 
-from harness.chunk_metadata import torch_chunk_metadata
-from harness.indexer_k_cache import gather_paged_k, read_paged_k, write_paged_k
+from scripts.harness.chunk_metadata import torch_chunk_metadata
+from scripts.harness.indexer_k_cache import gather_paged_k, read_paged_k, write_paged_k
 
 HEADS = 4
 HEAD_DIM = 128

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's startup path on an emulated gfx950 box, in a fresh interpreter.
 
-``python -m harness.rocm_startup`` reads scenarios (JSON on stdin) and prints
+``python -m scripts.harness.rocm_startup`` reads scenarios (JSON on stdin) and prints
 one result each (JSON on stdout). The modules startup uses are imported
 on the CPU platform first (on ROCm, ``vllm._custom_ops`` registers fakes for
 the compiled ops at import, and there is no compiled ``vllm._C`` here); then
@@ -28,10 +28,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from harness import compiled_stub
-from harness.indexer_batch import ensure_workspace
-from harness.multiproc import free_port
-from harness.rocm_platform import emulate_rocm
+from scripts.harness import compiled_stub
+from scripts.harness.indexer_batch import ensure_workspace
+from scripts.harness.multiproc import free_port
+from scripts.harness.rocm_platform import emulate_rocm
 
 ARCH = "gfx950"
 
@@ -74,7 +74,7 @@ def _start_as_rocm(stack: ExitStack) -> None:
     rocm = sys.modules["vllm.platforms.rocm"]
     # Every module holds the one platform object: give it the ROCm class.
     current_platform.__class__ = rocm.RocmPlatform
-    torch.ops._C = _UncompiledOps(torch.ops._C)  # type: ignore[attr-defined]
+    torch.ops._C = _UncompiledOps(torch.ops._C)
 
 
 def _run(scenario: dict[str, Any], workdir: Path) -> dict[str, Any]:

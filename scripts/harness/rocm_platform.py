@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import fake_aiter, topk_reference
+from scripts.harness import fake_aiter, topk_reference
 
 ARCHS = ("gfx950", "gfx942")
 

@@ -14,7 +14,7 @@ see shared/AITER_CONTRACTS.md, which records the lines):
   csrc/sampler.cu ~L281 is atomic too), and at a tie on the k-th value
   *which* tied column is kept is unspecified. The stand-ins permute each
   row's output and pick among tied columns at random, differently per rank
-  and per call (``harness.adversary``).
+  and per call (``scripts.harness.adversary``).
 - AITER prefill indices are chunk-global columns (``rowIt + rowStart``, .cu
   ~L2227); ``torch.ops._C.top_k_per_row_prefill`` writes them relative to the
   row's start (sequence-local). Assumption: not read in vLLM's
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from harness import adversary
+from scripts.harness import adversary
 
 
 def select_topk(

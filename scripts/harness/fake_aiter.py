@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
-from harness import adversary, topk_reference
-from harness.indexer_k_cache import read_paged_k
+from scripts.harness import adversary, topk_reference
+from scripts.harness.indexer_k_cache import read_paged_k
 
 MODULES = (
     "aiter",

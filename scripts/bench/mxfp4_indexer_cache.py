@@ -13,7 +13,7 @@ is left out so the two runs differ only in the indexer store. Goal: MXFP4 no
 slower than FP8 at every size.
 
 Usage (on the device, see README "GPU runs"):
-    python scripts/bench_mxfp4_indexer_cache.py --out DIR
+    python3 -m scripts.bench.mxfp4_indexer_cache --out DIR
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ import functools
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts.bench.common import (
+    DOCS,
+    add_tree_argument,
+    command_line,
+    gpu_versions,
+    median_ms,
+    use_tree,
+)
+
 TOKENS = (1, 16, 256, 4096, 65536)
 Q_LORA, KV_LORA, ROPE, INDEX_DIM, TOPK = 1536, 512, 64, 128, 2048
 PAGE, MAX_POS = 64, 163840
@@ -59,7 +67,6 @@ def _graph(fn):
 def _fused_norm_rope_rows() -> list[dict]:
     import torch
 
-    from harness.gpu_bench import median_ms
     from vllm.models.deepseek_v32.common.kernels import fused_norm_rope
     from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
         RocmPagedMxfp4CacheLayout,
@@ -263,23 +270,19 @@ def _report(result: dict, command: str, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    add_tree_argument(parser)
+    parser.add_argument("--out", type=Path, default=DOCS)
     args = parser.parse_args()
-    from harness import compiled_stub
-    from harness.gpu_bench import gpu_versions
+    use_tree(args.tree)
+    from scripts.harness import compiled_stub
 
-    compiled_stub.install()
     compiled_stub.use_generic_platform()
     result = {
         "versions": gpu_versions(),
         "fused_norm_rope": _fused_norm_rope_rows(),
         "capacity": _capacity(),
     }
-    command = (
-        "scripts/gpu_run.sh 0003 .devcarry/vllm-0003.tgz .whl "
-        "python3 scripts/bench_mxfp4_indexer_cache.py --out $OUT"
-    )
-    _report(result, command, args.out)
+    _report(result, command_line(__spec__.name), args.out)
     return 0
 
 

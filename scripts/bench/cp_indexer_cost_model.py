@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scripts.bench.common import DOCS, add_tree_argument, use_tree
+
 LOGITS_BUDGET = 512 * 1024 * 1024 // 4  # fp32 logits per chunk
 ISLS = (8192, 51200, 131072, 204800)
 TPS = (2, 4, 8)
@@ -133,15 +135,10 @@ def shapes() -> Iterator[tuple[str, int, list[int]]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--tree",
-        type=Path,
-        required=True,
-        help="the applied vLLM tree (stage 0001 or later)",
-    )
-    parser.add_argument("--out", type=Path, default=Path("docs"))
+    add_tree_argument(parser)
+    parser.add_argument("--out", type=Path, default=DOCS)
     args = parser.parse_args()
-    sys.path.insert(0, str(args.tree))
+    use_tree(args.tree)
 
     rows = []
     for step_tokens in STEP_TOKENS:
