@@ -129,7 +129,9 @@ def _report(per_rank: list[dict], versions: dict, command: str, out: Path) -> No
         "One sequence of M rows (causal, M keys), 32 heads, D 128, k 2048; the "
         "real patched rocm_aiter_sparse_attn_indexer with torch reference "
         "logits and top-k (AITER is ROCm-only). Median of CUDA-event times per "
-        "call, the slower rank. Split includes the all_reduce(MAX) merge.",
+        "call, the slower rank. Split includes the all_reduce(MAX) merge. "
+        "Run with the stand-ins' plain choices (`DSA_KIND_STANDINS=1`): this "
+        "measures speed, not the adversarial choices the tests make.",
         "",
         "| rows M | replicated (ms) | split (ms) | speedup | all_reduce MAX "
         "[M, 2048] int32 (ms) | all_gather of halves (ms) |",
