@@ -10,12 +10,19 @@ at the last good stage. Uncommitted edits are never overwritten.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
-from scripts.series.git import changed_files, commit_verbatim, git, rev_parse
+from scripts.series.git import (
+    changed_files,
+    commit_tree,
+    commit_verbatim,
+    git,
+    rev_parse,
+)
 from scripts.series.layout import SERIES_BRANCH, stage_tag
 from scripts.series.patchfile import failing_hunk, read_patch
 from scripts.series.prepare import prepare
@@ -24,6 +31,7 @@ from scripts.series.state import (
     fingerprint,
     in_progress_path,
     load_state,
+    parent_of,
     read_chain,
     save_state,
 )
@@ -46,14 +54,33 @@ def refuse_if_dirty(repo: Path) -> None:
     )
 
 
-def _recover_interrupted(repo: Path) -> None:
-    """An apply was killed mid-stage: set its partial edits aside in a git
-    stash (not deleted: anything made since is kept there too) and redo it."""
+def _recover_interrupted(series: Series, repo: Path) -> None:
+    """Finish or undo a stage apply that was killed. Its commit made, HEAD is
+    adopted (the commit is the canonical one: nothing but this tool commits
+    with the patch's identity and date as committer); not made, the stage's
+    own partial writes are dropped and it is redone. Edits to any other file
+    are set aside in a git stash, never deleted."""
     marker = in_progress_path(repo)
     if not marker.exists():
         return
-    stage_id = marker.read_text().strip()
-    if changed_files(repo):
+    text = marker.read_text()
+    try:
+        record = json.loads(text)
+    except ValueError:  # written by an older version of the tool: the id only
+        record = {"stage": text.strip(), "parent": None, "inputs": ""}
+    stage = series.stage(record["stage"])
+    head = rev_parse(repo, "HEAD")
+    if (
+        head
+        and head != record["parent"]
+        and _is_stage_commit(series, repo, stage, record["parent"])
+    ):
+        _record_stage(repo, stage, head, record["inputs"])
+        print(f"finished the interrupted apply of stage {stage.id}")
+    elif set(changed_files(repo)) <= _files_of(series, stage):
+        git(repo, "reset", "-q", "--hard", "HEAD")
+        _remove_untracked(repo)
+    else:
         git(
             repo,
             "stash",
@@ -61,13 +88,37 @@ def _recover_interrupted(repo: Path) -> None:
             "-q",
             "--include-untracked",
             "-m",
-            f"dsa-series: interrupted apply of stage {stage_id}",
+            f"dsa-series: interrupted apply of stage {stage.id}",
         )
         print(
-            f"an earlier apply of stage {stage_id} was interrupted; its partial "
-            f"edits are in `git -C {repo} stash list`; redoing it"
+            f"an earlier apply of stage {stage.id} was interrupted and files "
+            f"outside it changed since; they are in `git -C {repo} stash list`"
         )
     marker.unlink()
+
+
+def _is_stage_commit(series: Series, repo: Path, stage: Stage, parent: str) -> bool:
+    """Whether HEAD is the commit an apply of ``stage`` on ``parent`` makes
+    (its tree committed with the patch's message and identity), with a clean
+    tree."""
+    head = rev_parse(repo, "HEAD")
+    if parent_of(repo, "HEAD") != parent or changed_files(repo):
+        return False
+    info = read_patch(series.patch_file(stage))
+    return head == commit_tree(
+        repo, f"{head}^{{tree}}", parent, info.message, info.author
+    )
+
+
+def _files_of(series: Series, stage: Stage) -> set[str]:
+    return set(read_patch(series.patch_file(stage)).files) | set(stage.overlays)
+
+
+def _record_stage(repo: Path, stage: Stage, commit: str, inputs: str) -> None:
+    git(repo, "tag", "-f", stage_tag(stage.id), commit)
+    state = load_state(repo)
+    state[stage.id] = {"commit": commit, "inputs": inputs}
+    save_state(repo, state)
 
 
 def _remove_untracked(repo: Path) -> None:
@@ -77,23 +128,46 @@ def _remove_untracked(repo: Path) -> None:
             target.unlink()
 
 
+def _stage_commits(repo: Path, chain: Chain) -> set[str]:
+    ours = {chain.base} | {c for _, c in chain.applied}
+    return ours | {r["commit"] for r in load_state(repo).values()}
+
+
+def refuse_foreign_branch(repo: Path, chain: Chain) -> None:
+    """Refuse to move the series branch while it holds a commit that is not
+    a stage's (made on it before HEAD was detached): moving it would leave
+    that commit only in the reflog."""
+    tip = rev_parse(repo, SERIES_BRANCH)
+    if tip is None or tip == rev_parse(repo, "HEAD"):
+        return
+    if tip not in _stage_commits(repo, chain):
+        raise SeriesError(
+            f"{repo}: the {SERIES_BRANCH} branch holds commits that are not "
+            f"stages (tip {tip[:12]}) and HEAD is elsewhere; keep them on "
+            f"another branch first (`git -C {repo} branch -m {SERIES_BRANCH} "
+            "my-work`), then run again"
+        )
+
+
 def _refuse_foreign_head(repo: Path, chain: Chain) -> None:
     head = rev_parse(repo, "HEAD")
-    ours = {chain.base} | {c for _, c in chain.applied}
-    ours |= {r["commit"] for r in load_state(repo).values()}
-    if head not in ours:
+    if head not in _stage_commits(repo, chain):
         raise SeriesError(
             f"{repo}: HEAD ({head and head[:12]}) is not a stage commit: it has "
             "commits on top of the series. Turn them into stages with "
             "`python -m scripts.series refresh`, or move them to another branch."
         )
+    refuse_foreign_branch(repo, chain)
 
 
 def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
-    patch_path = series.patches_dir / stage.patch
+    patch_path = series.patch_file(stage)
     info = read_patch(patch_path)
+    inputs = fingerprint(series, stage, parent)
     marker = in_progress_path(repo)
-    marker.write_text(stage.id)
+    marker.write_text(
+        json.dumps({"stage": stage.id, "parent": parent, "inputs": inputs})
+    )
     check = git(repo, "apply", "--check", "--verbose", str(patch_path), check=False)
     if check.returncode != 0:
         marker.unlink()
@@ -124,10 +198,7 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
     if stage.overlays:
         git(repo, "add", "-f", "--", *stage.overlays)
     commit = commit_verbatim(repo, info.message, info.author)
-    git(repo, "tag", "-f", stage_tag(stage.id), commit)
-    state = load_state(repo)
-    state[stage.id] = {"commit": commit, "inputs": fingerprint(series, stage, parent)}
-    save_state(repo, state)
+    _record_stage(repo, stage, commit, inputs)
     marker.unlink()
     return commit
 
@@ -148,8 +219,8 @@ def apply(
     """Bring the work repo to ``upto`` (default: the last stage); return it."""
     target = series.stages_upto(upto)
     repo = prepare(series, offline=offline, quiet=quiet)
+    _recover_interrupted(series, repo)
     chain = read_chain(series, repo)
-    _recover_interrupted(repo)
     refuse_if_dirty(repo)
     _refuse_foreign_head(repo, chain)
 

@@ -35,7 +35,7 @@ def stale_files(series: Series) -> list[str]:
         )
     stale = []
     for stage, commit in chain.applied:
-        patch = series.patches_dir / stage.patch
+        patch = series.patch_file(stage)
         if patch.read_bytes() != format_stage_patch(series, repo, stage, commit):
             stale.append(str(patch.relative_to(series.root)))
         for overlay in stage.overlays:
@@ -62,7 +62,7 @@ def hunk_budget(series: Series) -> tuple[list[HunkSize], list[str]]:
     sizes: list[HunkSize] = []
     problems: list[str] = []
     for stage in series.stages:
-        hunks = read_patch(series.patches_dir / stage.patch).hunks
+        hunks = read_patch(series.patch_file(stage)).hunks
         entries = {(e.path, e.number): e for e in stage.large_hunks}
         for hunk in hunks:
             size = HunkSize(stage, hunk, entries.pop((hunk.path, hunk.number), None))

@@ -28,13 +28,18 @@ from scripts.series.config import (
 from scripts.series.contract import tree_env
 from scripts.series.export import export_stages
 from scripts.series.fetch import fetch_sdist
-from scripts.series.layout import results_dir
+from scripts.series.git import is_repo
+from scripts.series.layout import results_dir, workdir
+from scripts.series.lock import project_lock
 from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.prepare import prepare
-from scripts.series.refresh import refresh
+from scripts.series.refresh import recover_interrupted_refresh, refresh
 from scripts.series.status import format_status, tree_status
 from scripts.series.testrun import format_summary, run_tests
 from scripts.series.trees import stage_tree
+
+# Commands that only read; every other one holds the project lock.
+READ_ONLY = ("check", "status", "stages", "overview")
 
 
 def _positive_int(text: str) -> int:
@@ -197,64 +202,17 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"`{args.command}` takes no arguments after --")
     try:
         series = load_series(args.series)
-        if args.command in ("apply", "test"):
-            rebase.check_review_is_current(series)
-        if args.command == "fetch":
-            if not isinstance(series.base, SdistBase):
-                raise SeriesError("the base is a git checkout; nothing to fetch")
-            print(fetch_sdist(series.base, offline=args.offline))
-        elif args.command == "prepare":
-            print(prepare(series, offline=args.offline))
-        elif args.command == "apply":
-            repo = apply(series, args.upto, offline=args.offline)
-            print(f"work tree: {repo}")
-        elif args.command == "refresh":
-            written = refresh(series)
-            print("refreshed: " + (", ".join(s.id for s in written) or "no change"))
-        elif args.command == "check":
-            stale = stale_files(series)
-            if stale:
-                print("stale (differ from a fresh export; run refresh):")
-                print("\n".join(f"  {path}" for path in stale))
-                return 1
-            print("patch files match a fresh export of the stage commits")
-            sizes, problems = hunk_budget(series)
-            print(f"hunks in vLLM's files (budget {HUNK_BUDGET} changed lines):")
-            print(format_hunk_sizes(sizes))
-            readme = series.root / "README.md"
-            if readme.exists() and not readme_table_is_current(series, readme):
-                problems.append(
-                    "README.md's stage table differs from series.toml; paste "
-                    "`python -m scripts.series overview` between its markers"
-                )
-            if problems:
-                print("\n".join(f"error: {problem}" for problem in problems))
-                return 1
-        elif args.command == "status":
-            print(format_status(series, tree_status(series)))
-        elif args.command == "export":
-            for pr in export_stages(series, args.stage):
-                where = (
-                    f"needs {pr.needs} first"
-                    if pr.needs
-                    else "applies on the base alone"
-                )
-                print(f"{pr.stage.id}: {pr.branch} {pr.commit[:12]} ({where})")
-                print(f"  {pr.patch}\n  {pr.description}")
-        elif args.command == "overview":
-            print(stage_table(series))
-        elif args.command == "stages":
-            print(" ".join(["base", *(s.id for s in series.stages)]))
-        elif args.command == "tree":
-            print(stage_tree(series, args.stage))
-        elif args.command == "env":
-            print(_env(series, args.stage, args.tree, gpu=args.gpu))
-        elif args.command == "test":
-            return _test(series, args, extra)
-        elif args.command == "rebase":
-            return _rebase(series, args)
+        if args.command in READ_ONLY:
+            return _run(series, args, extra)
+        with project_lock(series, " ".join(argv)):
+            return _run(series, args, extra)
     except SeriesError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        # A full disk, a read-only folder, a path that is a file: say which.
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         again = (
@@ -264,4 +222,63 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"interrupted; run {again}", file=sys.stderr)
         return 130
+
+
+def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
+    if args.command not in READ_ONLY and is_repo(workdir(series)):
+        recover_interrupted_refresh(workdir(series))
+    if args.command in ("apply", "test"):
+        rebase.check_review_is_current(series)
+    if args.command == "fetch":
+        if not isinstance(series.base, SdistBase):
+            raise SeriesError("the base is a git checkout; nothing to fetch")
+        print(fetch_sdist(series.base, offline=args.offline))
+    elif args.command == "prepare":
+        print(prepare(series, offline=args.offline))
+    elif args.command == "apply":
+        repo = apply(series, args.upto, offline=args.offline)
+        print(f"work tree: {repo}")
+    elif args.command == "refresh":
+        written = refresh(series)
+        print("refreshed: " + (", ".join(s.id for s in written) or "no change"))
+    elif args.command == "check":
+        stale = stale_files(series)
+        if stale:
+            print("stale (differ from a fresh export; run refresh):")
+            print("\n".join(f"  {path}" for path in stale))
+            return 1
+        print("patch files match a fresh export of the stage commits")
+        sizes, problems = hunk_budget(series)
+        print(f"hunks in vLLM's files (budget {HUNK_BUDGET} changed lines):")
+        print(format_hunk_sizes(sizes))
+        readme = series.root / "README.md"
+        if readme.exists() and not readme_table_is_current(series, readme):
+            problems.append(
+                "README.md's stage table differs from series.toml; paste "
+                "`python -m scripts.series overview` between its markers"
+            )
+        if problems:
+            print("\n".join(f"error: {problem}" for problem in problems))
+            return 1
+    elif args.command == "status":
+        print(format_status(series, tree_status(series)))
+    elif args.command == "export":
+        for pr in export_stages(series, args.stage):
+            where = (
+                f"needs {pr.needs} first" if pr.needs else "applies on the base alone"
+            )
+            print(f"{pr.stage.id}: {pr.branch} {pr.commit[:12]} ({where})")
+            print(f"  {pr.patch}\n  {pr.description}")
+    elif args.command == "overview":
+        print(stage_table(series))
+    elif args.command == "stages":
+        print(" ".join(["base", *(s.id for s in series.stages)]))
+    elif args.command == "tree":
+        print(stage_tree(series, args.stage))
+    elif args.command == "env":
+        print(_env(series, args.stage, args.tree, gpu=args.gpu))
+    elif args.command == "test":
+        return _test(series, args, extra)
+    elif args.command == "rebase":
+        return _rebase(series, args)
     return 0

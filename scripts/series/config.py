@@ -122,15 +122,28 @@ class Series:
         folder that has it (the first folder when none has)."""
         for folder in self.overlay_dirs:
             if (folder / overlay).is_file():
-                return folder / overlay
-        return self.overlay_dirs[0] / overlay
+                return self.inside(folder / overlay)
+        return self.inside(self.overlay_dirs[0] / overlay)
+
+    def patch_file(self, stage: Stage) -> Path:
+        return self.inside(self.patches_dir / stage.patch)
+
+    def inside(self, path: Path) -> Path:
+        """``path``, if it stays inside the project once symlinks are
+        followed; the tool never reads or writes series files elsewhere."""
+        if not path.resolve().is_relative_to(self.root):
+            raise SeriesError(
+                f"{path} leads outside the project ({self.root}), through "
+                "'..' or a symlink; the series' files must live inside it"
+            )
+        return path
 
     def stage(self, stage_id: str) -> Stage:
         for stage in self.stages:
             if stage.id == stage_id:
                 return stage
-        known = ", ".join(s.id for s in self.stages) or "none"
-        raise SeriesError(f"unknown stage {stage_id!r} (stages: {known})")
+        known = ", ".join(["base", *(s.id for s in self.stages)])
+        raise SeriesError(f"unknown stage {stage_id!r} (known: {known})")
 
     def stages_upto(self, stage_id: str | None) -> tuple[Stage, ...]:
         """Stages in order up to and including ``stage_id`` ("base": none)."""
@@ -324,6 +337,10 @@ def load_series(path: Path = SERIES_FILE) -> Series:
         raise SeriesFileError(f"{path}: series file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise SeriesFileError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SeriesFileError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise SeriesFileError(f"{path}: cannot read it ({exc.strerror})") from None
     top = _Fields(path, "series", raw)
     top.check_keys(
         {"base", "stage", "regression", "project", "overlays", "rebased_from"}
@@ -349,8 +366,14 @@ def load_series(path: Path = SERIES_FILE) -> Series:
     if not overlay_dirs:
         top.fail("overlays", "expected at least one overlay folder")
     folder = path.resolve().parent
+    root = (folder / top.string("project", default="..")).resolve()
+    if not folder.is_relative_to(root):
+        top.fail("project", f"{root} does not contain the series file")
+    for overlays in overlay_dirs:
+        if not (folder / overlays).resolve().is_relative_to(root):
+            top.fail("overlays", f"{overlays!r} is outside the project ({root})")
     return Series(
-        root=(folder / top.string("project", default="..")).resolve(),
+        root=root,
         base=base,
         stages=tuple(stages),
         regression=regression,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
-from scripts.series.git import Identity, git, git_out
-from scripts.series.layout import export_dir, pr_branch, workdir
+from scripts.series.git import Identity, commit_tree, git, git_out, rev_parse
+from scripts.series.layout import export_dir, exported_ref, pr_branch, workdir
 from scripts.series.refresh import FORMAT_PATCH_FLAGS
 from scripts.series.state import read_chain
 
@@ -124,6 +124,29 @@ def _explain_missing_dependency(
     )
 
 
+def _refuse_to_move_a_users_branch(
+    repo: Path, branch: str, pr_commit: str, stage: Stage
+) -> None:
+    """A PR branch is export's to move only while it holds what export last
+    wrote there, and is not checked out anywhere."""
+    ref = f"refs/heads/{branch}"
+    tip = rev_parse(repo, ref)
+    if tip is None or tip == pr_commit:
+        return
+    if tip != rev_parse(repo, exported_ref(stage.id)):
+        raise SeriesError(
+            f"{branch} in {repo} holds commits export did not make (tip "
+            f"{tip[:12]}); keep them under another name (`git -C {repo} branch "
+            f"-m {branch} my-{branch}`), then export again"
+        )
+    worktrees = git_out(repo, "worktree", "list", "--porcelain").splitlines()
+    if f"branch {ref}" in worktrees:
+        raise SeriesError(
+            f"{branch} is checked out in a work tree of {repo}; check out "
+            "another branch there, then export again"
+        )
+
+
 def export_stage(
     series: Series, stage: Stage, done: dict[str, PullRequest]
 ) -> PullRequest:
@@ -148,23 +171,11 @@ def export_stage(
         git(repo, "apply", "--cached", "-", input=diff, index_file=index)
         tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
     description = pr_description(series, stage, message)
-    pr_commit = (
-        git(
-            repo,
-            "commit-tree",
-            tree,
-            "-p",
-            parent,
-            "-F",
-            "-",
-            input=description.encode(),
-            identity=identity,
-        )
-        .stdout.decode()
-        .strip()
-    )
+    pr_commit = commit_tree(repo, tree, parent, description, identity)
     branch = pr_branch(stage.id)
+    _refuse_to_move_a_users_branch(repo, branch, pr_commit, stage)
     git(repo, "update-ref", f"refs/heads/{branch}", pr_commit)
+    git(repo, "update-ref", exported_ref(stage.id), pr_commit)
     out = export_dir(series)
     out.mkdir(parents=True, exist_ok=True)
     name = f"{stage.id}-{_slug(stage.title)}"
@@ -179,6 +190,8 @@ def export_stage(
 
 def export_stages(series: Series, stage_id: str | None = None) -> list[PullRequest]:
     """Export the stages in order (a stage's dependencies first)."""
+    if stage_id == "base":
+        raise SeriesError("the base is not a stage: name a stage to export")
     wanted = series.stages_upto(stage_id)
     done: dict[str, PullRequest] = {}
     for stage in wanted:

@@ -3,12 +3,15 @@
 
 ``pip download`` cannot fetch vLLM's sdist without building its metadata
 (which needs CUDA), so the file is taken straight from the index's simple API
-(JSON form, PEP 691). It is kept in a cache so later runs work offline.
+(JSON, PEP 691, or HTML, PEP 503). It is kept in a cache so later runs work
+offline.
 """
 
 from __future__ import annotations
 
 import hashlib
+import html.parser
+import http.client
 import json
 import os
 import sys
@@ -16,7 +19,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import BinaryIO
 
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase
@@ -24,7 +26,8 @@ from scripts.series.config import SdistBase
 CACHE_ENV = "DSA_SERIES_CACHE_DIR"
 INDEX_ENV = "DSA_SERIES_INDEX_URL"
 DEFAULT_INDEX = "https://pypi.org/simple"
-_JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
+# JSON (PEP 691) preferred; a mirror that serves only HTML (PEP 503) works too.
+_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 _CHUNK = 1 << 20
 _TIMEOUT_S = 60
 
@@ -49,30 +52,65 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _open(url: str, accept: str | None = None) -> BinaryIO:
+def _open(url: str, accept: str | None = None) -> http.client.HTTPResponse:
     request = urllib.request.Request(url)
     if accept:
         request.add_header("Accept", accept)
     return urllib.request.urlopen(request, timeout=_TIMEOUT_S)  # noqa: S310
 
 
-def _find_file_url(base: SdistBase) -> tuple[str, int | None]:
-    """Ask the simple API where the sdist lives; check the index's hash too."""
-    project_url = f"{index_url()}/{base.name}/"
-    with _open(project_url, _JSON_ACCEPT) as response:
-        listing = json.load(response)
-    for entry in listing.get("files", []):
-        if entry.get("filename") != base.filename:
-            continue
-        listed = entry.get("hashes", {}).get("sha256")
-        if listed and listed != base.sha256:
-            raise SeriesError(
-                f"the index lists {base.filename} with sha256 {listed}, but "
-                f"series.toml pins {base.sha256}; refusing to download"
+class _Links(html.parser.HTMLParser):
+    """The file links of a PEP 503 (HTML) project page: {text: href}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: dict[str, str] = {}
+        self._href: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self._href = dict(attrs).get("href")
+
+    def handle_data(self, data: str) -> None:
+        if self._href is not None and data.strip():
+            self.links[data.strip()] = self._href
+            self._href = None
+
+
+def _listed_files(project_url: str) -> dict[str, tuple[str, str | None, int | None]]:
+    """{filename: (url, sha256, size)} from the index's JSON (PEP 691) or
+    HTML (PEP 503) project page; an HTML page gives the hash in the link's
+    ``#sha256=`` fragment and no size."""
+    with _open(project_url, _ACCEPT) as response:
+        kind = response.headers.get("Content-Type", "")
+        body = response.read()
+    if "json" in kind:
+        return {
+            entry["filename"]: (
+                entry["url"],
+                entry.get("hashes", {}).get("sha256"),
+                entry.get("size"),
             )
-        url = urllib.parse.urljoin(project_url, entry["url"])
-        return url, entry.get("size")
-    raise SeriesError(f"{project_url} has no file named {base.filename}")
+            for entry in json.loads(body).get("files", [])
+        }
+    parser = _Links()
+    parser.feed(body.decode("utf-8", errors="replace"))
+    files: dict[str, tuple[str, str | None, int | None]] = {}
+    for name, href in parser.links.items():
+        url, _, fragment = href.partition("#")
+        hash_name, _, value = fragment.partition("=")
+        files[name] = (url, value if hash_name == "sha256" else None, None)
+    return files
+
+
+def _find_file_url(base: SdistBase) -> tuple[str, str | None, int | None]:
+    """Where the index keeps the sdist: its URL, listed sha256 and size."""
+    project_url = f"{index_url()}/{base.name}/"
+    files = _listed_files(project_url)
+    if base.filename not in files:
+        raise SeriesError(f"{project_url} has no file named {base.filename}")
+    url, listed, size = files[base.filename]
+    return urllib.parse.urljoin(project_url, url), listed, size
 
 
 class _Progress:
@@ -138,28 +176,50 @@ def _download(url: str, size: int | None, dest: Path, base: SdistBase) -> None:
 def fetch_sdist(base: SdistBase, *, offline: bool = False) -> Path:
     """Return the path of the verified sdist, downloading it if needed.
 
-    A cached file whose hash does not match (truncated, corrupted, replaced)
-    is deleted and reported, then fetched again unless ``offline``.
+    A cached file whose hash differs from the pin is replaced only when the
+    index confirms the pin (the copy is damaged); when the index lists the
+    cached copy's hash instead, the pin is wrong and the copy is kept.
     """
     cache = cache_dir()
     dest = cache / base.filename
-    if dest.exists():
-        actual = sha256_of(dest)
-        if actual == base.sha256:
-            return dest
-        dest.unlink()
-        print(
-            f"warning: cached {dest} had sha256 {actual}, expected {base.sha256}; "
-            "deleted it",
-            file=sys.stderr,
-        )
+    cached = sha256_of(dest) if dest.exists() else None
+    if cached == base.sha256:
+        return dest
     if offline:
-        raise SeriesError(
-            f"{base.filename} is not in the cache ({cache}) and --offline was given"
+        found = (
+            f"the cached copy has sha256 {cached}, not {base.sha256} (kept: "
+            "delete it if the pin is right)"
+            if cached
+            else f"it is not in the cache ({cache})"
         )
-    cache.mkdir(parents=True, exist_ok=True)
+        raise SeriesError(f"{base.filename}: {found}, and --offline was given")
     try:
-        url, size = _find_file_url(base)
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SeriesError(
+            f"cannot use {cache} as the sdist cache ({exc.strerror}); set "
+            f"{CACHE_ENV} to a writable folder"
+        ) from None
+    try:
+        url, listed, size = _find_file_url(base)
+        if listed and listed != base.sha256:
+            kept = (
+                "; the cached copy has the index's hash and is kept"
+                if cached == listed
+                else ""
+            )
+            raise SeriesError(
+                f"the index lists {base.filename} with sha256 {listed}, but "
+                f"series.toml pins {base.sha256}: check the pin{kept}; refusing "
+                "to download"
+            )
+        if cached:
+            print(
+                f"warning: cached {dest} had sha256 {cached}, expected "
+                f"{base.sha256} (as the index says); replacing it",
+                file=sys.stderr,
+            )
+            dest.unlink()
         _download(url, size, dest, base)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         dest.with_name(dest.name + ".part").unlink(missing_ok=True)

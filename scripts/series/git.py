@@ -87,7 +87,10 @@ def git(
     env = git_env(identity)
     if index_file is not None:
         env["GIT_INDEX_FILE"] = str(index_file)
-    result = subprocess.run(command, env=env, capture_output=True, input=input)
+    try:
+        result = subprocess.run(command, env=env, capture_output=True, input=input)
+    except FileNotFoundError:
+        raise SeriesError("git is not installed (not found on PATH)") from None
     if check and result.returncode != 0:
         message = result.stderr.decode(errors="replace").strip()
         raise SeriesError(f"git {' '.join(args[:2])} failed in {repo}: {message}")
@@ -139,3 +142,22 @@ def commit_verbatim(
     commit = rev_parse(repo, "HEAD")
     assert commit is not None
     return commit
+
+
+def commit_tree(
+    repo: Path, tree: str, parent: str, message: str, identity: Identity
+) -> str:
+    """The commit object of ``tree`` on ``parent`` (refs untouched); the same
+    message and identity give the same id as ``commit_verbatim``."""
+    out = git(
+        repo,
+        "commit-tree",
+        tree,
+        "-p",
+        parent,
+        "-F",
+        "-",
+        input=message.encode("utf-8"),
+        identity=identity,
+    )
+    return out.stdout.decode().strip()

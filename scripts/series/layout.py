@@ -10,6 +10,7 @@ from pathlib import Path
 from scripts.series.config import Base, Series
 
 BUILD_DIR = "build"
+LOCK_FILE = "series.lock"  # build/series.lock: one writer at a time
 NEXT_DIR = "next"  # patches/next/<target>/: a rebased series under review
 
 # In a work repo (build/<base label>/).
@@ -20,6 +21,7 @@ REFRESH_BACKUP_REF = "refs/dsa-series/before-refresh"
 REBASE_OLD_REF = "refs/dsa-rebase/old"
 STATE_FILE = "dsa-series-state.json"  # under .git/
 APPLYING_FILE = "dsa-series-applying"  # under .git/, while apply runs
+REFRESH_JOURNAL_FILE = "dsa-series-refreshing.json"  # under .git/, while refresh runs
 
 
 def stage_tag(stage_id: str) -> str:
@@ -28,6 +30,11 @@ def stage_tag(stage_id: str) -> str:
 
 def pr_branch(stage_id: str) -> str:
     return f"pr/{stage_id}"
+
+
+def exported_ref(stage_id: str) -> str:
+    """The commit ``export`` last wrote to ``pr_branch(stage_id)``."""
+    return f"refs/dsa-series/exported/{stage_id}"
 
 
 def build_dir(series: Series) -> Path:

@@ -21,7 +21,7 @@ def stage_table(series: Series) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for stage in series.stages:
-        files = read_patch(series.patches_dir / stage.patch).files
+        files = read_patch(series.patch_file(stage)).files
         hooks = "<br>".join(f"`{f.removeprefix('vllm/')}`" for f in files)
         overlays = "<br>".join(f"`{o.rsplit('/', 1)[-1]}`" for o in stage.overlays)
         switches = "<br>".join(f"`{s}`" for s in stage.switches) or "none"

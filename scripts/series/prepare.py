@@ -112,10 +112,20 @@ def prepare(
             f"{repo} exists but does not hold this base ({found or 'no base commit'}"
             f", expected {expected}); move it away or delete it, then run again"
         )
-    started = time.monotonic()
     staging = staging_dir(repo)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    try:
+        _make_base(series, staging, offline=offline, quiet=quiet)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    staging.rename(repo)
+    return repo
+
+
+def _make_base(series: Series, staging: Path, *, offline: bool, quiet: bool) -> None:
+    started = time.monotonic()
     if isinstance(series.base, SdistBase):
         _extract_sdist(fetch_sdist(series.base, offline=offline), staging)
     else:
@@ -134,12 +144,9 @@ def prepare(
         identity=identity,
     )
     git(staging, "tag", BASE_TAG)
-    staging.rename(repo)
     if not quiet:
-        commit = git_out(repo, "rev-parse", "--short=12", BASE_TAG)
+        commit = git_out(staging, "rev-parse", "--short=12", BASE_TAG)
         print(
-            f"prepared {repo} at base {commit} (extract "
-            f"{extracted - started:.1f} s, base commit "
-            f"{time.monotonic() - extracted:.1f} s)"
+            f"prepared the base {commit} (extract {extracted - started:.1f} s, "
+            f"base commit {time.monotonic() - extracted:.1f} s)"
         )
-    return repo

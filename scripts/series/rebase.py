@@ -136,7 +136,7 @@ def _series_digest(series: Series) -> str:
     digest = hashlib.sha256()
     files = [series.patches_dir / "series.toml"]
     for stage in series.stages:
-        files.append(series.patches_dir / stage.patch)
+        files.append(series.patch_file(stage))
         files += [series.overlay_file(o) for o in stage.overlays]
     for path in files:
         digest.update(str(path.relative_to(series.root)).encode() + b"\0")
@@ -249,6 +249,8 @@ def _run(
         state.next += 1
         _save_state(series, state)
     out = _write_review(series, state)
+    # The review holds all that is kept (patches, resolutions, report).
+    shutil.rmtree(rebase_dir(series) / _target_from(state.target).label)
     _state_file(series).unlink()
     print(format_report(state.reports))
     print(
@@ -271,7 +273,7 @@ def _rebase_stage(
     state: RebaseState,
     tester: Tester | None,
 ) -> StageReport:
-    patch = series.patches_dir / stage.patch
+    patch = series.patch_file(stage)
     report = StageReport(stage.id, stage.title, "")
     if tester is not None:
         kept = [s for s in series.stages[: state.next] if s.id in state.commits]
@@ -356,7 +358,7 @@ def _replayed_paths(git_stderr: str) -> set[str]:
 
 
 def _commit_stage(series: Series, repo: Path, stage: Stage, state: RebaseState) -> None:
-    info = read_patch(series.patches_dir / stage.patch)
+    info = read_patch(series.patch_file(stage))
     git(repo, "add", "-A")
     state.commits[stage.id] = commit_verbatim(
         repo, info.message, info.author, allow_empty=True
@@ -570,15 +572,12 @@ def accept(series: Series, label: str | None = None) -> None:
     new = _load_review(review)
     # Read everything first: the review reads unchanged overlays from the
     # very files about to be replaced.
-    files = {
-        series.patches_dir / s.patch: (review / s.patch).read_bytes()
-        for s in new.stages
-    }
+    files = {series.patch_file(s): (review / s.patch).read_bytes() for s in new.stages}
     for stage in new.stages:
         for overlay in stage.overlays:
             files[series.overlay_file(overlay)] = new.overlay_file(overlay).read_bytes()
     for stage in series.stages:
-        (series.patches_dir / stage.patch).unlink(missing_ok=True)
+        (series.patch_file(stage)).unlink(missing_ok=True)
         for overlay in stage.overlays:
             series.overlay_file(overlay).unlink(missing_ok=True)
     for path, data in files.items():

@@ -9,7 +9,10 @@ commit are byte-identical.
 
 from __future__ import annotations
 
+import base64
+import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
@@ -17,7 +20,9 @@ from scripts.series.config import Series, Stage
 from scripts.series.git import changed_files, git, rev_parse
 from scripts.series.layout import (
     REFRESH_BACKUP_REF,
+    REFRESH_JOURNAL_FILE,
     SERIES_BRANCH,
+    git_file,
     stage_tag,
     workdir,
 )
@@ -86,9 +91,7 @@ def _write_stage(
     """Write a stage's patch (from its commit) and overlays (from the commit
     ``overlays_from``); return whether any file changed."""
     outputs = {
-        series.patches_dir / stage.patch: format_stage_patch(
-            series, repo, stage, commit
-        )
+        series.patch_file(stage): format_stage_patch(series, repo, stage, commit)
     }
     for overlay in stage.overlays:
         data = overlay_bytes(repo, overlays_from, overlay)
@@ -101,7 +104,7 @@ def _write_stage(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
             changed = True
-    _warn_new_files(stage, series.patches_dir / stage.patch)
+    _warn_new_files(stage, series.patch_file(stage))
     return changed
 
 
@@ -155,9 +158,10 @@ def refresh(series: Series) -> list[Stage]:
     from the new files, and the result must equal the tree that was exported;
     that state stays at refs/dsa-series/before-refresh either way.
     """
-    from scripts.series.apply import apply
+    from scripts.series.apply import refuse_foreign_branch
 
     repo = workdir(series)
+    recover_interrupted_refresh(repo)
     chain = read_chain(series, repo)
     below = _stages_below_head(repo, chain)
     stale = below[chain.current :]
@@ -180,7 +184,7 @@ def refresh(series: Series) -> list[Stage]:
             "commit, in order"
         )
     for stage in new_stages[: len(extra)]:
-        if (series.patches_dir / stage.patch).exists():
+        if (series.patch_file(stage)).exists():
             raise SeriesError(
                 f"a commit on top of the tree would become stage {stage.id}, which "
                 f"already has {stage.patch}; apply up to the last stage and commit "
@@ -191,12 +195,33 @@ def refresh(series: Series) -> list[Stage]:
     if not commits:
         raise SeriesError("nothing to refresh: no stage is applied")
     _refuse_cross_stage_overlay_edits(series, repo, commits)
+    refuse_foreign_branch(repo, chain)
+    journal = _Journal.begin(series, repo, commits)
+    try:
+        changed = _refresh(series, repo, chain, commits, journal)
+    except BaseException:
+        journal.roll_back(repo)
+        raise
+    journal.end(repo)
+    return changed
+
+
+def _refresh(
+    series: Series,
+    repo: Path,
+    chain: Chain,
+    commits: list[tuple[Stage, str]],
+    journal: _Journal,
+) -> list[Stage]:
+    from scripts.series.apply import apply
+
     if changed_files(repo):
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "--no-verify", "--amend", "--no-edit")
         folded = rev_parse(repo, "HEAD")
         assert folded is not None
         commits[-1] = (commits[-1][0], folded)
+        journal.folded(repo, folded)
     git(repo, "update-ref", REFRESH_BACKUP_REF, "HEAD")
     exported_tree = rev_parse(repo, "HEAD^{tree}")
 
@@ -217,6 +242,100 @@ def refresh(series: Series) -> list[Stage]:
         ).stdout.decode()
         raise SeriesError(
             "the re-applied stages differ from the tree that was exported in: "
-            f"{diff.split()}; your work is kept at {REFRESH_BACKUP_REF}"
+            f"{diff.split()}; refresh was undone (your edits are in the tree "
+            f"again, and at {REFRESH_BACKUP_REF})"
         )
     return changed
+
+
+@dataclass
+class _Journal:
+    """What a refresh changes, recorded before it changes anything, so that a
+    refresh that fails or is killed is undone: the series files it writes,
+    the stage state and tags, and HEAD (the tree edits it folds into a commit
+    go back to being uncommitted edits). Kept in .git/ until it is done."""
+
+    head: str
+    branch: str | None  # the branch HEAD was on; None when detached
+    state: dict[str, dict[str, str]]
+    tags: dict[str, str | None]
+    files: dict[str, str | None]  # path -> original bytes (base64), None: absent
+    had_edits: bool  # uncommitted edits, which refresh folds into a commit
+    folded_into: str | None = None
+
+    @classmethod
+    def begin(
+        cls, series: Series, repo: Path, commits: list[tuple[Stage, str]]
+    ) -> _Journal:
+        paths = [series.patch_file(s) for s in series.stages]
+        paths += [series.overlay_file(o) for s, _ in commits for o in s.overlays]
+        head = rev_parse(repo, "HEAD")
+        assert head is not None
+        branch = git(repo, "symbolic-ref", "-q", "--short", "HEAD", check=False)
+        journal = cls(
+            head=head,
+            branch=branch.stdout.decode().strip() or None,
+            state=load_state(repo),
+            tags={s.id: rev_parse(repo, stage_tag(s.id)) for s in series.stages},
+            had_edits=bool(changed_files(repo)),
+            files={
+                str(p): base64.b64encode(p.read_bytes()).decode()
+                if p.exists()
+                else None
+                for p in paths
+            },
+        )
+        journal._save(repo)
+        return journal
+
+    def folded(self, repo: Path, commit: str) -> None:
+        self.folded_into = commit
+        self._save(repo)
+
+    def _save(self, repo: Path) -> None:
+        path = git_file(repo, REFRESH_JOURNAL_FILE)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+
+    def end(self, repo: Path) -> None:
+        git_file(repo, REFRESH_JOURNAL_FILE).unlink()
+
+    def roll_back(self, repo: Path) -> None:
+        for name, data in self.files.items():
+            path = Path(name)
+            if data is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_bytes(base64.b64decode(data))
+        save_state(repo, self.state)
+        for stage_id, commit in self.tags.items():
+            if commit:
+                git(repo, "tag", "-f", stage_tag(stage_id), commit)
+            else:
+                git(repo, "tag", "-d", stage_tag(stage_id), check=False)
+        # The tree as refresh found it: HEAD (and its branch) where it was,
+        # the folded edits back in the work tree, uncommitted.
+        folded = self.folded_into
+        if self.had_edits and folded is None:
+            # Killed between the amend and its journal entry: HEAD is the fold.
+            head = rev_parse(repo, "HEAD")
+            folded = head if head != self.head else None
+        git(repo, "checkout", "-q", "-f", "--detach", folded or self.head)
+        git(repo, "reset", "-q", "--soft", self.head)
+        if self.branch:
+            git(repo, "checkout", "-q", "-B", self.branch)
+        git(repo, "reset", "-q")
+        self.end(repo)
+
+
+def recover_interrupted_refresh(repo: Path) -> None:
+    """Undo a refresh that was killed (its journal is still in .git/)."""
+    path = git_file(repo, REFRESH_JOURNAL_FILE)
+    if not path.exists():
+        return
+    _Journal(**json.loads(path.read_text())).roll_back(repo)
+    print(
+        "an earlier refresh was interrupted and has been undone: the series "
+        "files, the tree and its edits are as they were before it"
+    )

@@ -50,7 +50,7 @@ def save_state(repo: Path, state: dict[str, dict[str, str]]) -> None:
 
 def fingerprint(series: Series, stage: Stage, parent: str) -> str:
     digest = hashlib.sha256(parent.encode())
-    patch = series.patches_dir / stage.patch
+    patch = series.patch_file(stage)
     digest.update(patch.read_bytes() if patch.exists() else b"<missing>")
     for overlay in stage.overlays:
         digest.update(overlay.encode() + b"\0")

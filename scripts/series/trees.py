@@ -29,8 +29,12 @@ def stage_tree(series: Series, stage_id: str) -> Path:
         git(repo, "worktree", "prune")
         git(repo, "worktree", "add", "-q", "--detach", "--force", str(tree), commit)
         return tree
+    if changed_files(tree):
+        # The tests would run on those edits, not on the stage.
+        raise SeriesError(
+            f"test tree {tree} has edits (make them in the work tree, "
+            f"{repo}); delete it to rebuild it"
+        )
     if rev_parse(tree, "HEAD") != commit:
-        if changed_files(tree):
-            raise SeriesError(f"test tree {tree} has edits; delete it to rebuild")
         git(tree, "checkout", "-q", "--detach", commit)
     return tree

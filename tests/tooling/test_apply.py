@@ -85,6 +85,35 @@ def test_a_failing_hunk_is_named_and_the_tree_stays_at_the_last_good_stage(
     assert not in_progress_path(repo).exists()
 
 
+def test_a_context_line_changed_by_an_earlier_stage_fails_exactly(
+    two_stages: Project,
+):
+    """Stage 0001 now changes a line that is only context in stage 0002's
+    envs.py hunk. A three-way merge would take it silently (the preimage blob
+    is in the repo); the exact apply must stop and name the hunk."""
+    from scripts.series.refresh import refresh
+
+    series = two_stages.series()
+    repo = apply(series, "0001")
+    envs = repo / "vllm/envs.py"
+    envs.write_text(envs.read_text().replace("VAR_5 = 5\n", "VAR_5 = 55\n"))
+    refresh(series)
+    with pytest.raises(StageApplyError, match=r"file vllm/envs.py, hunk 1 \(@@ -"):
+        apply(series)
+
+
+def test_a_test_tree_with_edits_is_refused(two_stages: Project):
+    from scripts.series.trees import stage_tree
+
+    series = two_stages.series()
+    apply(series)
+    tree = stage_tree(series, "0001")
+    (tree / "vllm/ops.py").write_text("edited in the test tree\n")
+    with pytest.raises(SeriesError, match="has edits"):
+        stage_tree(series, "0001")
+    assert (tree / "vllm/ops.py").read_text() == "edited in the test tree\n"
+
+
 def test_uncommitted_edits_are_never_overwritten(two_stages: Project):
     series = two_stages.series()
     repo = apply(series, "0001")
@@ -144,44 +173,122 @@ def test_apply_upto_and_back_keeps_the_commits(two_stages: Project):
     assert git_out(repo, "rev-parse", "HEAD") == tip
 
 
-def test_an_interrupted_apply_resumes_and_ends_identical(
-    two_stages: Project, monkeypatch, tmp_path
-):
-    """Kill the apply after stage 0002's patch and overlays are in the tree but
-    before its commit; the re-run must finish with the same commits as an
-    uninterrupted apply."""
-    import scripts.series.apply as apply_module
-
-    series = two_stages.series()
-    real_commit = apply_module.commit_verbatim
-
-    def interrupted_at_commit(repo, *args, **kwargs):
-        if (repo / "vllm/ops.py").read_text().count("2020"):
-            raise KeyboardInterrupt
-        return real_commit(repo, *args, **kwargs)
-
-    monkeypatch.setattr(apply_module, "commit_verbatim", interrupted_at_commit)
-    with pytest.raises(KeyboardInterrupt):
-        apply(series)
-    repo = workdir(series)
-    assert changed_files(repo), "the interruption left a half-applied stage"
-    monkeypatch.setattr(apply_module, "commit_verbatim", real_commit)
-    apply(series)
-    assert not changed_files(repo)
-    # The half-applied edits are set aside, not thrown away.
-    assert "interrupted apply of stage 0002" in git_out(repo, "stash", "list")
-    interrupted_ids = git_out(repo, "rev-parse", "stage/0001", "stage/0002")
-
+def _clean_ids(project: Project, tmp_path) -> str:
+    """Stage commit ids of an uninterrupted apply of a copy of the project."""
     import shutil
 
     from scripts.series.config import load_series
 
     clean = tmp_path / "clean"
-    shutil.copytree(two_stages.root, clean, ignore=shutil.ignore_patterns("build"))
-    clean_repo = apply(load_series(clean / "patches" / "series.toml"))
-    assert (
-        git_out(clean_repo, "rev-parse", "stage/0001", "stage/0002") == interrupted_ids
+    shutil.copytree(project.root, clean, ignore=shutil.ignore_patterns("build"))
+    repo = apply(load_series(clean / "patches" / "series.toml"), quiet=True)
+    return git_out(repo, "rev-parse", "stage/0001", "stage/0002")
+
+
+def _interrupt(monkeypatch, name: str, when) -> None:
+    """Raise KeyboardInterrupt in scripts.series.apply's ``name`` when
+    ``when(repo)`` holds, as a kill at that point would leave things."""
+    import scripts.series.apply as apply_module
+
+    real = getattr(apply_module, name)
+
+    def interrupted(repo, *args, **kwargs):
+        if when(repo):
+            raise KeyboardInterrupt
+        return real(repo, *args, **kwargs)
+
+    monkeypatch.setattr(apply_module, name, interrupted)
+
+
+def _at_stage_0002(repo) -> bool:
+    return "2020" in (repo / "vllm/ops.py").read_text()
+
+
+def test_an_apply_killed_before_its_commit_redoes_the_stage(
+    two_stages: Project, monkeypatch, tmp_path
+):
+    """Killed after stage 0002's patch and overlays are in the tree but before
+    its commit: the re-run drops those partial writes (they are its own) and
+    ends with the same commits as an uninterrupted apply, no stash left."""
+    series = two_stages.series()
+    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
+    with pytest.raises(KeyboardInterrupt):
+        apply(series)
+    repo = workdir(series)
+    assert changed_files(repo), "the interruption left a half-applied stage"
+    monkeypatch.undo()
+    apply(series)
+    assert not changed_files(repo)
+    assert git_out(repo, "stash", "list") == ""
+    assert git_out(repo, "rev-parse", "stage/0001", "stage/0002") == _clean_ids(
+        two_stages, tmp_path
     )
+
+
+def test_an_apply_killed_after_its_commit_adopts_it(
+    two_stages: Project, monkeypatch, tmp_path, capsys
+):
+    """Killed between stage 0002's commit and its tag and state: HEAD is the
+    canonical commit, so the next apply adopts it instead of refusing it as
+    a foreign commit; refresh and check work afterwards."""
+    from scripts.series.check import stale_files
+    from scripts.series.refresh import refresh
+
+    series = two_stages.series()
+    _interrupt(monkeypatch, "_record_stage", _at_stage_0002)
+    with pytest.raises(KeyboardInterrupt):
+        apply(series)
+    repo = workdir(series)
+    committed = git_out(repo, "rev-parse", "HEAD")
+    monkeypatch.undo()
+    apply(series)
+    assert "finished the interrupted apply of stage 0002" in capsys.readouterr().out
+    assert (
+        git_out(repo, "rev-parse", "HEAD", "stage/0002") == f"{committed}\n{committed}"
+    )
+    assert git_out(repo, "rev-parse", "stage/0001", "stage/0002") == _clean_ids(
+        two_stages, tmp_path
+    )
+    refresh(series)
+    assert stale_files(series) == []
+
+
+def test_a_commit_of_the_users_after_a_kill_is_not_adopted(
+    two_stages: Project, monkeypatch
+):
+    """Killed before the commit, then the user commits the half-applied tree
+    themselves: that commit is not the stage's canonical one, so it is
+    refused as a commit on top, not adopted."""
+    from tests.tooling.conftest import sh
+
+    series = two_stages.series()
+    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
+    with pytest.raises(KeyboardInterrupt):
+        apply(series)
+    monkeypatch.undo()
+    repo = workdir(series)
+    sh(repo, "git", "commit", "-qm", "my own commit")
+    mine = git_out(repo, "rev-parse", "HEAD")
+    with pytest.raises(SeriesError, match="commits on top of the series"):
+        apply(series)
+    assert git_out(repo, "rev-parse", "HEAD") == mine
+
+
+def test_edits_outside_the_interrupted_stage_are_stashed(
+    two_stages: Project, monkeypatch
+):
+    series = two_stages.series()
+    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
+    with pytest.raises(KeyboardInterrupt):
+        apply(series)
+    monkeypatch.undo()
+    repo = workdir(series)
+    (repo / "README.md").write_text("my notes\n")
+    apply(series)
+    assert not changed_files(repo)
+    assert "interrupted apply of stage 0002" in git_out(repo, "stash", "list")
+    git_out(repo, "stash", "pop")
+    assert (repo / "README.md").read_text() == "my notes\n"
 
 
 def test_commits_on_top_are_not_overwritten(two_stages: Project):
@@ -194,6 +301,24 @@ def test_commits_on_top_are_not_overwritten(two_stages: Project):
     with pytest.raises(SeriesError, match="commits on top of the series"):
         apply(series)
     assert (repo / "vllm/ops.py").read_text() == "committed work\n"
+
+
+def test_a_commit_on_the_series_branch_survives_a_detached_head(
+    two_stages: Project,
+):
+    """A commit made on the series branch, then HEAD detached at a stage tag:
+    apply must not reset the branch under it."""
+    from tests.tooling.conftest import sh
+
+    series = two_stages.series()
+    repo = apply(series)
+    (repo / "README.md").write_text("my work\n")
+    sh(repo, "git", "commit", "-qam", "my work")
+    mine = git_out(repo, "rev-parse", "series")
+    sh(repo, "git", "checkout", "-q", "--detach", "stage/0001")
+    with pytest.raises(SeriesError, match="branch holds commits that are not"):
+        apply(series)
+    assert git_out(repo, "rev-parse", "series") == mine
 
 
 def test_overlay_errors_are_clear(project: Project):
@@ -262,3 +387,28 @@ def test_status_reports_stages_and_edits(two_stages: Project):
     ]
     assert status.edited_files == ("vllm/ops.py",)
     assert "uncommitted edits in 1 file(s)" in format_status(series, status)
+
+
+def test_series_files_keep_their_bytes_in_a_crlf_clone(tmp_path):
+    """A clone with core.autocrlf=true (Windows defaults) must not rewrite
+    the patches or overlays: they apply and compare byte for byte."""
+    import subprocess
+
+    from scripts.series.config import REPO_ROOT
+
+    if not (REPO_ROOT / ".git").exists():
+        pytest.skip("the project is not a git checkout")
+    clone = tmp_path / "clone"
+    subprocess.run(
+        ["git", "clone", "-q", "-c", "core.autocrlf=true", str(REPO_ROOT), str(clone)],
+        check=True,
+    )
+    files = git_out(clone, "ls-files", "patches", "vllm_overlay").split()
+    assert files
+    for name in files:
+        committed = subprocess.run(
+            ["git", "-C", str(clone), "cat-file", "blob", f"HEAD:{name}"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        assert (clone / name).read_bytes() == committed, name

@@ -66,11 +66,81 @@ def test_unknown_stage_and_bad_series_file(project: Project):
     assert "unknown stage '0042'" in result.stderr
     result = _cli(project, "tree", "0042")
     assert result.returncode == 1
-    assert "unknown stage '0042'" in result.stderr
+    assert "unknown stage '0042' (known: base" in result.stderr
     project.series_file.write_text("[base]\nname = 1\n")
     result = _cli(project, "status")
     assert result.returncode == 1
     assert "base.name: expected a non-empty string" in result.stderr
+    project.series_file.write_bytes(b'[base]\nname = "vllm\xff"\n')
+    result = _cli(project, "status")
+    assert "series.toml: not UTF-8 text" in result.stderr
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None:
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ") and text in result.stderr, result.stderr
+
+
+def test_a_users_mistakes_are_one_line_errors(two_stages: Project, tmp_path):
+    """No traceback for: git missing, build/ not a folder, `export base`, an
+    old Python."""
+    import os
+    import shutil
+
+    no_git = {**os.environ, "PATH": str(tmp_path)}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.series",
+            "--series",
+            str(two_stages.series_file),
+            "apply",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=no_git,
+    )
+    _one_line_error(result, "git is not installed")
+    shutil.rmtree(two_stages.root / "build")
+    (two_stages.root / "build").write_text("")
+    _one_line_error(_cli(two_stages, "apply"), "cannot create the lock file")
+    (two_stages.root / "build").unlink()
+    _one_line_error(_cli(two_stages, "export", "base"), "the base is not a stage")
+    old_python = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import runpy, sys; sys.version_info = (3, 10, 12); "
+            "runpy.run_module('scripts.series', run_name='__main__')",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert old_python.returncode == 1
+    assert old_python.stderr.startswith("error: the series tool needs Python 3.11.4")
+
+
+def test_a_failed_extraction_leaves_nothing_half_made(two_stages: Project, monkeypatch):
+    import errno
+
+    import pytest
+
+    import scripts.series.prepare as prepare_module
+    from scripts.series.apply import apply
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare_module, "_extract_git", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        apply(two_stages.series())
+    assert list((two_stages.root / "build").iterdir()) == []
+    monkeypatch.undo()
+    assert apply(two_stages.series()).exists()  # the next run starts afresh
 
 
 def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
@@ -182,3 +252,58 @@ def test_env_prints_the_test_contract_a_shell_can_source(two_stages: Project):
         "export DSA_VLLM_TREE='/copy of/tree'",
         "export DSA_STAGES=base,0001,0002",
     ]
+
+
+def _cli_process(project: Project, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "scripts.series", "--series", str(project.series_file)]
+        + list(args),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_two_first_applies_at_once_build_one_good_base(two_stages: Project):
+    """Released together on a fresh checkout (both wait on a lock held here
+    first, so they truly start at once): one prepares and applies, the other
+    waits for it, then finds the tree up to date."""
+    import time
+
+    from scripts.series.lock import project_lock
+
+    with project_lock(two_stages.series(), "test holder"):
+        runs = [_cli_process(two_stages, "apply") for _ in range(2)]
+        time.sleep(2)
+    outputs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert all(
+        "waiting for `python -m scripts.series test holder`" in e for _, e in outputs
+    )
+    # One applied, the other found its work done.
+    assert sorted("stage 0002: up to date" in out for out, _ in outputs) == [
+        False,
+        True,
+    ]
+    status = _cli(two_stages, "status")
+    assert "0002  applied" in status.stdout
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    assert sh(repo, "git", "status", "--porcelain") == ""
+    tracked = sh(repo, "git", "ls-files").split()
+    assert "vllm/ops.py" in tracked and "vllm/cp_indexer.py" in tracked
+
+
+def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
+    import time
+
+    from scripts.series.lock import project_lock
+
+    with project_lock(two_stages.series(), "test holder"):
+        waiting = _cli_process(two_stages, "apply")
+        assert _cli(two_stages, "stages").stdout.split() == ["base", "0001", "0002"]
+        time.sleep(3)
+        assert waiting.poll() is None, "apply ran while another held the lock"
+    out, err = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, err
+    assert "waiting for `python -m scripts.series test holder`" in err

@@ -106,6 +106,8 @@ def test_a_git_base_parses(tmp_path):
         ("stage = 1\n" + BASE, "stage: expected an array"),
         ('overlays = "vllm_overlay"\n' + BASE, "series.overlays: expected a list"),
         ("overlays = []\n" + BASE, "overlays: expected at least one"),
+        ('overlays = ["../../elsewhere"]\n' + BASE, "is outside the project"),
+        ('project = "../patches/x"\n' + BASE, "does not contain the series file"),
         (BASE + '[[regression]]\nname = "x"\npaths = []\n', "regression[0].paths"),
     ],
 )

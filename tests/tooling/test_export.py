@@ -91,3 +91,34 @@ def test_an_undeclared_dependency_is_named(two_stages: Project):
     apply(two_stages.series())
     with pytest.raises(SeriesError, match=r'add depends_on = \["0001"\]'):
         export_stages(two_stages.series())
+
+
+def test_a_pr_branch_with_a_users_commit_is_not_moved(two_stages: Project):
+    """Export moves pr/<id> only from what it last wrote there: a commit of
+    the user's on it, or the branch checked out, stops the export instead."""
+    import pytest
+
+    from scripts.series import SeriesError
+    from tests.tooling.conftest import sh
+
+    series = two_stages.series()
+    repo = apply(series)
+    first, _ = export_stages(series)
+    # As if an older version of the stage had been exported: export may move
+    # the branch, but not while it is checked out.
+    for ref in (f"refs/heads/{first.branch}", "refs/dsa-series/exported/0001"):
+        sh(repo, "git", "update-ref", ref, "stage/0001")
+    sh(repo, "git", "worktree", "add", "-q", str(two_stages.tmp / "pr"), first.branch)
+    with pytest.raises(SeriesError, match="is checked out in a work tree"):
+        export_stages(series, "0001")
+    sh(repo, "git", "worktree", "remove", str(two_stages.tmp / "pr"))
+    assert export_stages(series, "0001")[0].commit == first.commit
+    # A commit export did not make stays where it is.
+    sh(repo, "git", "branch", "-f", first.branch, "stage/0002")
+    with pytest.raises(SeriesError, match="holds commits export did not make"):
+        export_stages(series, "0001")
+    assert git_out(repo, "rev-parse", first.branch) == git_out(
+        repo, "rev-parse", "stage/0002"
+    )
+    with pytest.raises(SeriesError, match="the base is not a stage"):
+        export_stages(series, "base")

@@ -34,9 +34,11 @@ BASE = SdistBase(name="vllm", version="9.9.9", sha256=SHA)
 
 
 class Index:
-    """A package index on loopback: the JSON simple API and the file."""
+    """A package index on loopback: the simple API (JSON, or HTML only with
+    ``html``) and the file."""
 
     def __init__(self):
+        self.html = False
         self.served = SDIST
         self.listed_sha = SHA
         self.listed_size = len(SDIST)
@@ -46,7 +48,16 @@ class Index:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 index.requests.append(self.path)
-                if self.path == "/simple/vllm/":
+                kind = "application/octet-stream"
+                if self.path == "/simple/vllm/" and index.html:
+                    kind = "text/html"
+                    body = (
+                        '<html><body><a href="/x">vllm-9.9.8.tar.gz</a>'
+                        '<a href="../../files/vllm-9.9.9.tar.gz#sha256='
+                        f'{index.listed_sha}">vllm-9.9.9.tar.gz</a></body></html>'
+                    ).encode()
+                elif self.path == "/simple/vllm/":
+                    kind = "application/vnd.pypi.simple.v1+json"
                     body = json.dumps(
                         {
                             "files": [
@@ -70,6 +81,7 @@ class Index:
                     self.send_error(404)
                     return
                 self.send_response(200)
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -143,15 +155,42 @@ def test_a_corrupted_cache_is_replaced(index, tmp_path, capsys):
     _cached(tmp_path).parent.mkdir(parents=True)
     _cached(tmp_path).write_bytes(b"half a file")
     assert fetch_sdist(BASE).read_bytes() == SDIST
-    assert "deleted it" in capsys.readouterr().err
+    assert "(as the index says); replacing it" in capsys.readouterr().err
 
 
 def test_a_corrupted_cache_offline_is_an_error_not_a_use(index, tmp_path):
     _cached(tmp_path).parent.mkdir(parents=True)
     _cached(tmp_path).write_bytes(b"half a file")
-    with pytest.raises(SeriesError, match="not in the cache"):
+    with pytest.raises(SeriesError, match=r"the cached copy has sha256 .* \(kept"):
         fetch_sdist(BASE, offline=True)
-    assert not _cached(tmp_path).exists()
+    assert _cached(tmp_path).read_bytes() == b"half a file"
+
+
+def test_a_mistyped_pin_keeps_the_genuine_cached_copy(index, tmp_path):
+    """The index confirms the cached file: the pin is wrong, not the copy."""
+    fetch_sdist(BASE)
+    typo = SdistBase(name="vllm", version="9.9.9", sha256="ab" * 32)
+    with pytest.raises(SeriesError, match="check the pin; the cached copy has the"):
+        fetch_sdist(typo)
+    with pytest.raises(SeriesError, match="kept: delete it if the pin is right"):
+        fetch_sdist(typo, offline=True)
+    assert _cached(tmp_path).read_bytes() == SDIST
+
+
+def test_an_html_only_index_works(index, tmp_path):
+    index.html = True
+    assert fetch_sdist(BASE).read_bytes() == SDIST
+    index.listed_sha = "0" * 64
+    _cached(tmp_path).unlink()
+    with pytest.raises(SeriesError, match="refusing to download"):
+        fetch_sdist(BASE)
+
+
+def test_a_cache_path_that_is_a_file_is_one_clear_line(index, tmp_path, monkeypatch):
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "not-a-folder"))
+    with pytest.raises(SeriesError, match="cannot use .* as the sdist cache"):
+        fetch_sdist(BASE)
 
 
 def test_no_network_and_a_cold_cache_is_one_clear_line(index, tmp_path):

@@ -69,6 +69,8 @@ def test_clean_rebase_writes_a_series_for_review(two_stages):
         "| 0001 Striped indexer | applied cleanly |"
         in (review / "REBASE.md").read_text()
     )
+    # the finished rebase leaves no work area behind
+    assert not _work_repo(two_stages).parent.exists()
     # an overlay the rebase left alone is read from the project, not copied
     assert not (review / "vllm_overlay").exists()
     assert "No overlay changed" in (review / "REBASE.md").read_text()

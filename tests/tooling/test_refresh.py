@@ -232,3 +232,90 @@ def test_refresh_keeps_hand_edits_to_the_series_files(two_stages: Project):
         refresh(series)
     assert patch.read_text() == edited
     assert (repo / "vllm/ops.py").read_text() == "tree edit\n"
+
+
+def _series_files(project: Project) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(project.root)): p.read_bytes()
+        for folder in ("patches", "vllm_overlay")
+        for p in sorted((project.root / folder).rglob("*"))
+        if p.is_file()
+    }
+
+
+def _edit_tree(repo) -> None:
+    ops = repo / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 7\n", "return 77\n"))
+
+
+def test_a_refresh_that_fails_after_folding_the_edits_is_undone(two_stages: Project):
+    """An overlay renamed in the tree fails the refresh after it folded the
+    tree edits into a commit: the series files, HEAD and the uncommitted
+    edits are as they were, and apply and refresh work again."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    files, head = _series_files(two_stages), git_out(repo, "rev-parse", "HEAD")
+    _edit_tree(repo)
+    sh(repo, "git", "mv", "vllm/cp_indexer.py", "vllm/cp_indexer_renamed.py")
+    with pytest.raises(SeriesError, match="overlay vllm/cp_indexer.py is not in"):
+        refresh(series)
+    assert _series_files(two_stages) == files
+    assert git_out(repo, "rev-parse", "HEAD") == head
+    assert git_out(repo, "symbolic-ref", "--short", "HEAD") == "series"
+    assert "return 77" in (repo / "vllm/ops.py").read_text()
+    assert (repo / "vllm/cp_indexer_renamed.py").exists()
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "mv", "vllm/cp_indexer_renamed.py", "vllm/cp_indexer.py")
+    assert [s.id for s in refresh(series)] == ["0002"]
+    assert stale_files(series) == []
+
+
+def test_a_killed_refresh_is_undone_by_the_next_run(
+    two_stages: Project, monkeypatch, capsys
+):
+    """Killed while re-applying the stages from the files it wrote (its own
+    undo never ran): the next refresh finds the journal, undoes the half
+    refresh, then refreshes from the user's edits as if nothing happened."""
+    import scripts.series.apply as apply_module
+    import scripts.series.refresh as refresh_module
+
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    files, head = _series_files(two_stages), git_out(repo, "rev-parse", "HEAD")
+    _edit_tree(repo)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(apply_module, "apply", killed)
+    monkeypatch.setattr(refresh_module._Journal, "roll_back", lambda self, repo: None)
+    with pytest.raises(KeyboardInterrupt):
+        refresh(series)
+    assert _series_files(two_stages) != files, "the kill came after the writes"
+    monkeypatch.undo()
+    refresh_module.recover_interrupted_refresh(repo)
+    assert "has been undone" in capsys.readouterr().out
+    assert _series_files(two_stages) == files
+    assert git_out(repo, "rev-parse", "HEAD") == head
+    assert "return 77" in (repo / "vllm/ops.py").read_text()
+    assert [s.id for s in refresh(series)] == ["0002"]
+    assert stale_files(series) == []
+    assert "return 77" in (repo / "vllm/ops.py").read_text()
+
+
+def test_refresh_never_writes_through_a_symlink_out_of_the_project(
+    two_stages: Project,
+):
+    series = two_stages.series()
+    repo = apply(series)
+    outside = two_stages.tmp / "outside.py"
+    outside.write_text("not the project's\n")
+    overlay = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    overlay.unlink()
+    overlay.symlink_to(outside)
+    (repo / "vllm/cp_indexer.py").write_text("def split():\n    return 'x'\n")
+    with pytest.raises(SeriesError, match="leads outside the project"):
+        refresh(series)
+    assert outside.read_text() == "not the project's\n"

@@ -24,6 +24,9 @@ import torch
 DSA_TOPK = 2048
 AITER_PREFILL_MIN_KEYS = 32768
 
+# rocm_aiter_ops is imported where it is used, as rocm_aiter_mla_sparse does:
+# vllm._aiter_ops imports that module, which imports this one.
+
 
 def _uncompressed_dsa_on_aiter(compress_ratio: int, topk_tokens: int) -> bool:
     from vllm._aiter_ops import rocm_aiter_ops

@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One writer at a time per project checkout.
+
+Every command that writes (the work repo, test trees, patches/, the rebase)
+holds an exclusive lock on build/series.lock while it runs; a second one
+waits for it with a message. The kernel drops the lock when its holder exits
+or is killed, so a crash never leaves it behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from scripts.series import SeriesError
+from scripts.series.config import Series
+from scripts.series.layout import LOCK_FILE, build_dir
+
+
+@contextmanager
+def project_lock(series: Series, command: str) -> Iterator[None]:
+    """Hold the project's lock for ``command``; wait while another holds it."""
+    path = build_dir(series) / LOCK_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a+", encoding="utf-8")
+    except OSError as exc:
+        raise SeriesError(
+            f"cannot create the lock file {path} ({exc.strerror}); "
+            f"{path.parent} must be a writable folder"
+        ) from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another command"
+            print(
+                f"waiting for {holder} to finish (it holds {path})...",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"`python -m scripts.series {command}` (pid {os.getpid()})")
+        handle.flush()
+        yield
