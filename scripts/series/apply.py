@@ -184,7 +184,7 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
         if not source.is_file():
             _undo(repo, marker)
             raise StageApplyError(
-                f"stage {stage.id}: overlay {overlay} is missing ({source} not found)"
+                f"stage {stage.id}: overlay {overlay} is missing ({source} is not a file)"
             )
         if target.exists():
             _undo(repo, marker)
