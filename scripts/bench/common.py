@@ -26,13 +26,22 @@ GPU_RUN_ENV = "DSA_GPU_RUN"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-def add_tree_argument(parser: argparse.ArgumentParser) -> None:
+def parse_args(doc: str, **int_options: int) -> argparse.Namespace:
+    """A benchmark's command line: --tree, --out and ``int_options`` (name:
+    default); vLLM is then imported from the tree."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument(
         "--tree",
         type=Path,
         default=os.environ.get(TREE_ENV),
         help=f"the applied vLLM tree (default: ${TREE_ENV}, the test contract's)",
     )
+    parser.add_argument("--out", type=Path, default=DOCS)
+    for name, default in int_options.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args()
+    use_tree(args.tree)
+    return args
 
 
 def use_tree(tree: Path | None) -> None:

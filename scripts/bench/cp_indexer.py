@@ -20,19 +20,16 @@ Usage (on the device, under scripts/gpu_run.sh; see README "GPU runs"):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
 from pathlib import Path
 
 from scripts.bench.common import (
-    DOCS,
-    add_tree_argument,
     command_line,
     gpu_versions,
     median_ms,
-    use_tree,
+    parse_args,
 )
 
 ROWS = (8192, 32768, 65536)
@@ -170,13 +167,7 @@ def _report(per_rank: list[dict], versions: dict, command: str, out: Path) -> No
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_tree_argument(parser)
-    parser.add_argument("--out", type=Path, default=DOCS)
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args()
-    use_tree(args.tree)
+    args = parse_args(__doc__, runs=7, warmup=2)
     from scripts.harness.multiproc import run_ranks
 
     per_rank = run_ranks(

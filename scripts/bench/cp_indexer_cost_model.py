@@ -18,15 +18,13 @@ applied tree, with the default stripe size). Run it with
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 
-from scripts.bench.common import DOCS, add_tree_argument, use_tree
+from scripts.bench.common import parse_args
 
 LOGITS_BUDGET = 512 * 1024 * 1024 // 4  # fp32 logits per chunk
 ISLS = (8192, 51200, 131072, 204800)
@@ -134,11 +132,7 @@ def shapes() -> Iterator[tuple[str, int, list[int]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_tree_argument(parser)
-    parser.add_argument("--out", type=Path, default=DOCS)
-    args = parser.parse_args()
-    use_tree(args.tree)
+    args = parse_args(__doc__)
 
     rows = []
     for step_tokens in STEP_TOKENS:

@@ -18,18 +18,15 @@ Usage (on the device, see README "GPU runs"):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from pathlib import Path
 
 from scripts.bench.common import (
-    DOCS,
-    add_tree_argument,
     command_line,
     gpu_versions,
     median_ms,
-    use_tree,
+    parse_args,
 )
 
 TOKENS = (1, 16, 256, 4096, 65536)
@@ -269,11 +266,7 @@ def _report(result: dict, command: str, out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_tree_argument(parser)
-    parser.add_argument("--out", type=Path, default=DOCS)
-    args = parser.parse_args()
-    use_tree(args.tree)
+    args = parse_args(__doc__)
     from scripts.harness import compiled_stub
 
     compiled_stub.use_generic_platform()

@@ -184,7 +184,8 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
         if not source.is_file():
             _undo(repo, marker)
             raise StageApplyError(
-                f"stage {stage.id}: overlay {overlay} is missing ({source} is not a file)"
+                f"stage {stage.id}: overlay {overlay} is missing "
+                f"({source} is not a file)"
             )
         if target.exists():
             _undo(repo, marker)

@@ -204,6 +204,15 @@ def _at_stage_0002(repo) -> bool:
     return "2020" in (repo / "vllm/ops.py").read_text()
 
 
+def _killed_before_stage_0002_commit(series, monkeypatch):
+    """Apply, killed with stage 0002 in the tree but not committed."""
+    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
+    with pytest.raises(KeyboardInterrupt):
+        apply(series)
+    monkeypatch.undo()
+    return workdir(series)
+
+
 def test_an_apply_killed_before_its_commit_redoes_the_stage(
     two_stages: Project, monkeypatch, tmp_path
 ):
@@ -262,11 +271,7 @@ def test_a_commit_of_the_users_after_a_kill_is_not_adopted(
     from tests.tooling.conftest import sh
 
     series = two_stages.series()
-    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
-    with pytest.raises(KeyboardInterrupt):
-        apply(series)
-    monkeypatch.undo()
-    repo = workdir(series)
+    repo = _killed_before_stage_0002_commit(series, monkeypatch)
     sh(repo, "git", "commit", "-qm", "my own commit")
     mine = git_out(repo, "rev-parse", "HEAD")
     with pytest.raises(SeriesError, match="commits on top of the series"):
@@ -278,11 +283,7 @@ def test_edits_outside_the_interrupted_stage_are_stashed(
     two_stages: Project, monkeypatch
 ):
     series = two_stages.series()
-    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
-    with pytest.raises(KeyboardInterrupt):
-        apply(series)
-    monkeypatch.undo()
-    repo = workdir(series)
+    repo = _killed_before_stage_0002_commit(series, monkeypatch)
     (repo / "README.md").write_text("my notes\n")
     apply(series)
     assert not changed_files(repo)
