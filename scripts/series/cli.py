@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from scripts.series import SeriesError, rebase
+from scripts.series import SeriesError, rebase, review
 from scripts.series.apply import apply
 from scripts.series.check import (
     HUNK_BUDGET,
@@ -35,7 +35,7 @@ from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.prepare import prepare
 from scripts.series.refresh import recover_interrupted_refresh, refresh
 from scripts.series.status import format_status, tree_status
-from scripts.series.testrun import format_summary, run_tests
+from scripts.series.testrun import format_summary, pytest_tester, run_tests
 from scripts.series.trees import stage_tree
 
 # Commands that only read; every other one holds the project lock.
@@ -139,11 +139,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _rebase(series: Series, args: argparse.Namespace) -> int:
-    tester = rebase.pytest_tester(args.test_python) if args.test_python else None
+    tester = pytest_tester(args.test_python) if args.test_python else None
     if args.abort:
         rebase.abort(series)
     elif args.accept is not None:
-        rebase.accept(series, args.accept or None)
+        review.accept(series, args.accept or None)
     elif args.resume:
         rebase.resume(series, tester)
     else:
@@ -228,7 +228,7 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     if args.command not in READ_ONLY and is_repo(workdir(series)):
         recover_interrupted_refresh(workdir(series))
     if args.command in ("apply", "test"):
-        rebase.check_review_is_current(series)
+        review.check_review_is_current(series)
     if args.command == "fetch":
         if not isinstance(series.base, SdistBase):
             raise SeriesError("the base is a git checkout; nothing to fetch")

@@ -104,7 +104,7 @@ class Series:
     order. The project's own series is patches/series.toml with vllm_overlay/;
     a rebased series written for review keeps its own patches and only the
     overlays that differ, and finds the others in the project's vllm_overlay/
-    (which a review checks is unchanged: rebase.review_is_current)."""
+    (which a review checks is unchanged: review.review_is_current)."""
 
     root: Path
     base: Base

@@ -25,6 +25,7 @@ class Hunk:
     added: int = 0
     removed: int = 0
     reindented: int = 0  # removed lines added back with other indentation
+    text: str = ""  # a patch of this one hunk: its file's header, then the hunk
 
     @property
     def changed(self) -> int:
@@ -99,34 +100,46 @@ def _scan_diff(text: str) -> tuple[tuple[Hunk, ...], tuple[str, ...], tuple[str,
     new_files: list[str] = []
     path = ""
     number = 0
+    file_header: list[str] = []  # from "diff --git" to the first hunk
+    lines: list[str] = []  # the current hunk's, header included
     added: list[str] = []
     removed: list[str] = []
     old_left = new_left = 0  # lines of the current hunk still to come
-    for line in text.splitlines():
-        if old_left or new_left:
-            if line.startswith("+"):
-                added.append(line[1:])
+    for line in text.splitlines(keepends=True):
+        bare = line.rstrip("\n")
+        if old_left or new_left or (lines and bare.startswith("\\")):
+            lines.append(line)
+            if bare.startswith("+"):
+                added.append(bare[1:])
                 new_left -= 1
-            elif line.startswith("-"):
-                removed.append(line[1:])
+            elif bare.startswith("-"):
+                removed.append(bare[1:])
                 old_left -= 1
-            elif not line.startswith("\\"):  # "\ No newline at end of file"
+            elif not bare.startswith("\\"):  # "\ No newline at end of file"
                 old_left -= 1
                 new_left -= 1
-            if not (old_left or new_left):
-                hunks[-1] = _counted(hunks[-1], added, removed)
-                added, removed = [], []
-        elif match := _DIFF_HEADER.match(line):
+            if not (old_left or new_left):  # complete (or its "\" line)
+                hunks[-1] = replace(
+                    _counted(hunks[-1], added, removed),
+                    text="".join(file_header + lines),
+                )
+        elif match := _DIFF_HEADER.match(bare):
             path = match.group(2)
             files.append(path)
             number = 0
-        elif line.startswith("new file mode") and path:
-            new_files.append(path)
-        elif (match := _HUNK_HEADER.match(line)) and path:
+            file_header, lines = [line], []
+        elif (match := _HUNK_HEADER.match(bare)) and path:
             number += 1
-            hunks.append(Hunk(path, number, int(match.group(1)), line))
+            lines, added, removed = [line], [], []
+            hunks.append(Hunk(path, number, int(match.group(1)), bare))
             old_left = int(match.group(2) or 1)
             new_left = int(match.group(3) or 1)
+        elif path and not lines:
+            if bare.startswith("new file mode"):
+                new_files.append(path)
+            file_header.append(line)
+        else:
+            lines = []  # past the last hunk of a file: the signature, say
     return tuple(hunks), tuple(files), tuple(new_files)
 
 

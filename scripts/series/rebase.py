@@ -33,124 +33,44 @@ it was.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
 import shutil
-import subprocess
-import tomllib
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.apply import apply
-from scripts.series.config import Base, GitBase, SdistBase, Series, Stage
-from scripts.series.contract import tree_env
+from scripts.series.config import Base, Series, Stage
 from scripts.series.git import commit_verbatim, git, git_out
 from scripts.series.layout import (
     BASE_TAG,
-    NEXT_DIR,
     REBASE_OLD_REF,
     REBASED_BRANCH,
     rebase_dir,
     review_dir,
-    workdir,
 )
-from scripts.series.patchfile import read_patch
+from scripts.series.patchfile import Hunk, read_patch
 from scripts.series.prepare import prepare
-from scripts.series.refresh import format_stage_patch, overlay_bytes
+from scripts.series.rebase_state import (
+    HunkReport,
+    RebaseState,
+    StageReport,
+    format_report,
+    load_state,
+    save_state,
+    state_file,
+    target_dict,
+    target_from,
+    work_repo,
+)
+from scripts.series.review import RESOLUTIONS, series_digest, write_review
 from scripts.series.state import read_chain
-from scripts.series.testrun import read_junit
-
-RESOLUTIONS = "resolutions"  # git rerere's rr-cache, kept with the review
-
-# (passed, failed) of a stage's upstream probe on a tree that lacks the stage
-Tester = Callable[[Series, Stage, Path, list[str]], tuple[int, int]]
-
-
-@dataclass
-class HunkReport:
-    path: str
-    header: str
-    outcome: str
-
-
-@dataclass
-class StageReport:
-    id: str
-    title: str
-    outcome: str
-    evidence: str = ""
-    hunks: list[HunkReport] = field(default_factory=list)
-
-
-@dataclass
-class RebaseState:
-    target: dict[str, str]
-    old_tip: str
-    series_digest: str
-    next: int = 0
-    pending: bool = False
-    reports: list[StageReport] = field(default_factory=list)
-    commits: dict[str, str] = field(default_factory=dict)
-
-
-def _state_file(series: Series) -> Path:
-    return rebase_dir(series) / "state.json"
-
-
-def _target_dict(target: Base) -> dict[str, str]:
-    if isinstance(target, SdistBase):
-        return {"name": target.name, "version": target.version, "sha256": target.sha256}
-    return {"name": target.name, "git": str(target.path), "rev": target.rev}
-
-
-def _target_from(data: dict[str, str]) -> Base:
-    if "git" in data:
-        return GitBase(data["name"], Path(data["git"]), data["rev"])
-    return SdistBase(data["name"], data["version"], data["sha256"])
-
-
-def _load_state(series: Series) -> RebaseState:
-    path = _state_file(series)
-    if not path.exists():
-        raise SeriesError("no rebase in progress; start one with `rebase <target>`")
-    raw = json.loads(path.read_text())
-    reports = [
-        StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})
-        for r in raw.pop("reports")
-    ]
-    return RebaseState(**raw, reports=reports)
-
-
-def _save_state(series: Series, state: RebaseState) -> None:
-    path = _state_file(series)
-    path.write_text(json.dumps(asdict(state), indent=1) + "\n")
-
-
-def _series_digest(series: Series) -> str:
-    """A fingerprint of the committed series files, so --accept never
-    overwrites edits made while the rebase was under review."""
-    digest = hashlib.sha256()
-    files = [series.patches_dir / "series.toml"]
-    for stage in series.stages:
-        files.append(series.patch_file(stage))
-        files += [series.overlay_file(o) for o in stage.overlays]
-    for path in files:
-        digest.update(str(path.relative_to(series.root)).encode() + b"\0")
-        digest.update(path.read_bytes() if path.exists() else b"<missing>")
-    return digest.hexdigest()
-
-
-def _repo(series: Series, state: RebaseState) -> Path:
-    return rebase_dir(series) / _target_from(state.target).label / "vllm"
+from scripts.series.testrun import Tester, probe_paths
 
 
 def start(series: Series, target: Base, tester: Tester | None) -> list[StageReport]:
     """Begin a rebase of ``series`` onto ``target``; run as far as it goes."""
-    if _state_file(series).exists():
+    if state_file(series).exists():
         raise SeriesError(
             "a rebase is already in progress; finish it with `rebase --continue`, "
             "or drop it with `rebase --abort`"
@@ -172,8 +92,8 @@ def start(series: Series, target: Base, tester: Tester | None) -> list[StageRepo
     if recorded.is_dir():
         shutil.copytree(recorded, work / ".git" / "rr-cache")
         print(f"replaying the conflict resolutions recorded in {recorded}")
-    state = RebaseState(_target_dict(target), old_tip, _series_digest(series))
-    _save_state(series, state)
+    state = RebaseState(target_dict(target), old_tip, series_digest(series))
+    save_state(series, state)
     print(f"rebasing {len(series.stages)} stage(s) onto {target.label} in {work}")
     return _run(series, state, tester)
 
@@ -181,8 +101,8 @@ def start(series: Series, target: Base, tester: Tester | None) -> list[StageRepo
 def resume(series: Series, tester: Tester | None) -> list[StageReport]:
     """``--continue``: take the user's resolution of the conflicted stage, or
     redo the stage an interrupted rebase was in the middle of."""
-    state = _load_state(series)
-    repo = _repo(series, state)
+    state = load_state(series)
+    repo = work_repo(series, state)
     if not state.pending:
         # Interrupted inside a stage: only the tool has touched the work repo
         # since the last recorded stage, so drop the half-made merge.
@@ -216,30 +136,30 @@ def resume(series: Series, tester: Tester | None) -> list[StageReport]:
     report.outcome = "conflicted, resolved by hand"
     state.pending = False
     state.next += 1
-    _save_state(series, state)
+    save_state(series, state)
     return _run(series, state, tester)
 
 
 def abort(series: Series) -> None:
     """Drop the rebase in progress: its work area and record, nothing else."""
-    state = _load_state(series)
-    label = _target_from(state.target).label
+    state = load_state(series)
+    label = target_from(state.target).label
     shutil.rmtree(rebase_dir(series) / label, ignore_errors=True)
-    _state_file(series).unlink()
+    state_file(series).unlink()
     print(f"rebase onto {label} aborted; the series and its tree are as before")
 
 
 def _run(
     series: Series, state: RebaseState, tester: Tester | None
 ) -> list[StageReport]:
-    repo = _repo(series, state)
+    repo = work_repo(series, state)
     while state.next < len(series.stages):
         stage = series.stages[state.next]
         report = _rebase_stage(series, repo, stage, state, tester)
         state.reports.append(report)
         if report.outcome == "conflicted":
             state.pending = True
-            _save_state(series, state)
+            save_state(series, state)
             print(format_report(state.reports))
             raise SeriesError(
                 f"stage {stage.id} has conflicts; resolve them in {repo} (the files "
@@ -247,11 +167,11 @@ def _run(
                 "`rebase --abort` to drop the rebase"
             )
         state.next += 1
-        _save_state(series, state)
-    out = _write_review(series, state)
+        save_state(series, state)
+    out = write_review(series, state)
     # The review holds all that is kept (patches, resolutions, report).
-    shutil.rmtree(rebase_dir(series) / _target_from(state.target).label)
-    _state_file(series).unlink()
+    shutil.rmtree(rebase_dir(series) / target_from(state.target).label)
+    state_file(series).unlink()
     print(format_report(state.reports))
     print(
         f"rebased series written for review to {out}; test it with "
@@ -282,11 +202,11 @@ def _rebase_stage(
             report.outcome = "already upstream"
             report.evidence = (
                 f"its upstream probe passes on the target without it ({passed} "
-                f"passed, 0 failed: {', '.join(_probe(stage))})"
+                f"passed, 0 failed: {', '.join(probe_paths(stage))})"
             )
             return report
         report.evidence = f"upstream probe without it: {passed} passed, {failed} failed"
-    hunks = split_hunks(patch.read_text(encoding="utf-8"))
+    hunks = read_patch(patch).hunks
     before = {id(h): _hunk_on(repo, h) for h in hunks}
     overlays_present = all(
         (repo / o).is_file()
@@ -365,47 +285,7 @@ def _commit_stage(series: Series, repo: Path, stage: Stage, state: RebaseState) 
     )
 
 
-@dataclass(frozen=True)
-class PatchHunk:
-    path: str
-    header: str
-    text: str  # a patch of this one hunk: its file's header, then the hunk
-
-
-def split_hunks(patch_text: str) -> list[PatchHunk]:
-    """Every hunk of a ``git format-patch`` file as a patch of its own."""
-    hunks: list[PatchHunk] = []
-    file_header: list[str] = []
-    current: list[str] = []
-    path = ""
-
-    def flush() -> None:
-        if current:
-            text = "".join(file_header + current)
-            hunks.append(PatchHunk(path, current[0].rstrip("\n"), text))
-            current.clear()
-
-    for line in patch_text.splitlines(keepends=True):
-        if line.startswith("diff --git "):
-            flush()
-            file_header = [line]
-            path = line.split(" b/", 1)[1].strip()
-        elif line.startswith("@@") and file_header:
-            flush()
-            current.append(line)
-        elif current:
-            if line == "-- \n":  # format-patch's signature separator
-                flush()
-                file_header = []
-            else:
-                current.append(line)
-        elif file_header:
-            file_header.append(line)
-    flush()
-    return hunks
-
-
-def _hunk_on(repo: Path, hunk: PatchHunk) -> str:
+def _hunk_on(repo: Path, hunk: Hunk) -> str:
     """How one hunk stands on the tree before any merge."""
 
     def applies(*flags: str) -> bool:
@@ -421,7 +301,7 @@ def _hunk_on(repo: Path, hunk: PatchHunk) -> str:
     return "needs a merge"
 
 
-def _added_lines_present(path: Path, hunk: PatchHunk) -> bool:
+def _added_lines_present(path: Path, hunk: Hunk) -> bool:
     """Whether each run of the hunk's added lines is in the merged file."""
     if not path.exists():
         return False
@@ -433,277 +313,3 @@ def _added_lines_present(path: Path, hunk: PatchHunk) -> bool:
         elif runs[-1]:
             runs.append([])
     return all("".join(run) in content for run in runs if run)
-
-
-def _probe(stage: Stage) -> tuple[str, ...]:
-    return stage.upstream_probe or (stage.tests,)
-
-
-def pytest_tester(python: str) -> Tester:
-    """Run a stage's upstream probe with ``python -m pytest`` on a checkout
-    of the rebase repo's HEAD (the target and the stages kept so far)."""
-
-    if shutil.which(python) is None:
-        raise SeriesError(f"--test-python {python}: no such Python")
-
-    def run(
-        series: Series, stage: Stage, repo: Path, kept: list[str]
-    ) -> tuple[int, int]:
-        probe_tree = repo.parent / "probe"
-        shutil.rmtree(probe_tree, ignore_errors=True)
-        git(repo, "worktree", "prune")
-        git(repo, "worktree", "add", "-q", "--detach", str(probe_tree), "HEAD")
-        junit = repo.parent / f"probe-{stage.id}.xml"
-        env = tree_env(probe_tree, ["base", *kept, stage.id], probe_tree)
-        paths = [str(series.tests_dir / p) for p in _probe(stage)]
-        try:
-            subprocess.run(
-                [
-                    python,
-                    "-m",
-                    "pytest",
-                    *paths,
-                    f"--junitxml={junit}",
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
-                ],
-                env={**os.environ, **env, "PYTHONPATH": str(probe_tree)},
-                cwd=series.root,
-                check=False,
-            )
-        finally:
-            git(repo, "worktree", "remove", "--force", str(probe_tree))
-        tally = read_junit(junit)
-        return tally.passed, tally.failed
-
-    return run
-
-
-def _write_review(series: Series, state: RebaseState) -> Path:
-    target = _target_from(state.target)
-    repo = _repo(series, state)
-    out = review_dir(series, target)
-    shutil.rmtree(out, ignore_errors=True)
-    kept = [s for s in series.stages if s.id in state.commits]
-    dropped = {s.id for s in series.stages} - set(state.commits)
-    kept = [replace(s, depends_on=_depends(series, s, dropped)) for s in kept]
-    # The review keeps only the overlays that the rebase changed; the others
-    # are read from the project's folder, which must stay as the rebase found
-    # it (review_is_current).
-    new = replace(
-        series,
-        base=target,
-        stages=tuple(kept),
-        patches_dir=out,
-        overlay_dirs=(out / "vllm_overlay", *series.overlay_dirs),
-    )
-    out.mkdir(parents=True)
-    changed_overlays = []
-    for stage in kept:
-        commit = state.commits[stage.id]
-        (out / stage.patch).write_bytes(format_stage_patch(new, repo, stage, commit))
-        for overlay in stage.overlays:
-            data = overlay_bytes(repo, commit, overlay)
-            assert data is not None
-            if data != series.overlay_file(overlay).read_bytes():
-                (out / "vllm_overlay" / overlay).parent.mkdir(
-                    parents=True, exist_ok=True
-                )
-                (out / "vllm_overlay" / overlay).write_bytes(data)
-                changed_overlays.append(f"`{overlay}`")
-    folders = ["vllm_overlay"] + [os.path.relpath(d, out) for d in series.overlay_dirs]
-    project = Path(*[".."] * len(out.relative_to(series.root).parts))
-    (out / "series.toml").write_text(
-        series_toml(new, review=(str(project), folders, state.series_digest))
-    )
-    rr_cache = repo / ".git" / "rr-cache"
-    if rr_cache.is_dir() and any(rr_cache.iterdir()):
-        shutil.copytree(rr_cache, out / RESOLUTIONS)
-    overlays_note = (
-        "Overlays changed by the rebase, kept in this folder's vllm_overlay/: "
-        + ", ".join(changed_overlays)
-        + ". The others are read from the project's vllm_overlay/.\n"
-        if changed_overlays
-        else "No overlay changed: all are read from the project's vllm_overlay/.\n"
-    )
-    (out / "REBASE.md").write_text(
-        f"# Rebase onto {target.label}\n\n"
-        + format_report(state.reports)
-        + "\n\n"
-        + overlays_note
-    )
-    return out
-
-
-def _depends(series: Series, stage: Stage, dropped: set[str]) -> tuple[str, ...]:
-    """A stage's dependencies with upstreamed stages replaced by theirs."""
-    out: list[str] = []
-    for dep in stage.depends_on:
-        if dep in dropped:
-            out += [
-                d for d in _depends(series, series.stage(dep), dropped) if d not in out
-            ]
-        elif dep not in out:
-            out.append(dep)
-    return tuple(out)
-
-
-def accept(series: Series, label: str | None = None) -> None:
-    """Make a reviewed rebased series (patches/next/<label>) the committed
-    series and pin."""
-    if _state_file(series).exists():
-        raise SeriesError("a rebase is in progress; finish it (--continue) first")
-    folders = sorted(
-        p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
-    )
-    if label:
-        folders = [f for f in folders if f.name == label]
-    if len(folders) != 1:
-        found = ", ".join(f.name for f in folders) or "none"
-        where = series.patches_dir / NEXT_DIR
-        raise SeriesError(f"name the rebased series to accept (under {where}: {found})")
-    review = folders[0]
-    if not review_is_current(series, review):
-        raise SeriesError(
-            "patches/ or vllm_overlay/ changed since this rebase started; refusing "
-            "to overwrite them (rebase again from the current series)"
-        )
-    new = _load_review(review)
-    # Read everything first: the review reads unchanged overlays from the
-    # very files about to be replaced.
-    files = {series.patch_file(s): (review / s.patch).read_bytes() for s in new.stages}
-    for stage in new.stages:
-        for overlay in stage.overlays:
-            files[series.overlay_file(overlay)] = new.overlay_file(overlay).read_bytes()
-    for stage in series.stages:
-        (series.patch_file(stage)).unlink(missing_ok=True)
-        for overlay in stage.overlays:
-            series.overlay_file(overlay).unlink(missing_ok=True)
-    for path, data in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    (series.patches_dir / "series.toml").write_text(series_toml(new))
-    shutil.rmtree(review)
-    if not any((series.patches_dir / NEXT_DIR).iterdir()):
-        (series.patches_dir / NEXT_DIR).rmdir()
-    print(
-        f"the series is now on {new.base.label}; run apply to build its tree "
-        f"(the old tree {workdir(series)} is left as it was)"
-    )
-
-
-def review_is_current(series: Series, review: Path) -> bool:
-    """Whether the rebased series in ``review`` was made from the committed
-    series as it is now."""
-    text = (review / "series.toml").read_text(encoding="utf-8")
-    return tomllib.loads(text).get("rebased_from") == _series_digest(series)
-
-
-def check_review_is_current(series: Series) -> None:
-    """Raise if ``series`` is a rebased series under review (it has
-    ``rebased_from``) made from an older version of the project's series."""
-    project_dir = series.root / "patches"
-    text = (series.patches_dir / "series.toml").read_text(encoding="utf-8")
-    if series.patches_dir == project_dir or "rebased_from" not in tomllib.loads(text):
-        return
-    if not review_is_current(_load_review(project_dir), series.patches_dir):
-        raise SeriesError(
-            f"{series.patches_dir} was rebased from an older version of "
-            "patches/; rebase again (nox -s rebase -- ...): the recorded "
-            "conflict resolutions are replayed"
-        )
-
-
-def _load_review(path: Path) -> Series:
-    from scripts.series.config import load_series
-
-    return load_series(path / "series.toml")
-
-
-def series_toml(
-    series: Series, *, review: tuple[str, list[str], str] | None = None
-) -> str:
-    """``series`` as a series file (the fields load_series reads). A series
-    for review names its project folder, its overlay folders (its own, then
-    the project's) and the digest of the series it was rebased from."""
-
-    def s(value: str) -> str:
-        return json.dumps(value, ensure_ascii=False)
-
-    def strings(values: tuple[str, ...]) -> str:
-        return "[" + ", ".join(s(v) for v in values) + "]"
-
-    lines = ["# The patch series: one pinned vLLM base and the ordered stages."]
-    if review is not None:
-        project, overlays, digest = review
-        lines += [
-            "# Written by `python -m scripts.series rebase` for review.",
-            f"project = {s(project)}",
-            f"overlays = {strings(tuple(overlays))}",
-            f"rebased_from = {s(digest)}",
-        ]
-    lines += ["", "[base]", f"name = {s(series.base.name)}"]
-    if isinstance(series.base, SdistBase):
-        lines += [
-            f"version = {s(series.base.version)}",
-            f"sha256 = {s(series.base.sha256)}",
-        ]
-    else:
-        lines += [f"git = {s(str(series.base.path))}", f"rev = {s(series.base.rev)}"]
-    for suite in series.regression:
-        lines += ["", "[[regression]]", f"name = {s(suite.name)}"]
-        if suite.plugin:
-            lines.append(f"plugin = {s(suite.plugin)}")
-        lines.append(f"paths = {strings(suite.paths)}")
-    for stage in series.stages:
-        lines += [
-            "",
-            "[[stage]]",
-            f"id = {s(stage.id)}",
-            f"title = {s(stage.title)}",
-            f"patch = {s(stage.patch)}",
-            f"overlays = {strings(stage.overlays)}",
-            f"depends_on = {strings(stage.depends_on)}",
-            f"tests = {s(stage.tests)}",
-        ]
-        if stage.upstream_probe:
-            lines.append(f"upstream_probe = {strings(stage.upstream_probe)}")
-        if stage.switches:
-            lines.append(f"switches = {strings(stage.switches)}")
-        lines.append(f"validated_on = {s(stage.validated_on)}")
-        if stage.large_hunks:
-            lines.append("large_hunks = [")
-            lines += [
-                f"    {{ file = {s(h.path)}, hunk = {h.number}, "
-                f"reason = {s(h.reason)} }},"
-                for h in stage.large_hunks
-            ]
-            lines.append("]")
-        lines.append(
-            f"upstream = {{ pr = {s(stage.upstream_pr)}, "
-            f"status = {s(stage.upstream_status)} }}"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def format_report(reports: list[StageReport]) -> str:
-    """Per stage, then per file and hunk, as Markdown."""
-    lines = ["| stage | outcome | evidence |", "|---|---|---|"]
-    for r in reports:
-        lines.append(f"| {r.id} {r.title} | {r.outcome} | {r.evidence or '-'} |")
-    for r in reports:
-        if not r.hunks:
-            continue
-        lines += [
-            "",
-            f"Stage {r.id}, per hunk:",
-            "",
-            "| file | hunk | outcome |",
-            "|---|---|---|",
-        ]
-        lines += [f"| {h.path} | `{h.header}` | {h.outcome} |" for h in r.hunks]
-    dropped = [h for r in reports for h in r.hunks if h.outcome == "dropped"]
-    if dropped:
-        lines += ["", f"**{len(dropped)} hunk(s) dropped by the merge: review them.**"]
-    return "\n".join(lines)

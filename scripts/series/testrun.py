@@ -15,19 +15,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.series.config import Series
+from scripts.series import SeriesError
+from scripts.series.config import Series, Stage
 from scripts.series.contract import PLUGIN_FILES_ENV, tree_env
+from scripts.series.git import git
 from scripts.series.layout import results_dir
 from scripts.series.trees import stage_tree
 
@@ -250,3 +253,52 @@ def run_tests(
     for run, tally in zip(order, tallies, strict=True):
         rows[run.row].add(tally)
     return list(rows.items())
+
+
+# (passed, failed) of a stage's upstream probe on a tree that lacks the stage
+Tester = Callable[[Series, Stage, Path, list[str]], tuple[int, int]]
+
+
+def probe_paths(stage: Stage) -> tuple[str, ...]:
+    return stage.upstream_probe or (stage.tests,)
+
+
+def pytest_tester(python: str) -> Tester:
+    """Run a stage's upstream probe with ``python -m pytest`` on a checkout
+    of the rebase repo's HEAD (the target and the stages kept so far)."""
+
+    if shutil.which(python) is None:
+        raise SeriesError(f"--test-python {python}: no such Python")
+
+    def run(
+        series: Series, stage: Stage, repo: Path, kept: list[str]
+    ) -> tuple[int, int]:
+        probe_tree = repo.parent / "probe"
+        shutil.rmtree(probe_tree, ignore_errors=True)
+        git(repo, "worktree", "prune")
+        git(repo, "worktree", "add", "-q", "--detach", str(probe_tree), "HEAD")
+        junit = repo.parent / f"probe-{stage.id}.xml"
+        env = tree_env(probe_tree, ["base", *kept, stage.id], probe_tree)
+        paths = [str(series.tests_dir / p) for p in probe_paths(stage)]
+        try:
+            subprocess.run(
+                [
+                    python,
+                    "-m",
+                    "pytest",
+                    *paths,
+                    f"--junitxml={junit}",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                ],
+                env={**os.environ, **env, "PYTHONPATH": str(probe_tree)},
+                cwd=series.root,
+                check=False,
+            )
+        finally:
+            git(repo, "worktree", "remove", "--force", str(probe_tree))
+        tally = read_junit(junit)
+        return tally.passed, tally.failed
+
+    return run

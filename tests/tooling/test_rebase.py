@@ -15,6 +15,11 @@ from conftest import Project, sh, write_files
 from scripts.series import SeriesError, rebase
 from scripts.series.apply import apply
 from scripts.series.config import GitBase, load_series
+from scripts.series.layout import review_dir
+from scripts.series.patchfile import read_patch
+from scripts.series.rebase_state import format_report, load_state
+from scripts.series.review import accept
+from scripts.series.testrun import pytest_tester
 
 TARGET = "v2"
 
@@ -58,8 +63,8 @@ def test_clean_rebase_writes_a_series_for_review(two_stages):
     assert {h.outcome for r in reports for h in r.hunks} == {"applied cleanly"}
     # the committed series and pin are untouched; the review applies on v2
     assert _snapshot(two_stages) == before
-    review = rebase.review_dir(two_stages.series(), target)
-    rebased = load_series(review / "series.toml")
+    folder = review_dir(two_stages.series(), target)
+    rebased = load_series(folder / "series.toml")
     assert rebased.base == target and rebased.root == two_stages.root
     tree = apply(rebased, quiet=True)
     assert "return 55" in (tree / "vllm/ops.py").read_text()
@@ -67,13 +72,13 @@ def test_clean_rebase_writes_a_series_for_review(two_stages):
     assert (tree / "vllm/cp_indexer.py").exists()
     assert (
         "| 0001 Striped indexer | applied cleanly |"
-        in (review / "REBASE.md").read_text()
+        in (folder / "REBASE.md").read_text()
     )
     # the finished rebase leaves no work area behind
     assert not _work_repo(two_stages).parent.exists()
     # an overlay the rebase left alone is read from the project, not copied
-    assert not (review / "vllm_overlay").exists()
-    assert "No overlay changed" in (review / "REBASE.md").read_text()
+    assert not (folder / "vllm_overlay").exists()
+    assert "No overlay changed" in (folder / "REBASE.md").read_text()
     assert rebased.overlay_file("vllm/cp_indexer.py") == (
         two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
     )
@@ -110,7 +115,7 @@ def test_conflict_then_continue(two_stages):
     ops_hunk = [h for h in reports[1].hunks if h.path == "vllm/ops.py"]
     assert [h.outcome for h in ops_hunk] == ["applied cleanly"]
     tree = apply(
-        load_series(rebase.review_dir(two_stages.series(), target) / "series.toml"),
+        load_series(review_dir(two_stages.series(), target) / "series.toml"),
         quiet=True,
     )
     text = (tree / "vllm/envs.py").read_text()
@@ -143,7 +148,7 @@ def test_abort_restores_everything(two_stages):
         rebase.start(two_stages.series(), target, None)
     rebase.abort(two_stages.series())
     assert not _work_repo(two_stages).parent.exists()
-    assert not rebase.review_dir(two_stages.series(), target).exists()
+    assert not review_dir(two_stages.series(), target).exists()
     assert _snapshot(two_stages) == before
     assert sh(old_tree, "git", "rev-parse", "HEAD") == old_head
     with pytest.raises(SeriesError, match="no rebase in progress"):
@@ -175,7 +180,7 @@ def test_dropped_hunk_is_reported(two_stages, monkeypatch):
     assert stage.outcome == "merged, with dropped hunks"
     dropped = [h for h in stage.hunks if h.outcome == "dropped"]
     assert [h.path for h in dropped] == ["vllm/ops.py"]
-    assert "hunk(s) dropped by the merge" in rebase.format_report(reports)
+    assert "hunk(s) dropped by the merge" in format_report(reports)
 
 
 def test_stage_already_present_upstream_is_dropped(two_stages):
@@ -189,9 +194,7 @@ def test_stage_already_present_upstream_is_dropped(two_stages):
     reports = rebase.start(two_stages.series(), target, None)
     assert _outcomes(reports)["0001"] == "already upstream"
     assert "reverse-applies" in reports[0].evidence
-    rebased = load_series(
-        rebase.review_dir(two_stages.series(), target) / "series.toml"
-    )
+    rebased = load_series(review_dir(two_stages.series(), target) / "series.toml")
     assert [s.id for s in rebased.stages] == ["0002"]
     assert rebased.stages[0].depends_on == ()
 
@@ -220,7 +223,7 @@ def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
             )
         },
     )
-    tester = rebase.pytest_tester(sys.executable)
+    tester = pytest_tester(sys.executable)
     reports = rebase.start(two_stages.series(), target, tester)
     assert _outcomes(reports)["0001"] == "applied cleanly"
     assert _outcomes(reports)["0002"] == "already upstream"
@@ -230,14 +233,14 @@ def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
 def test_accept_adopts_the_rebased_series(two_stages):
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target, None)
-    rebase.accept(two_stages.series())
+    accept(two_stages.series())
     series = two_stages.series()
     assert series.base == target
     assert not (two_stages.root / "patches" / "next").exists()
     tree = apply(series, quiet=True)
     assert "return 55" in (tree / "vllm/ops.py").read_text()
     with pytest.raises(SeriesError, match="name the rebased series"):
-        rebase.accept(series)
+        accept(series)
 
 
 def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
@@ -255,15 +258,15 @@ def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
         rebase.resume(two_stages.series(), None)
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
     rebase.resume(two_stages.series(), None)
-    review = rebase.review_dir(two_stages.series(), target)
+    folder = review_dir(two_stages.series(), target)
     project_copy = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
-    assert (review / "vllm_overlay/vllm/cp_indexer.py").read_text() == adapted
+    assert (folder / "vllm_overlay/vllm/cp_indexer.py").read_text() == adapted
     assert project_copy.read_text() != adapted
     assert (
         "changed by the rebase, kept in this folder's vllm_overlay/: "
-        in (review / "REBASE.md").read_text()
+        in (folder / "REBASE.md").read_text()
     )
-    rebase.accept(two_stages.series())
+    accept(two_stages.series())
     assert project_copy.read_text() == adapted
     tree = apply(two_stages.series(), quiet=True)
     assert (tree / "vllm/cp_indexer.py").read_text() == adapted
@@ -276,7 +279,7 @@ def test_accept_refuses_when_the_series_changed(two_stages):
     edited = patch.read_text() + "\n"
     patch.write_text(edited)
     with pytest.raises(SeriesError, match="changed since this rebase started"):
-        rebase.accept(two_stages.series())
+        accept(two_stages.series())
     assert patch.read_text() == edited
 
 
@@ -287,7 +290,7 @@ def test_target_equal_to_base_is_refused(two_stages):
 
 def test_split_hunks_round_trip(two_stages):
     patch = two_stages.root / "patches" / two_stages.stages[1]["patch"]
-    hunks = rebase.split_hunks(patch.read_text())
+    hunks = read_patch(patch).hunks
     assert [h.path for h in hunks] == ["vllm/envs.py", "vllm/ops.py"]
     for hunk in hunks:
         assert hunk.text.startswith("diff --git ")
@@ -314,7 +317,7 @@ def test_interrupted_rebase_continues(two_stages, monkeypatch):
     reports = rebase.resume(two_stages.series(), None)
     assert _outcomes(reports) == {"0001": "applied cleanly", "0002": "applied cleanly"}
     tree = apply(
-        load_series(rebase.review_dir(two_stages.series(), target) / "series.toml"),
+        load_series(review_dir(two_stages.series(), target) / "series.toml"),
         quiet=True,
     )
     assert "return 2020" in (tree / "vllm/ops.py").read_text()
@@ -322,7 +325,7 @@ def test_interrupted_rebase_continues(two_stages, monkeypatch):
 
 def test_missing_test_python_is_a_clear_error():
     with pytest.raises(SeriesError, match="no such Python"):
-        rebase.pytest_tester("/nonexistent/python3")
+        pytest_tester("/nonexistent/python3")
 
 
 def test_a_replayed_file_is_reported_while_another_conflicts(two_stages):
@@ -342,7 +345,7 @@ def test_a_replayed_file_is_reported_while_another_conflicts(two_stages):
     )
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
         rebase.start(two_stages.series(), target, None)
-    state = rebase._load_state(two_stages.series())
+    state = load_state(two_stages.series())
     outcomes = {h.path: h.outcome for h in state.reports[-1].hunks}
     assert outcomes == {
         "vllm/envs.py": "conflicted, recorded resolution replayed",

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A rebase in progress: its state file (build/rebase/state.json, so that
+``--continue`` and ``--abort`` can pick it up) and its report, per stage and
+per file and hunk."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import Base, GitBase, SdistBase, Series
+from scripts.series.layout import rebase_dir
+
+
+@dataclass
+class HunkReport:
+    path: str
+    header: str
+    outcome: str
+
+
+@dataclass
+class StageReport:
+    id: str
+    title: str
+    outcome: str
+    evidence: str = ""
+    hunks: list[HunkReport] = field(default_factory=list)
+
+
+@dataclass
+class RebaseState:
+    target: dict[str, str]
+    old_tip: str
+    series_digest: str
+    next: int = 0
+    pending: bool = False
+    reports: list[StageReport] = field(default_factory=list)
+    commits: dict[str, str] = field(default_factory=dict)
+
+
+def state_file(series: Series) -> Path:
+    return rebase_dir(series) / "state.json"
+
+
+def target_dict(target: Base) -> dict[str, str]:
+    if isinstance(target, SdistBase):
+        return {"name": target.name, "version": target.version, "sha256": target.sha256}
+    return {"name": target.name, "git": str(target.path), "rev": target.rev}
+
+
+def target_from(data: dict[str, str]) -> Base:
+    if "git" in data:
+        return GitBase(data["name"], Path(data["git"]), data["rev"])
+    return SdistBase(data["name"], data["version"], data["sha256"])
+
+
+def load_state(series: Series) -> RebaseState:
+    path = state_file(series)
+    if not path.exists():
+        raise SeriesError("no rebase in progress; start one with `rebase <target>`")
+    raw = json.loads(path.read_text())
+    reports = [
+        StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})
+        for r in raw.pop("reports")
+    ]
+    return RebaseState(**raw, reports=reports)
+
+
+def save_state(series: Series, state: RebaseState) -> None:
+    path = state_file(series)
+    path.write_text(json.dumps(asdict(state), indent=1) + "\n")
+
+
+def work_repo(series: Series, state: RebaseState) -> Path:
+    return rebase_dir(series) / target_from(state.target).label / "vllm"
+
+
+def format_report(reports: list[StageReport]) -> str:
+    """Per stage, then per file and hunk, as Markdown."""
+    lines = ["| stage | outcome | evidence |", "|---|---|---|"]
+    for r in reports:
+        lines.append(f"| {r.id} {r.title} | {r.outcome} | {r.evidence or '-'} |")
+    for r in reports:
+        if not r.hunks:
+            continue
+        lines += [
+            "",
+            f"Stage {r.id}, per hunk:",
+            "",
+            "| file | hunk | outcome |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {h.path} | `{h.header}` | {h.outcome} |" for h in r.hunks]
+    dropped = [h for r in reports for h in r.hunks if h.outcome == "dropped"]
+    if dropped:
+        lines += ["", f"**{len(dropped)} hunk(s) dropped by the merge: review them.**"]
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A rebased series under review (patches/next/<target>/): writing it,
+checking that it is still made from the committed series, and adopting it
+(``--accept``)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import Series, Stage
+from scripts.series.layout import NEXT_DIR, review_dir, workdir
+from scripts.series.rebase_state import (
+    RebaseState,
+    format_report,
+    state_file,
+    target_from,
+    work_repo,
+)
+from scripts.series.refresh import format_stage_patch, overlay_bytes
+from scripts.series.series_toml import series_toml
+
+RESOLUTIONS = "resolutions"  # git rerere's rr-cache, kept with the review
+
+
+def series_digest(series: Series) -> str:
+    """A fingerprint of the committed series files, so --accept never
+    overwrites edits made while the rebase was under review."""
+    digest = hashlib.sha256()
+    files = [series.patches_dir / "series.toml"]
+    for stage in series.stages:
+        files.append(series.patch_file(stage))
+        files += [series.overlay_file(o) for o in stage.overlays]
+    for path in files:
+        digest.update(str(path.relative_to(series.root)).encode() + b"\0")
+        digest.update(path.read_bytes() if path.exists() else b"<missing>")
+    return digest.hexdigest()
+
+
+def write_review(series: Series, state: RebaseState) -> Path:
+    target = target_from(state.target)
+    repo = work_repo(series, state)
+    out = review_dir(series, target)
+    shutil.rmtree(out, ignore_errors=True)
+    kept = [s for s in series.stages if s.id in state.commits]
+    dropped = {s.id for s in series.stages} - set(state.commits)
+    kept = [replace(s, depends_on=_depends(series, s, dropped)) for s in kept]
+    # The review keeps only the overlays that the rebase changed; the others
+    # are read from the project's folder, which must stay as the rebase found
+    # it (review_is_current).
+    new = replace(
+        series,
+        base=target,
+        stages=tuple(kept),
+        patches_dir=out,
+        overlay_dirs=(out / "vllm_overlay", *series.overlay_dirs),
+    )
+    out.mkdir(parents=True)
+    changed_overlays = []
+    for stage in kept:
+        commit = state.commits[stage.id]
+        (out / stage.patch).write_bytes(format_stage_patch(new, repo, stage, commit))
+        for overlay in stage.overlays:
+            data = overlay_bytes(repo, commit, overlay)
+            assert data is not None
+            if data != series.overlay_file(overlay).read_bytes():
+                (out / "vllm_overlay" / overlay).parent.mkdir(
+                    parents=True, exist_ok=True
+                )
+                (out / "vllm_overlay" / overlay).write_bytes(data)
+                changed_overlays.append(f"`{overlay}`")
+    folders = ["vllm_overlay"] + [os.path.relpath(d, out) for d in series.overlay_dirs]
+    project = Path(*[".."] * len(out.relative_to(series.root).parts))
+    (out / "series.toml").write_text(
+        series_toml(new, review=(str(project), folders, state.series_digest))
+    )
+    rr_cache = repo / ".git" / "rr-cache"
+    if rr_cache.is_dir() and any(rr_cache.iterdir()):
+        shutil.copytree(rr_cache, out / RESOLUTIONS)
+    overlays_note = (
+        "Overlays changed by the rebase, kept in this folder's vllm_overlay/: "
+        + ", ".join(changed_overlays)
+        + ". The others are read from the project's vllm_overlay/.\n"
+        if changed_overlays
+        else "No overlay changed: all are read from the project's vllm_overlay/.\n"
+    )
+    (out / "REBASE.md").write_text(
+        f"# Rebase onto {target.label}\n\n"
+        + format_report(state.reports)
+        + "\n\n"
+        + overlays_note
+    )
+    return out
+
+
+def _depends(series: Series, stage: Stage, dropped: set[str]) -> tuple[str, ...]:
+    """A stage's dependencies with upstreamed stages replaced by theirs."""
+    out: list[str] = []
+    for dep in stage.depends_on:
+        if dep in dropped:
+            out += [
+                d for d in _depends(series, series.stage(dep), dropped) if d not in out
+            ]
+        elif dep not in out:
+            out.append(dep)
+    return tuple(out)
+
+
+def accept(series: Series, label: str | None = None) -> None:
+    """Make a reviewed rebased series (patches/next/<label>) the committed
+    series and pin."""
+    if state_file(series).exists():
+        raise SeriesError("a rebase is in progress; finish it (--continue) first")
+    folders = sorted(
+        p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
+    )
+    if label:
+        folders = [f for f in folders if f.name == label]
+    if len(folders) != 1:
+        found = ", ".join(f.name for f in folders) or "none"
+        where = series.patches_dir / NEXT_DIR
+        raise SeriesError(f"name the rebased series to accept (under {where}: {found})")
+    review = folders[0]
+    if not review_is_current(series, review):
+        raise SeriesError(
+            "patches/ or vllm_overlay/ changed since this rebase started; refusing "
+            "to overwrite them (rebase again from the current series)"
+        )
+    new = load_review(review)
+    # Read everything first: the review reads unchanged overlays from the
+    # very files about to be replaced.
+    files = {series.patch_file(s): (review / s.patch).read_bytes() for s in new.stages}
+    for stage in new.stages:
+        for overlay in stage.overlays:
+            files[series.overlay_file(overlay)] = new.overlay_file(overlay).read_bytes()
+    for stage in series.stages:
+        (series.patch_file(stage)).unlink(missing_ok=True)
+        for overlay in stage.overlays:
+            series.overlay_file(overlay).unlink(missing_ok=True)
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    (series.patches_dir / "series.toml").write_text(series_toml(new))
+    shutil.rmtree(review)
+    if not any((series.patches_dir / NEXT_DIR).iterdir()):
+        (series.patches_dir / NEXT_DIR).rmdir()
+    print(
+        f"the series is now on {new.base.label}; run apply to build its tree "
+        f"(the old tree {workdir(series)} is left as it was)"
+    )
+
+
+def review_is_current(series: Series, review: Path) -> bool:
+    """Whether the rebased series in ``review`` was made from the committed
+    series as it is now."""
+    text = (review / "series.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text).get("rebased_from") == series_digest(series)
+
+
+def check_review_is_current(series: Series) -> None:
+    """Raise if ``series`` is a rebased series under review (it has
+    ``rebased_from``) made from an older version of the project's series."""
+    project_dir = series.root / "patches"
+    text = (series.patches_dir / "series.toml").read_text(encoding="utf-8")
+    if series.patches_dir == project_dir or "rebased_from" not in tomllib.loads(text):
+        return
+    if not review_is_current(load_review(project_dir), series.patches_dir):
+        raise SeriesError(
+            f"{series.patches_dir} was rebased from an older version of "
+            "patches/; rebase again (nox -s rebase -- ...): the recorded "
+            "conflict resolutions are replayed"
+        )
+
+
+def load_review(path: Path) -> Series:
+    from scripts.series.config import load_series
+
+    return load_series(path / "series.toml")
