@@ -11,6 +11,7 @@ in the patch files meaningful for three-way merges.
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import tarfile
 import time
@@ -66,6 +67,51 @@ def _extract_git(base: GitBase, commit: str, dest: Path) -> None:
     archive = git(base.path, "archive", "--format=tar", commit).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
+    _write_version_metadata(base, git_version(base.path, commit), dest)
+
+
+def git_version(repo: Path, commit: str) -> str:
+    """The version setuptools-scm gives a checkout of ``commit`` (its
+    guess-next-dev scheme): ``0.33.0`` on the tag v0.33.0, ``0.33.1.dev3+gabc1234``
+    three commits past it; ``0.0.0.dev0+g...`` with no v* tag behind it."""
+    described = git(
+        repo, "describe", "--tags", "--long", "--match", "v[0-9]*", commit, check=False
+    )
+    short = git_out(repo, "rev-parse", "--short=9", commit)
+    match = re.fullmatch(
+        r"v(\d+(?:\.\d+)*)-(\d+)-g[0-9a-f]+", described.stdout.decode().strip()
+    )
+    if not match:
+        return f"0.0.0.dev0+g{short}"
+    release, distance = match.group(1), int(match.group(2))
+    if distance == 0:
+        return release
+    parts = release.split(".")
+    parts[-1] = str(int(parts[-1]) + 1)
+    return f"{'.'.join(parts)}.dev{distance}+g{short}"
+
+
+def _write_version_metadata(base: GitBase, version: str, dest: Path) -> None:
+    """What an install of the checkout would generate and the sdist ships:
+    ``<name>/_version.py`` and ``<name>.egg-info/PKG-INFO``. vLLM reads its
+    own version through them at import (without it, it turns Triton off)."""
+    version_file = dest / base.name / "_version.py"
+    if not version_file.exists():
+        numbers = tuple(
+            int(p) if p.isdigit() else p for p in re.split(r"[.+]", version)
+        )
+        version_file.write_text(
+            "# Written by the DSA series tool, as setuptools-scm would.\n"
+            f"__version__ = version = {version!r}\n"
+            f"__version_tuple__ = version_tuple = {numbers!r}\n"
+            "__commit_id__ = commit_id = None\n"
+        )
+    info = dest / f"{base.name}.egg-info" / "PKG-INFO"
+    if not info.exists():
+        info.parent.mkdir(exist_ok=True)
+        info.write_text(
+            f"Metadata-Version: 2.1\nName: {base.name}\nVersion: {version}\n"
+        )
 
 
 def _base_message(base: Base) -> str:

@@ -413,3 +413,35 @@ def test_series_files_keep_their_bytes_in_a_crlf_clone(tmp_path):
             check=True,
         ).stdout
         assert (clone / name).read_bytes() == committed, name
+
+
+def test_a_git_base_gets_the_version_metadata_an_install_would(project: Project):
+    """A checkout has no vllm.egg-info (an sdist has): without a version vLLM
+    turns Triton off. The base gets setuptools-scm's version of the commit."""
+    import importlib.metadata
+    from dataclasses import replace
+
+    from scripts.series.config import GitBase
+    from scripts.series.prepare import git_version, prepare
+    from tests.tooling.conftest import sh
+
+    upstream = project.upstream
+    sh(upstream, "git", "tag", "v0.33.0")
+    assert git_version(upstream, "HEAD") == "0.33.0"
+    (upstream / "vllm/ops.py").write_text("drift\n")
+    sh(upstream, "git", "commit", "-qam", "drift")
+    short = git_out(upstream, "rev-parse", "--short=9", "HEAD")
+    assert git_version(upstream, "HEAD") == f"0.33.1.dev1+g{short}"
+    sh(upstream, "git", "tag", "-d", "v0.33.0", "v1")
+    assert git_version(upstream, "HEAD") == f"0.0.0.dev0+g{short}"
+    sh(upstream, "git", "tag", "v0.33.0", "HEAD~1")
+    (upstream / "vllm/_version.py").unlink()
+    sh(upstream, "git", "commit", "-qam", "no version file, as in vLLM's repo")
+    repo = prepare(replace(project.series(), base=GitBase("vllm", upstream, "HEAD")))
+    found = list(importlib.metadata.distributions(name="vllm", path=[str(repo)]))
+    assert [d.version for d in found] == [git_version(upstream, "HEAD")]
+    assert "0.33.1.dev2" in (repo / "vllm/_version.py").read_text()
+    assert git_out(repo, "ls-files", "vllm.egg-info", "vllm/_version.py").split() == [
+        "vllm.egg-info/PKG-INFO",
+        "vllm/_version.py",
+    ]
