@@ -35,7 +35,7 @@ from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.prepare import prepare
 from scripts.series.refresh import recover_interrupted_refresh, refresh
 from scripts.series.status import format_status, tree_status
-from scripts.series.testrun import format_summary, pytest_tester, run_tests
+from scripts.series.testrun import format_summary, run_tests
 from scripts.series.trees import stage_tree
 
 # Commands that only read; every other one holds the project lock.
@@ -133,19 +133,28 @@ def _parser() -> argparse.ArgumentParser:
     reb.add_argument(
         "--test-python",
         help="a Python with the test dependencies; with it a stage whose "
-        "upstream probe passes on the target without it counts as upstreamed",
+        "upstream probe passes on the target without it counts as upstreamed "
+        "(kept by --continue)",
+    )
+    reb.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="leave this stage out (upstream has it in another form); with "
+        "--continue, also the stage in conflict",
     )
     return parser
 
 
 def _rebase(series: Series, args: argparse.Namespace) -> int:
-    tester = pytest_tester(args.test_python) if args.test_python else None
+    options = {"test_python": args.test_python, "drop": args.drop}
     if args.abort:
         rebase.abort(series)
     elif args.accept is not None:
         review.accept(series, args.accept or None)
     elif args.resume:
-        rebase.resume(series, tester)
+        rebase.resume(series, **options)
     else:
         name = series.base.name
         target: Base
@@ -157,7 +166,7 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
             raise SeriesError(
                 "give a target: --version V --sha256 H, or --git PATH --rev REV"
             )
-        rebase.start(series, target, tester)
+        rebase.start(series, target, **options)
     return 0
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,10 +45,11 @@ from scripts.series.config import Base, Series, Stage
 from scripts.series.git import commit_verbatim, git, git_out
 from scripts.series.layout import (
     BASE_TAG,
+    NEXT_DIR,
     REBASE_OLD_REF,
     REBASED_BRANCH,
     rebase_dir,
-    review_dir,
+    workdir,
 )
 from scripts.series.patchfile import Hunk, read_patch
 from scripts.series.prepare import prepare
@@ -65,11 +67,19 @@ from scripts.series.rebase_state import (
 )
 from scripts.series.review import RESOLUTIONS, series_digest, write_review
 from scripts.series.state import read_chain
-from scripts.series.testrun import Tester, probe_paths
+from scripts.series.testrun import Tester, probe_paths, pytest_tester
 
 
-def start(series: Series, target: Base, tester: Tester | None) -> list[StageReport]:
-    """Begin a rebase of ``series`` onto ``target``; run as far as it goes."""
+def start(
+    series: Series,
+    target: Base,
+    *,
+    test_python: str | None = None,
+    drop: Sequence[str] = (),
+) -> list[StageReport]:
+    """Begin a rebase of ``series`` onto ``target``; run as far as it goes.
+    With ``test_python`` a stage whose upstream probe passes on the target
+    without it is left out; the stages in ``drop`` are left out on request."""
     if state_file(series).exists():
         raise SeriesError(
             "a rebase is already in progress; finish it with `rebase --continue`, "
@@ -77,67 +87,131 @@ def start(series: Series, target: Base, tester: Tester | None) -> list[StageRepo
         )
     if target == series.base:
         raise SeriesError(f"the series is already on {target.label}")
-    old_repo = apply(series, quiet=True)
-    old_tip = read_chain(series, old_repo).tip
+    for stage_id in drop:
+        series.stage(stage_id)
+    tester = pytest_tester(test_python) if test_python else None
+    old_tip = _old_tip(series)
     area = rebase_dir(series)
     work = area / target.label / "vllm"
     shutil.rmtree(area / target.label, ignore_errors=True)
     work.parent.mkdir(parents=True)
     prepare(replace(series, base=target), repo=work, quiet=True)
-    git(work, "fetch", "-q", str(old_repo), f"+{old_tip}:{REBASE_OLD_REF}")
+    git(work, "fetch", "-q", str(workdir(series)), f"+{old_tip}:{REBASE_OLD_REF}")
     git(work, "checkout", "-q", "-b", REBASED_BRANCH, BASE_TAG)
     git(work, "config", "rerere.enabled", "true")
     git(work, "config", "rerere.autoUpdate", "true")
-    recorded = review_dir(series, target) / RESOLUTIONS
-    if recorded.is_dir():
-        shutil.copytree(recorded, work / ".git" / "rr-cache")
-        print(f"replaying the conflict resolutions recorded in {recorded}")
-    state = RebaseState(target_dict(target), old_tip, series_digest(series))
+    _offer_recorded_resolutions(series, work)
+    state = RebaseState(
+        target_dict(target),
+        old_tip,
+        series_digest(series),
+        test_python=test_python,
+        drop=list(drop),
+    )
     save_state(series, state)
     print(f"rebasing {len(series.stages)} stage(s) onto {target.label} in {work}")
     return _run(series, state, tester)
 
 
-def resume(series: Series, tester: Tester | None) -> list[StageReport]:
-    """``--continue``: take the user's resolution of the conflicted stage, or
-    redo the stage an interrupted rebase was in the middle of."""
+def _old_tip(series: Series) -> str:
+    """The series' last stage commit, built if needed; the work tree is left
+    at the stage it was at (``apply --upto``)."""
+    repo = workdir(series)
+    position = None
+    if repo.exists():
+        chain = read_chain(series, repo)
+        head = git_out(repo, "rev-parse", "HEAD")
+        commits = {c: s.id for s, c in chain.applied[: chain.current]}
+        position = "base" if head == chain.base else commits.get(head)
+    apply(series, quiet=True)
+    tip = read_chain(series, repo).tip
+    if position is not None:
+        apply(series, position, quiet=True)
+    return tip
+
+
+def _offer_recorded_resolutions(series: Series, work: Path) -> None:
+    """git rerere keys a resolution by the conflict itself, so the ones kept
+    with any review (any target) replay wherever the same conflict recurs."""
+    cache = work / ".git" / "rr-cache"
+    offered = sorted((series.patches_dir / NEXT_DIR).glob(f"*/{RESOLUTIONS}"))
+    for recorded in offered:
+        shutil.copytree(recorded, cache, dirs_exist_ok=True)
+    if offered:
+        where = ", ".join(str(r.parent.name) for r in offered)
+        print(f"conflict resolutions recorded with {where} are offered to git rerere")
+
+
+def resume(
+    series: Series, *, test_python: str | None = None, drop: Sequence[str] = ()
+) -> list[StageReport]:
+    """``--continue``: take the user's resolution of the conflicted stage (or
+    leave it out, when it is in ``drop``), or redo the stage an interrupted
+    rebase was in the middle of. Options given now join those it started
+    with."""
     state = load_state(series)
+    for stage_id in drop:
+        series.stage(stage_id)
+    state.drop += [d for d in drop if d not in state.drop]
+    state.test_python = test_python or state.test_python
+    tester = pytest_tester(state.test_python) if state.test_python else None
     repo = work_repo(series, state)
     if not state.pending:
         # Interrupted inside a stage: only the tool has touched the work repo
         # since the last recorded stage, so drop the half-made merge.
-        git(repo, "cherry-pick", "--quit", check=False)
-        git(repo, "reset", "-q", "--hard", "HEAD")
-        git(repo, "clean", "-q", "-f", "-d")
+        _discard_merge(repo)
         return _run(series, state, tester)
-    git(repo, "add", "-A")
-    changed = git_out(repo, "diff", "--cached", "--name-only", "HEAD").split()
-    marked = git(
-        repo,
-        "grep",
-        "--cached",
-        "-l",
-        "-E",
-        "^(<<<<<<<|>>>>>>>) ",
-        "--",
-        *changed,
-        check=False,
-    )
-    if leftover := marked.stdout.decode().split():
-        raise SeriesError(
-            "conflict markers are still in: " + ", ".join(leftover) + f" (in {repo})"
-        )
     stage = series.stages[state.next]
     report = state.reports[-1]
-    _commit_stage(series, repo, stage, state)
-    for hunk in report.hunks:
-        if hunk.outcome == "conflicted":
-            hunk.outcome = "conflicted, resolved by hand"
-    report.outcome = "conflicted, resolved by hand"
+    if stage.id in state.drop:
+        _discard_merge(repo)
+        report.outcome = "dropped on request"
+        report.evidence = "left out with --drop while in conflict"
+    else:
+        _refuse_conflict_markers(repo)
+        git(repo, "add", "-A")
+        for hunk in report.hunks:
+            if hunk.outcome == "conflicted":
+                hunk.outcome = "conflicted, resolved by hand"
+        if _touches_vllm(series, repo):
+            _commit_stage(series, repo, stage, state)
+            report.outcome = "conflicted, resolved by hand"
+        else:
+            _discard_merge(repo)
+            report.outcome = "already upstream"
+            report.evidence = "resolved to the target's version of every file: left out"
     state.pending = False
     state.next += 1
     save_state(series, state)
     return _run(series, state, tester)
+
+
+def _discard_merge(repo: Path) -> None:
+    git(repo, "cherry-pick", "--quit", check=False)
+    git(repo, "reset", "-q", "--hard", "HEAD")
+    git(repo, "clean", "-q", "-f", "-d")
+
+
+def _refuse_conflict_markers(repo: Path) -> None:
+    """Before anything is staged, so git's unmerged state (for `git
+    mergetool`, `git diff`) stays while markers are left."""
+    changed = git_out(repo, "diff", "--name-only", "HEAD").split()
+    if not changed:
+        return
+    marked = git(
+        repo, "grep", "-l", "-E", "^(<<<<<<<|>>>>>>>)( |$)", "--", *changed, check=False
+    )
+    if leftover := sorted(set(marked.stdout.decode().split())):
+        raise SeriesError(
+            "conflict markers are still in: " + ", ".join(leftover) + f" (in {repo})"
+        )
+
+
+def _touches_vllm(series: Series, repo: Path) -> bool:
+    """Whether the staged resolution changes a vLLM file besides overlays."""
+    overlays = {o for s in series.stages for o in s.overlays}
+    staged = git_out(repo, "diff", "--cached", "--name-only", "HEAD").split()
+    return any(path not in overlays for path in staged)
 
 
 def abort(series: Series) -> None:
@@ -155,7 +229,12 @@ def _run(
     repo = work_repo(series, state)
     while state.next < len(series.stages):
         stage = series.stages[state.next]
-        report = _rebase_stage(series, repo, stage, state, tester)
+        if stage.id in state.drop:
+            report = StageReport(
+                stage.id, stage.title, "dropped on request", "left out with --drop"
+            )
+        else:
+            report = _rebase_stage(series, repo, stage, state, tester)
         state.reports.append(report)
         if report.outcome == "conflicted":
             state.pending = True

@@ -38,6 +38,9 @@ class RebaseState:
     next: int = 0
     pending: bool = False
     reports: list[StageReport] = field(default_factory=list)
+    # The options it started with, which --continue keeps.
+    test_python: str | None = None
+    drop: list[str] = field(default_factory=list)
     commits: dict[str, str] = field(default_factory=dict)
 
 

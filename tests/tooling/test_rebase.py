@@ -58,7 +58,7 @@ def _work_repo(project: Project) -> Path:
 def test_clean_rebase_writes_a_series_for_review(two_stages):
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     before = _snapshot(two_stages)
-    reports = rebase.start(two_stages.series(), target, None)
+    reports = rebase.start(two_stages.series(), target)
     assert _outcomes(reports) == {"0001": "applied cleanly", "0002": "applied cleanly"}
     assert {h.outcome for r in reports for h in r.hunks} == {"applied cleanly"}
     # the committed series and pin are untouched; the review applies on v2
@@ -97,17 +97,17 @@ def test_conflict_then_continue(two_stages):
         two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
     )
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
-        rebase.start(two_stages.series(), target, None)
+        rebase.start(two_stages.series(), target)
     envs = _work_repo(two_stages) / "vllm/envs.py"
     assert "<<<<<<<" in envs.read_text()
     with pytest.raises(SeriesError, match="conflict markers are still in"):
-        rebase.resume(two_stages.series(), None)
+        rebase.resume(two_stages.series())
     envs.write_text(_envs("False"))
     # 0002 flips the line 0001 added, next to upstream's change: resolve again
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
-        rebase.resume(two_stages.series(), None)
+        rebase.resume(two_stages.series())
     envs.write_text(_envs("True"))
-    reports = rebase.resume(two_stages.series(), None)
+    reports = rebase.resume(two_stages.series())
     assert _outcomes(reports) == {
         "0001": "conflicted, resolved by hand",
         "0002": "conflicted, resolved by hand",
@@ -127,7 +127,7 @@ def test_recorded_resolution_is_replayed(two_stages):
     with the review, and stops nowhere."""
     test_conflict_then_continue(two_stages)
     reports = rebase.start(
-        two_stages.series(), GitBase("vllm", two_stages.upstream, TARGET), None
+        two_stages.series(), GitBase("vllm", two_stages.upstream, TARGET)
     )
     assert _outcomes(reports) == {
         "0001": "conflicted, recorded resolution replayed",
@@ -143,9 +143,9 @@ def test_abort_restores_everything(two_stages):
     old_tree = apply(two_stages.series(), quiet=True)
     old_head = sh(old_tree, "git", "rev-parse", "HEAD")
     with pytest.raises(SeriesError, match="conflicts"):
-        rebase.start(two_stages.series(), target, None)
+        rebase.start(two_stages.series(), target)
     with pytest.raises(SeriesError, match="already in progress"):
-        rebase.start(two_stages.series(), target, None)
+        rebase.start(two_stages.series(), target)
     rebase.abort(two_stages.series())
     assert not _work_repo(two_stages).parent.exists()
     assert not review_dir(two_stages.series(), target).exists()
@@ -175,7 +175,7 @@ def test_dropped_hunk_is_reported(two_stages, monkeypatch):
         return real_git(repo, *args, **kwargs)
 
     monkeypatch.setattr(rebase, "git", discarding_git)
-    reports = rebase.start(two_stages.series(), target, None)
+    reports = rebase.start(two_stages.series(), target)
     stage = next(r for r in reports if r.id == "0002")
     assert stage.outcome == "merged, with dropped hunks"
     dropped = [h for h in stage.hunks if h.outcome == "dropped"]
@@ -191,7 +191,7 @@ def test_stage_already_present_upstream_is_dropped(two_stages):
         {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
         {"vllm/cp_indexer.py": "def split():\n    return 'striped'\n"},
     )
-    reports = rebase.start(two_stages.series(), target, None)
+    reports = rebase.start(two_stages.series(), target)
     assert _outcomes(reports)["0001"] == "already upstream"
     assert "reverse-applies" in reports[0].evidence
     rebased = load_series(review_dir(two_stages.series(), target) / "series.toml")
@@ -223,8 +223,7 @@ def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
             )
         },
     )
-    tester = pytest_tester(sys.executable)
-    reports = rebase.start(two_stages.series(), target, tester)
+    reports = rebase.start(two_stages.series(), target, test_python=sys.executable)
     assert _outcomes(reports)["0001"] == "applied cleanly"
     assert _outcomes(reports)["0002"] == "already upstream"
     assert "1 passed, 0 failed" in reports[1].evidence
@@ -232,7 +231,7 @@ def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
 
 def test_accept_adopts_the_rebased_series(two_stages):
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
-    rebase.start(two_stages.series(), target, None)
+    rebase.start(two_stages.series(), target)
     accept(two_stages.series())
     series = two_stages.series()
     assert series.base == target
@@ -250,14 +249,14 @@ def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
         two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
     )
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
-        rebase.start(two_stages.series(), target, None)
+        rebase.start(two_stages.series(), target)
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
     adapted = "def split():\n    return 'striped v2'\n"
     (_work_repo(two_stages) / "vllm/cp_indexer.py").write_text(adapted)
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
-        rebase.resume(two_stages.series(), None)
+        rebase.resume(two_stages.series())
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
-    rebase.resume(two_stages.series(), None)
+    rebase.resume(two_stages.series())
     folder = review_dir(two_stages.series(), target)
     project_copy = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
     assert (folder / "vllm_overlay/vllm/cp_indexer.py").read_text() == adapted
@@ -274,7 +273,7 @@ def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
 
 def test_accept_refuses_when_the_series_changed(two_stages):
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
-    rebase.start(two_stages.series(), target, None)
+    rebase.start(two_stages.series(), target)
     patch = two_stages.root / "patches" / two_stages.stages[0]["patch"]
     edited = patch.read_text() + "\n"
     patch.write_text(edited)
@@ -285,7 +284,7 @@ def test_accept_refuses_when_the_series_changed(two_stages):
 
 def test_target_equal_to_base_is_refused(two_stages):
     with pytest.raises(SeriesError, match="already on"):
-        rebase.start(two_stages.series(), two_stages.series().base, None)
+        rebase.start(two_stages.series(), two_stages.series().base)
 
 
 def test_split_hunks_round_trip(two_stages):
@@ -312,9 +311,9 @@ def test_interrupted_rebase_continues(two_stages, monkeypatch):
 
     monkeypatch.setattr(rebase, "_added_lines_present", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        rebase.start(two_stages.series(), target, None)
+        rebase.start(two_stages.series(), target)
     assert sh(_work_repo(two_stages), "git", "status", "--porcelain").strip()
-    reports = rebase.resume(two_stages.series(), None)
+    reports = rebase.resume(two_stages.series())
     assert _outcomes(reports) == {"0001": "applied cleanly", "0002": "applied cleanly"}
     tree = apply(
         load_series(review_dir(two_stages.series(), target) / "series.toml"),
@@ -344,10 +343,114 @@ def test_a_replayed_file_is_reported_while_another_conflicts(two_stages):
         },
     )
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
-        rebase.start(two_stages.series(), target, None)
+        rebase.start(two_stages.series(), target)
     state = load_state(two_stages.series())
     outcomes = {h.path: h.outcome for h in state.reports[-1].hunks}
     assert outcomes == {
         "vllm/envs.py": "conflicted, recorded resolution replayed",
         "vllm/ops.py": "conflicted",
+    }
+
+
+def _upstream_merged_0001_differently(project: Project) -> GitBase:
+    """The target has stage 0001's env line, and its own cp_indexer.py: the
+    probe-less check cannot call the stage upstream (the overlay differs)."""
+    return _target(
+        project,
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
+        {"vllm/cp_indexer.py": "def split():\n    return 'upstream'\n"},
+    )
+
+
+def _review_of(project: Project, target: GitBase):
+    return load_series(review_dir(project.series(), target) / "series.toml")
+
+
+def test_a_stage_dropped_on_request_is_left_out_and_later_stages_rebase(two_stages):
+    target = _upstream_merged_0001_differently(two_stages)
+    reports = rebase.start(two_stages.series(), target, drop=["0001"])
+    assert _outcomes(reports) == {
+        "0001": "dropped on request",
+        "0002": "applied cleanly",
+    }
+    rebased = _review_of(two_stages, target)
+    assert [(s.id, s.depends_on) for s in rebased.stages] == [("0002", ())]
+    tree = apply(rebased, quiet=True)
+    assert "return 'upstream'" in (tree / "vllm/cp_indexer.py").read_text()
+    assert "CP_INDEXER = True" in (tree / "vllm/envs.py").read_text()
+    with pytest.raises(SeriesError, match="unknown stage '0009'"):
+        rebase.start(two_stages.series(), target, drop=["0009"])
+
+
+def test_a_conflicted_stage_can_be_dropped_or_resolved_to_nothing(two_stages):
+    """At the stage's conflict: `--continue --drop` leaves it out; so does a
+    resolution that keeps the target's version of every file (it used to
+    fail forever: "its commit changes no vLLM file outside its overlays")."""
+    target = _upstream_merged_0001_differently(two_stages)
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    reports = rebase.resume(two_stages.series(), drop=["0001"])
+    assert _outcomes(reports) == {
+        "0001": "dropped on request",
+        "0002": "applied cleanly",
+    }
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    sh(_work_repo(two_stages), "git", "checkout", "--ours", "--", "vllm/cp_indexer.py")
+    reports = rebase.resume(two_stages.series())
+    assert _outcomes(reports)["0001"] == "already upstream"
+    assert "target's version of every file" in reports[0].evidence
+    assert [s.id for s in _review_of(two_stages, target).stages] == ["0002"]
+
+
+def test_continue_keeps_the_unmerged_state_and_the_options(two_stages):
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target, test_python=sys.executable)
+    repo = _work_repo(two_stages)
+    with pytest.raises(SeriesError, match="conflict markers are still in"):
+        rebase.resume(two_stages.series())
+    # git still knows the conflict: mergetool and `git diff` work on it
+    unmerged = sh(repo, "git", "diff", "--name-only", "--diff-filter=U").split()
+    assert unmerged == ["vllm/envs.py"]
+    (repo / "vllm/envs.py").write_text(_envs("False"))
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    state = load_state(two_stages.series())
+    assert state.test_python == sys.executable
+    # the probe ran for stage 0002 too, without --test-python being repeated
+    assert "upstream probe without it" in state.reports[-1].evidence
+
+
+def test_the_work_tree_keeps_its_stage_through_a_rebase_and_abort(two_stages):
+    series = two_stages.series()
+    repo = apply(series, "0001")
+    at_0001 = sh(repo, "git", "rev-parse", "HEAD")
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="conflicts"):
+        rebase.start(series, target)
+    assert sh(repo, "git", "rev-parse", "HEAD") == at_0001
+    rebase.abort(series)
+    assert sh(repo, "git", "rev-parse", "HEAD") == at_0001
+    assert sh(repo, "git", "rev-parse", "--verify", "-q", "stage/0002")
+
+
+def test_recorded_resolutions_are_offered_on_another_target(two_stages):
+    """Resolved once onto v2; a rebase onto v3 (v2 plus unrelated drift) meets
+    the same conflicts and replays those resolutions."""
+    test_conflict_then_continue(two_stages)
+    ops = two_stages.upstream / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 5\n", "return 555\n"))
+    sh(two_stages.upstream, "git", "commit", "-qam", "drift")
+    sh(two_stages.upstream, "git", "tag", "v3")
+    reports = rebase.start(
+        two_stages.series(), GitBase("vllm", two_stages.upstream, "v3")
+    )
+    assert _outcomes(reports) == {
+        "0001": "conflicted, recorded resolution replayed",
+        "0002": "conflicted, recorded resolution replayed",
     }
