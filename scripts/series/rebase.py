@@ -169,9 +169,10 @@ def resume(
         report.evidence = "left out with --drop while in conflict"
     else:
         _refuse_conflict_markers(repo)
+        _refuse_undecided_deletions(repo)
         git(repo, "add", "-A")
         for hunk in report.hunks:
-            if hunk.outcome == "conflicted":
+            if hunk.outcome in ("conflicted", DELETED_ON_TARGET):
                 hunk.outcome = "conflicted, resolved by hand"
         if _touches_vllm(series, repo):
             _commit_stage(series, repo, stage, state)
@@ -204,6 +205,21 @@ def _refuse_conflict_markers(repo: Path) -> None:
     if leftover := sorted(set(marked.stdout.decode().split())):
         raise SeriesError(
             "conflict markers are still in: " + ", ".join(leftover) + f" (in {repo})"
+        )
+
+
+def _refuse_undecided_deletions(repo: Path) -> None:
+    """A file the target deleted and the stage changed stays unmerged until
+    the user says what becomes of it; staging it silently would put the
+    whole file back into the stage."""
+    status = git(repo, "status", "--porcelain=v1", "-z").stdout.decode()
+    undecided = [e[3:] for e in status.split("\0") if e[:2] in ("DU", "UD")]
+    if undecided:
+        raise SeriesError(
+            "deleted on the target and changed by the stage: "
+            + ", ".join(undecided)
+            + "; port the change to where the code went and `git rm` the file, "
+            "or `git add` it to keep the whole file in the stage"
         )
 
 
@@ -240,9 +256,19 @@ def _run(
             state.pending = True
             save_state(series, state)
             print(format_report(state.reports))
+            deleted = sorted(
+                {h.path for h in report.hunks if h.outcome == DELETED_ON_TARGET}
+            )
+            todo = "".join(
+                f"; {path} is deleted on the target: port the stage's change to "
+                "where its code went (`git log --diff-filter=D -- PATH` on the "
+                f"target says where), then `git rm {path}`"
+                for path in deleted
+            )
             raise SeriesError(
                 f"stage {stage.id} has conflicts; resolve them in {repo} (the files "
-                "listed as conflicted above), then run `rebase --continue`, or "
+                f"listed as conflicted above){todo}; then run `rebase --continue` "
+                "(or `--continue --drop STAGE` to leave the stage out), or "
                 "`rebase --abort` to drop the rebase"
             )
         state.next += 1
@@ -311,10 +337,14 @@ def _rebase_stage(
     replayed = _replayed_paths(stderr) if result.returncode != 0 else set()
     if result.returncode != 0 and not unmerged and not replayed:
         raise SeriesError(f"stage {stage.id}: git cherry-pick failed: {stderr.strip()}")
+    moved = _moved_on_target(repo, len(series.stages))
     for hunk in hunks:
         outcome = before[id(hunk)]
-        if outcome != "already upstream":
-            placed = _added_lines_present(repo / hunk.path, hunk)
+        if hunk.path in moved and moved[hunk.path] is None:
+            outcome = DELETED_ON_TARGET
+        elif outcome != "already upstream":
+            now_at = moved.get(hunk.path) or hunk.path
+            placed = _added_lines_present(repo / now_at, hunk)
             if hunk.path in unmerged:
                 # a hunk that applied on its own keeps that outcome when its
                 # lines made it: the file's other hunks are in conflict
@@ -324,6 +354,8 @@ def _rebase_stage(
                 outcome = "conflicted, recorded resolution replayed"
             elif not placed:
                 outcome = "dropped"
+            elif now_at != hunk.path:
+                outcome = f"merged into {now_at} (renamed on the target)"
             elif outcome != "applied cleanly":
                 outcome = "merged"
         report.hunks.append(HunkReport(hunk.path, hunk.header, outcome))
@@ -362,6 +394,23 @@ def _commit_stage(series: Series, repo: Path, stage: Stage, state: RebaseState) 
     state.commits[stage.id] = commit_verbatim(
         repo, info.message, info.author, allow_empty=True
     )
+
+
+DELETED_ON_TARGET = "conflicted: the file is deleted on the target"
+
+
+def _moved_on_target(repo: Path, stages: int) -> dict[str, str | None]:
+    """Files the target renamed (old path -> new) or deleted (-> None) since
+    the pinned base (the root of the series' old commits)."""
+    old_base = f"{REBASE_OLD_REF}~{stages}"
+    out = git_out(
+        repo, "diff", "-M", "--name-status", "--diff-filter=RD", old_base, BASE_TAG
+    )
+    moved: dict[str, str | None] = {}
+    for line in out.splitlines():
+        status, *paths = line.split("\t")
+        moved[paths[0]] = paths[1] if status.startswith("R") else None
+    return moved
 
 
 def _hunk_on(repo: Path, hunk: Hunk) -> str:

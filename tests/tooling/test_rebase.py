@@ -454,3 +454,54 @@ def test_recorded_resolutions_are_offered_on_another_target(two_stages):
         "0001": "conflicted, recorded resolution replayed",
         "0002": "conflicted, recorded resolution replayed",
     }
+
+
+def _upstream_moves_ops(project: Project, how: str) -> GitBase:
+    """The target renames vllm/ops.py (stage 0002 changes op_20 in it) or
+    deletes it, moving op_20 to vllm/kernels.py."""
+    up = project.upstream
+    if how == "rename":
+        sh(up, "git", "mv", "vllm/ops.py", "vllm/operations.py")
+    else:
+        (up / "vllm/kernels.py").write_text("def op_20():\n    return 20\n")
+        sh(up, "git", "rm", "-q", "vllm/ops.py")
+    sh(up, "git", "add", "-A")
+    sh(up, "git", "commit", "-qm", f"upstream {how}s ops.py")
+    sh(up, "git", "tag", TARGET)
+    return GitBase("vllm", up, TARGET)
+
+
+def test_a_file_renamed_on_the_target_is_reported_where_the_hunk_went(two_stages):
+    target = _upstream_moves_ops(two_stages, "rename")
+    reports = rebase.start(two_stages.series(), target)
+    (ops,) = [h for h in reports[1].hunks if h.path == "vllm/ops.py"]
+    assert ops.outcome == "merged into vllm/operations.py (renamed on the target)"
+    tree = apply(_review_of(two_stages, target), quiet=True)
+    assert "return 2020" in (tree / "vllm/operations.py").read_text()
+
+
+def test_a_file_deleted_on_the_target_needs_a_decision(two_stages):
+    """Reported as a deletion with what to do; a bare --continue refuses
+    instead of putting the whole file back into the stage."""
+    target = _upstream_moves_ops(two_stages, "delete")
+    with pytest.raises(SeriesError) as conflict:
+        rebase.start(two_stages.series(), target)
+    assert "vllm/ops.py is deleted on the target" in str(conflict.value)
+    assert "git rm vllm/ops.py" in str(conflict.value)
+    (ops,) = [
+        h
+        for h in load_state(two_stages.series()).reports[-1].hunks
+        if h.path == "vllm/ops.py"
+    ]
+    assert ops.outcome == "conflicted: the file is deleted on the target"
+    with pytest.raises(SeriesError, match="deleted on the target and changed"):
+        rebase.resume(two_stages.series())
+    repo = _work_repo(two_stages)
+    kernels = repo / "vllm/kernels.py"
+    kernels.write_text(kernels.read_text().replace("return 20", "return 2020"))
+    sh(repo, "git", "rm", "-q", "vllm/ops.py")
+    reports = rebase.resume(two_stages.series())
+    assert reports[1].outcome == "conflicted, resolved by hand"
+    tree = apply(_review_of(two_stages, target), quiet=True)
+    assert not (tree / "vllm/ops.py").exists()
+    assert "return 2020" in (tree / "vllm/kernels.py").read_text()
