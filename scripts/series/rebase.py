@@ -67,7 +67,7 @@ from scripts.series.rebase_state import (
 )
 from scripts.series.review import RESOLUTIONS, series_digest, write_review
 from scripts.series.state import read_chain
-from scripts.series.testrun import Tester, probe_paths, pytest_tester
+from scripts.series.testrun import TreeTester, probe_paths
 
 
 def start(
@@ -89,7 +89,7 @@ def start(
         raise SeriesError(f"the series is already on {target.label}")
     for stage_id in drop:
         series.stage(stage_id)
-    tester = pytest_tester(test_python) if test_python else None
+    tester = TreeTester(test_python) if test_python else None
     old_tip = _old_tip(series)
     area = rebase_dir(series)
     work = area / target.label / "vllm"
@@ -154,19 +154,38 @@ def resume(
         series.stage(stage_id)
     state.drop += [d for d in drop if d not in state.drop]
     state.test_python = test_python or state.test_python
-    tester = pytest_tester(state.test_python) if state.test_python else None
+    tester = TreeTester(state.test_python) if state.test_python else None
     repo = work_repo(series, state)
     if not state.pending:
         # Interrupted inside a stage: only the tool has touched the work repo
-        # since the last recorded stage, so drop the half-made merge.
+        # since the last recorded stage, so go back to it (a commit made for
+        # the stage since is dropped too) and redo the stage.
         _discard_merge(repo)
+        done = [
+            state.commits[s.id]
+            for s in series.stages[: state.next]
+            if s.id in state.commits
+        ]
+        git(repo, "reset", "-q", "--hard", done[-1] if done else BASE_TAG)
         return _run(series, state, tester)
     stage = series.stages[state.next]
     report = state.reports[-1]
     if stage.id in state.drop:
+        if report.outcome == CHECKS_FAILED:
+            git(repo, "reset", "-q", "--hard", "HEAD^")
+            del state.commits[stage.id]
         _discard_merge(repo)
         report.outcome = "dropped on request"
-        report.evidence = "left out with --drop while in conflict"
+        report.evidence = "left out with --drop"
+    elif report.outcome == CHECKS_FAILED:
+        # Fixes made in the work repo join the stage's commit; check again.
+        _refuse_conflict_markers(repo)
+        git(repo, "add", "-A")
+        git(repo, "reset", "-q", "--soft", "HEAD^")
+        _commit_stage(series, repo, stage, state)
+        report.outcome = "merged, fixed by hand after its checks"
+        report.evidence = ""
+        _stop_unless_checked(series, repo, stage, state, report, tester)
     else:
         _refuse_conflict_markers(repo)
         _refuse_undecided_deletions(repo)
@@ -177,6 +196,7 @@ def resume(
         if _touches_vllm(series, repo):
             _commit_stage(series, repo, stage, state)
             report.outcome = "conflicted, resolved by hand"
+            _stop_unless_checked(series, repo, stage, state, report, tester)
         else:
             _discard_merge(repo)
             report.outcome = "already upstream"
@@ -185,6 +205,76 @@ def resume(
     state.next += 1
     save_state(series, state)
     return _run(series, state, tester)
+
+
+CHECKS_FAILED = "merged, but fails its checks"
+
+
+def _claimed(series: Series, state: RebaseState) -> list[str]:
+    """What a test tree of the rebase repo's HEAD holds, for the tests: the
+    base, the stages kept so far and the one being rebased."""
+    kept = [s.id for s in series.stages[: state.next] if s.id in state.commits]
+    return ["base", *kept, series.stages[state.next].id]
+
+
+def _stage_problem(
+    series: Series,
+    repo: Path,
+    stage: Stage,
+    state: RebaseState,
+    tester: TreeTester | None,
+) -> str | None:
+    """What is wrong with the stage's commit on the target, if anything: a
+    Python file it touches that does not compile; with a test Python, a
+    module it touches that does not import, or a failing test of its own."""
+    touched = git_out(repo, "diff", "--name-only", "HEAD^", "HEAD").split()
+    python = [p for p in touched if p.endswith(".py") and (repo / p).is_file()]
+    for path in python:
+        try:
+            compile((repo / path).read_bytes(), path, "exec")
+        except SyntaxError as exc:
+            return f"{path}, line {exc.lineno}: does not compile: {exc.msg}"
+    if tester is None:
+        return None
+    claimed = _claimed(series, state)
+    modules = [
+        p.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for p in python
+        if p.startswith(f"{series.base.name}/")
+    ]
+    if failure := tester.imports(series, repo, claimed, modules):
+        return f"does not import: {failure}"
+    if not (series.tests_dir / stage.tests).is_dir():
+        return None  # a stage without tests (config names the folder)
+    tally = tester.pytest(series, repo, claimed, [stage.tests])
+    if tally.failed or not tally.passed:
+        failed = ", ".join(tally.failures[:5]) or "no test passed"
+        return f"its tests fail on the target ({tally.failed} failed: {failed})"
+    return None
+
+
+def _stop_unless_checked(
+    series: Series,
+    repo: Path,
+    stage: Stage,
+    state: RebaseState,
+    report: StageReport,
+    tester: TreeTester | None,
+) -> None:
+    """Check the stage's commit; on a problem, stop as on a conflict."""
+    problem = _stage_problem(series, repo, stage, state, tester)
+    if problem is None:
+        return
+    report.outcome = CHECKS_FAILED
+    report.evidence = problem
+    state.pending = True
+    save_state(series, state)
+    print(format_report(state.reports))
+    raise SeriesError(
+        f"stage {stage.id} merged onto the target but {problem}. Fix it in {repo} "
+        "(the stage is its HEAD commit), then `rebase --continue`; or "
+        "`--continue --drop " + stage.id + "`, or `rebase --abort`"
+    )
 
 
 def _discard_merge(repo: Path) -> None:
@@ -240,7 +330,7 @@ def abort(series: Series) -> None:
 
 
 def _run(
-    series: Series, state: RebaseState, tester: Tester | None
+    series: Series, state: RebaseState, tester: TreeTester | None
 ) -> list[StageReport]:
     repo = work_repo(series, state)
     while state.next < len(series.stages):
@@ -252,6 +342,8 @@ def _run(
         else:
             report = _rebase_stage(series, repo, stage, state, tester)
         state.reports.append(report)
+        if stage.id in state.commits and report.outcome != "conflicted":
+            _stop_unless_checked(series, repo, stage, state, report, tester)
         if report.outcome == "conflicted":
             state.pending = True
             save_state(series, state)
@@ -296,13 +388,13 @@ def _rebase_stage(
     repo: Path,
     stage: Stage,
     state: RebaseState,
-    tester: Tester | None,
+    tester: TreeTester | None,
 ) -> StageReport:
     patch = series.patch_file(stage)
     report = StageReport(stage.id, stage.title, "")
     if tester is not None:
-        kept = [s for s in series.stages[: state.next] if s.id in state.commits]
-        passed, failed = tester(series, stage, repo, [s.id for s in kept])
+        probe = tester.pytest(series, repo, _claimed(series, state), probe_paths(stage))
+        passed, failed = probe.passed, probe.failed
         if passed and not failed:
             report.outcome = "already upstream"
             report.evidence = (

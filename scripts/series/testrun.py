@@ -22,13 +22,14 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Series, Stage
+from scripts.series.config import REPO_ROOT, Series, Stage
 from scripts.series.contract import PLUGIN_FILES_ENV, tree_env
 from scripts.series.git import git
 from scripts.series.layout import results_dir
@@ -255,50 +256,90 @@ def run_tests(
     return list(rows.items())
 
 
-# (passed, failed) of a stage's upstream probe on a tree that lacks the stage
-Tester = Callable[[Series, Stage, Path, list[str]], tuple[int, int]]
-
-
 def probe_paths(stage: Stage) -> tuple[str, ...]:
     return stage.upstream_probe or (stage.tests,)
 
 
-def pytest_tester(python: str) -> Tester:
-    """Run a stage's upstream probe with ``python -m pytest`` on a checkout
-    of the rebase repo's HEAD (the target and the stages kept so far)."""
+# Imports the modules with vLLM's compiled extension stood in, as the tests do.
+_IMPORT_CHECK = """
+import importlib, sys, traceback
+from scripts.harness import compiled_stub
+compiled_stub.install()
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        print(f"{name}: {type(exc).__name__}: {exc}")
+        sys.exit(1)
+"""
 
-    if shutil.which(python) is None:
-        raise SeriesError(f"--test-python {python}: no such Python")
 
-    def run(
-        series: Series, stage: Stage, repo: Path, kept: list[str]
-    ) -> tuple[int, int]:
-        probe_tree = repo.parent / "probe"
-        shutil.rmtree(probe_tree, ignore_errors=True)
-        git(repo, "worktree", "prune")
-        git(repo, "worktree", "add", "-q", "--detach", str(probe_tree), "HEAD")
-        junit = repo.parent / f"probe-{stage.id}.xml"
-        env = tree_env(probe_tree, ["base", *kept, stage.id], probe_tree)
-        paths = [str(series.tests_dir / p) for p in probe_paths(stage)]
-        try:
+@dataclass(frozen=True)
+class TreeTester:
+    """Tests (the series' pytest files) and imports on a checkout of a rebase
+    repo's HEAD, with ``python`` (which has the test dependencies)."""
+
+    python: str
+
+    def __post_init__(self) -> None:
+        if shutil.which(self.python) is None:
+            raise SeriesError(f"--test-python {self.python}: no such Python")
+
+    def pytest(
+        self, series: Series, repo: Path, stages: list[str], paths: Sequence[str]
+    ) -> Tally:
+        """``paths`` (under tests/) on the tree, claimed to hold ``stages``."""
+        junit = repo.parent / "check.xml"
+        junit.unlink(missing_ok=True)
+        with self._checkout(repo) as tree:
             subprocess.run(
                 [
-                    python,
+                    self.python,
                     "-m",
                     "pytest",
-                    *paths,
+                    *(str(series.tests_dir / p) for p in paths),
                     f"--junitxml={junit}",
                     "-q",
                     "-p",
                     "no:cacheprovider",
                 ],
-                env={**os.environ, **env, "PYTHONPATH": str(probe_tree)},
+                env=self._env(tree, stages),
                 cwd=series.root,
                 check=False,
             )
-        finally:
-            git(repo, "worktree", "remove", "--force", str(probe_tree))
-        tally = read_junit(junit)
-        return tally.passed, tally.failed
+        return read_junit(junit)
 
-    return run
+    def imports(
+        self, series: Series, repo: Path, stages: list[str], modules: Sequence[str]
+    ) -> str | None:
+        """The first of ``modules`` that fails to import, with the error."""
+        with self._checkout(repo) as tree:
+            done = subprocess.run(
+                [self.python, "-c", _IMPORT_CHECK, *modules],
+                # The stand-ins live with the tool, whatever project it serves.
+                env={**self._env(tree, stages), "PYTHONPATH": f"{tree}:{REPO_ROOT}"},
+                cwd=series.root,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        if done.returncode == 0:
+            return None
+        lines = (done.stdout or done.stderr).strip().splitlines()
+        return lines[-1] if lines else f"exit status {done.returncode}"
+
+    @staticmethod
+    def _env(tree: Path, stages: list[str]) -> dict[str, str]:
+        return {**os.environ, **tree_env(tree, stages, tree), "PYTHONPATH": str(tree)}
+
+    @staticmethod
+    @contextmanager
+    def _checkout(repo: Path) -> Iterator[Path]:
+        tree = repo.parent / "check"
+        shutil.rmtree(tree, ignore_errors=True)
+        git(repo, "worktree", "prune")
+        git(repo, "worktree", "add", "-q", "--detach", str(tree), "HEAD")
+        try:
+            yield tree
+        finally:
+            git(repo, "worktree", "remove", "--force", str(tree))

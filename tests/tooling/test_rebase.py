@@ -19,7 +19,7 @@ from scripts.series.layout import review_dir
 from scripts.series.patchfile import read_patch
 from scripts.series.rebase_state import format_report, load_state
 from scripts.series.review import accept
-from scripts.series.testrun import pytest_tester
+from scripts.series.testrun import TreeTester
 
 TARGET = "v2"
 
@@ -324,7 +324,7 @@ def test_interrupted_rebase_continues(two_stages, monkeypatch):
 
 def test_missing_test_python_is_a_clear_error():
     with pytest.raises(SeriesError, match="no such Python"):
-        pytest_tester("/nonexistent/python3")
+        TreeTester("/nonexistent/python3")
 
 
 def test_a_replayed_file_is_reported_while_another_conflicts(two_stages):
@@ -505,3 +505,59 @@ def test_a_file_deleted_on_the_target_needs_a_decision(two_stages):
     tree = apply(_review_of(two_stages, target), quiet=True)
     assert not (tree / "vllm/ops.py").exists()
     assert "return 2020" in (tree / "vllm/kernels.py").read_text()
+
+
+def test_a_resolution_that_does_not_compile_stops_the_rebase(two_stages):
+    """A stray '=======' left in a hand resolution: the file is named with
+    the line, and --continue after the fix goes on."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    envs = _work_repo(two_stages) / "vllm/envs.py"
+    envs.write_text(
+        "".join(
+            line
+            for line in envs.read_text().splitlines(keepends=True)
+            if not line.startswith(("<<<<<<<", ">>>>>>>"))
+        )
+    )
+    with pytest.raises(SeriesError, match=r"vllm/envs.py, line \d+: does not compile"):
+        rebase.resume(two_stages.series())
+    assert load_state(two_stages.series()).reports[-1].outcome == (
+        "merged, but fails its checks"
+    )
+    envs.write_text(_envs("False"))
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    assert load_state(two_stages.series()).reports[0].outcome == (
+        "merged, fixed by hand after its checks"
+    )
+
+
+def test_a_stage_that_no_longer_imports_on_the_target_stops_the_rebase(two_stages):
+    """Stage 0001's module imports a helper the target moved: the merge is
+    clean, the import is not. Fixed in the work repo, --continue re-checks,
+    and the review keeps the adapted overlay."""
+    overlay = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    overlay.write_text("from vllm.ops import op_5\n\n\ndef split():\n    return op_5\n")
+    up = two_stages.upstream
+    ops = up / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("def op_5():\n    return 5\n", ""))
+    (up / "vllm/helpers.py").write_text("def op_5():\n    return 5\n")
+    sh(up, "git", "add", "-A")
+    sh(up, "git", "commit", "-qm", "op_5 moves to helpers")
+    sh(up, "git", "tag", TARGET)
+    target = GitBase("vllm", up, TARGET)
+    with pytest.raises(SeriesError, match="does not import: vllm.cp_indexer: Import"):
+        rebase.start(two_stages.series(), target, test_python=sys.executable)
+    fixed = "from vllm.helpers import op_5\n\n\ndef split():\n    return op_5\n"
+    (_work_repo(two_stages) / "vllm/cp_indexer.py").write_text(fixed)
+    reports = rebase.resume(two_stages.series())
+    assert [r.outcome for r in reports] == [
+        "merged, fixed by hand after its checks",
+        "applied cleanly",
+    ]
+    folder = review_dir(two_stages.series(), target)
+    assert (folder / "vllm_overlay/vllm/cp_indexer.py").read_text() == fixed
