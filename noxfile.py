@@ -12,7 +12,7 @@ nox -s refresh | status   write patches/ from the tree | show the tree
 nox -s rebase -- TARGET   rebase the stages onto a newer vLLM (see README)
 nox -s rebased            apply and test each rebased series under review
                           (patches/next/<target>/) on its target
-nox -s export [-- STAGE]  each stage as an upstream PR (build/export/, pr/<id>)
+nox -s export [-- STAGE]  each stage as an upstream PR (build/export/<base>/)
 nox -s cost-model         stage 0001's row-assignment cost model (docs/)
 """
 
@@ -206,7 +206,7 @@ def check_patches(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def export(session: nox.Session) -> None:
-    """Each stage (-- STAGE: one) as an upstream PR: build/export/, pr/<id>."""
+    """Each stage (-- STAGE: one) as an upstream PR: build/export/<base>/, pr/<id>."""
     _series(session, "apply")
     _series(session, "export", *session.posargs)
 

@@ -51,6 +51,8 @@ class GitBase:
 
     @property
     def label(self) -> str:
+        if re.fullmatch(r"[0-9a-f]{40}", self.rev):
+            return f"{self.name}-git-{self.rev[:12]}"
         safe_rev = re.sub(r"[^A-Za-z0-9._-]", "_", self.rev)
         return f"{self.name}-git-{safe_rev}"
 

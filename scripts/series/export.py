@@ -5,7 +5,7 @@ A stage's PR is one commit: its glue and its overlay modules folded
 together, on the pinned base (or, when it does not apply there, on the PR of
 the stage it needs first), with a description in vLLM's PR template. It is
 written as a branch ``pr/<id>`` in the work repo and as a patch plus a
-description under ``build/export/``. Everything is made with git plumbing
+description under ``build/export/<base>/``. Everything is made with git plumbing
 and a temporary index, so the work tree is not touched, and with fixed
 identities and dates, so two exports are byte-identical.
 """

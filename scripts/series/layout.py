@@ -12,6 +12,7 @@ from scripts.series.config import Base, Series
 BUILD_DIR = "build"
 LOCK_FILE = "series.lock"  # build/series.lock: one writer at a time
 NEXT_DIR = "next"  # patches/next/<target>/: a rebased series under review
+RESOLUTIONS = "resolutions"  # git rerere's rr-cache, kept in patches/
 
 # In a work repo (build/<base label>/).
 BASE_TAG = "base"
@@ -65,7 +66,9 @@ def results_dir(series: Series) -> Path:
 
 
 def export_dir(series: Series) -> Path:
-    return build_dir(series) / "export"
+    """One folder per base, so the PRs of a rebased series never mix with
+    the pinned series' PRs."""
+    return build_dir(series) / "export" / series.base.label
 
 
 def rebase_dir(series: Series) -> Path:
@@ -74,3 +77,11 @@ def rebase_dir(series: Series) -> Path:
 
 def review_dir(series: Series, target: Base) -> Path:
     return series.patches_dir / NEXT_DIR / target.label
+
+
+def resolution_dirs(series: Series) -> list[Path]:
+    """Every set of recorded conflict resolutions (git rerere's rr-cache):
+    those of accepted rebases (patches/resolutions/), then each review's."""
+    accepted = series.patches_dir / RESOLUTIONS
+    reviews = sorted((series.patches_dir / NEXT_DIR).glob(f"*/{RESOLUTIONS}"))
+    return ([accepted] if accepted.is_dir() else []) + reviews

@@ -30,11 +30,11 @@ def base_id(base: Base) -> str:
     """The line recorded in the base commit that identifies what it holds."""
     if isinstance(base, SdistBase):
         return f"Base-sha256: {base.sha256}"
-    commit = _resolve_git_rev(base)
+    commit = resolve_git_rev(base)
     return f"Base-git-commit: {commit}"
 
 
-def _resolve_git_rev(base: GitBase) -> str:
+def resolve_git_rev(base: GitBase) -> str:
     if not is_repo(base.path) and not (base.path / "HEAD").exists():
         raise SeriesError(f"base.git: {base.path} is not a git repository")
     result = git(
@@ -175,7 +175,7 @@ def _make_base(series: Series, staging: Path, *, offline: bool, quiet: bool) -> 
     if isinstance(series.base, SdistBase):
         _extract_sdist(fetch_sdist(series.base, offline=offline), staging)
     else:
-        _extract_git(series.base, _resolve_git_rev(series.base), staging)
+        _extract_git(series.base, resolve_git_rev(series.base), staging)
     extracted = time.monotonic()
     identity = Identity(*TOOL_IDENTITY, date=BASE_DATE)
     git(staging, "init", "-q", "-b", SERIES_BRANCH)

@@ -41,18 +41,18 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.apply import apply
-from scripts.series.config import Base, Series, Stage
+from scripts.series.config import Base, GitBase, Series, Stage
 from scripts.series.git import commit_verbatim, git, git_out
 from scripts.series.layout import (
     BASE_TAG,
-    NEXT_DIR,
     REBASE_OLD_REF,
     REBASED_BRANCH,
     rebase_dir,
+    resolution_dirs,
     workdir,
 )
 from scripts.series.patchfile import Hunk, read_patch
-from scripts.series.prepare import prepare
+from scripts.series.prepare import prepare, resolve_git_rev
 from scripts.series.rebase_state import (
     HunkReport,
     RebaseState,
@@ -65,7 +65,7 @@ from scripts.series.rebase_state import (
     target_from,
     work_repo,
 )
-from scripts.series.review import RESOLUTIONS, series_digest, write_review
+from scripts.series.review import series_digest, write_review
 from scripts.series.state import read_chain
 from scripts.series.testrun import TreeTester, probe_paths
 
@@ -107,6 +107,10 @@ def start(
         series_digest(series),
         test_python=test_python,
         drop=list(drop),
+        # A branch moves; the review pins the commit this rebase is onto.
+        target_commit=(
+            resolve_git_rev(target) if isinstance(target, GitBase) else None
+        ),
     )
     save_state(series, state)
     print(f"rebasing {len(series.stages)} stage(s) onto {target.label} in {work}")
@@ -134,12 +138,12 @@ def _offer_recorded_resolutions(series: Series, work: Path) -> None:
     """git rerere keys a resolution by the conflict itself, so the ones kept
     with any review (any target) replay wherever the same conflict recurs."""
     cache = work / ".git" / "rr-cache"
-    offered = sorted((series.patches_dir / NEXT_DIR).glob(f"*/{RESOLUTIONS}"))
+    offered = resolution_dirs(series)
     for recorded in offered:
         shutil.copytree(recorded, cache, dirs_exist_ok=True)
     if offered:
-        where = ", ".join(str(r.parent.name) for r in offered)
-        print(f"conflict resolutions recorded with {where} are offered to git rerere")
+        where = ", ".join(str(r.relative_to(series.root)) for r in offered)
+        print(f"conflict resolutions recorded in {where} are offered to git rerere")
 
 
 def resume(

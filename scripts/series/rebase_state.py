@@ -41,6 +41,7 @@ class RebaseState:
     # The options it started with, which --continue keeps.
     test_python: str | None = None
     drop: list[str] = field(default_factory=list)
+    target_commit: str | None = None  # a git target's commit, pinned
     commits: dict[str, str] = field(default_factory=dict)
 
 

@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Series, Stage
-from scripts.series.layout import NEXT_DIR, review_dir, workdir
+from scripts.series.config import GitBase, Series, Stage
+from scripts.series.layout import NEXT_DIR, RESOLUTIONS, review_dir, workdir
 from scripts.series.rebase_state import (
     RebaseState,
     format_report,
@@ -23,9 +23,7 @@ from scripts.series.rebase_state import (
     work_repo,
 )
 from scripts.series.refresh import format_stage_patch, overlay_bytes
-from scripts.series.series_toml import series_toml
-
-RESOLUTIONS = "resolutions"  # git rerere's rr-cache, kept with the review
+from scripts.series.series_toml import series_toml, updated_series_file
 
 
 def series_digest(series: Series) -> str:
@@ -53,6 +51,8 @@ def write_review(series: Series, state: RebaseState) -> Path:
     # The review keeps only the overlays that the rebase changed; the others
     # are read from the project's folder, which must stay as the rebase found
     # it (review_is_current).
+    if state.target_commit and isinstance(target, GitBase):
+        target = replace(target, rev=state.target_commit)
     new = replace(
         series,
         base=target,
@@ -77,7 +77,7 @@ def write_review(series: Series, state: RebaseState) -> Path:
     folders = ["vllm_overlay"] + [os.path.relpath(d, out) for d in series.overlay_dirs]
     project = Path(*[".."] * len(out.relative_to(series.root).parts))
     (out / "series.toml").write_text(
-        series_toml(new, review=(str(project), folders, state.series_digest))
+        series_toml(new, out, review=(str(project), folders, state.series_digest))
     )
     rr_cache = repo / ".git" / "rr-cache"
     if rr_cache.is_dir() and any(rr_cache.iterdir()):
@@ -145,14 +145,30 @@ def accept(series: Series, label: str | None = None) -> None:
     for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    (series.patches_dir / "series.toml").write_text(series_toml(new))
+    series_file = series.patches_dir / "series.toml"
+    text = series_file.read_text(encoding="utf-8")
+    series_file.write_text(
+        updated_series_file(text, new, series.patches_dir), encoding="utf-8"
+    )
+    if (review / RESOLUTIONS).is_dir():
+        shutil.copytree(
+            review / RESOLUTIONS, series.patches_dir / RESOLUTIONS, dirs_exist_ok=True
+        )
     shutil.rmtree(review)
     if not any((series.patches_dir / NEXT_DIR).iterdir()):
         (series.patches_dir / NEXT_DIR).rmdir()
     print(
         f"the series is now on {new.base.label}; run apply to build its tree "
-        f"(the old tree {workdir(series)} is left as it was)"
+        f"(the old tree {workdir(series)} is left as it was); its conflict "
+        f"resolutions are kept in {series.patches_dir / RESOLUTIONS}"
     )
+    accepted = load_review(series.patches_dir)
+    for other in sorted((series.patches_dir / NEXT_DIR).glob("*/series.toml")):
+        if not review_is_current(accepted, other.parent):
+            print(
+                f"{other.parent} was rebased from the series before this one: "
+                "rebase it again (its resolutions are replayed)"
+            )
 
 
 def review_is_current(series: Series, review: Path) -> bool:

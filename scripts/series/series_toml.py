@@ -1,15 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Write a series file (the fields config.load_series reads)."""
+"""Write a series file (the fields config.load_series reads): a whole new
+one for a rebased series under review, or the project's own edited in place
+(comments kept) when a review is accepted."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
-from scripts.series.config import SdistBase, Series
+from scripts.series import SeriesError
+from scripts.series.config import Base, SdistBase, Series
+
+
+def base_fields(base: Base, folder: Path) -> dict[str, str]:
+    """The [base] table's pin; a git checkout's path relative to ``folder``
+    (the series file's), so the file works in any clone of the project."""
+    if isinstance(base, SdistBase):
+        return {"version": base.version, "sha256": base.sha256}
+    return {"git": os.path.relpath(base.path, folder), "rev": base.rev}
 
 
 def series_toml(
-    series: Series, *, review: tuple[str, list[str], str] | None = None
+    series: Series, folder: Path, *, review: tuple[str, list[str], str] | None = None
 ) -> str:
     """``series`` as a series file (the fields load_series reads). A series
     for review names its project folder, its overlay folders (its own, then
@@ -31,13 +44,7 @@ def series_toml(
             f"rebased_from = {s(digest)}",
         ]
     lines += ["", "[base]", f"name = {s(series.base.name)}"]
-    if isinstance(series.base, SdistBase):
-        lines += [
-            f"version = {s(series.base.version)}",
-            f"sha256 = {s(series.base.sha256)}",
-        ]
-    else:
-        lines += [f"git = {s(str(series.base.path))}", f"rev = {s(series.base.rev)}"]
+    lines += [f"{k} = {s(v)}" for k, v in base_fields(series.base, folder).items()]
     for suite in series.regression:
         lines += ["", "[[regression]]", f"name = {s(suite.name)}"]
         if suite.plugin:
@@ -72,3 +79,33 @@ def series_toml(
             f"status = {s(stage.upstream_status)} }}"
         )
     return "\n".join(lines) + "\n"
+
+
+def updated_series_file(text: str, new: Series, folder: Path) -> str:
+    """The series file ``text`` edited to ``new``'s pin and stages: stages it
+    left out removed, dependencies updated, everything else (comments
+    included) as it was."""
+    try:
+        import tomlkit
+    except ImportError:
+        raise SeriesError(
+            "`rebase --accept` edits series.toml with tomlkit, which this Python "
+            "lacks: `pip install tomlkit` (the nox sessions install it)"
+        ) from None
+    doc = tomlkit.parse(text)
+    base = doc["base"]
+    pin = base_fields(new.base, folder)
+    for key in ("version", "sha256", "git", "rev"):
+        if key in base and key not in pin:
+            del base[key]
+    for key, value in pin.items():
+        base[key] = value
+    kept = {stage.id: stage for stage in new.stages}
+    stages = doc["stage"]
+    for index in reversed(range(len(stages))):
+        stage_id = stages[index]["id"]
+        if stage_id not in kept:
+            del stages[index]
+        elif tuple(stages[index].get("depends_on", [])) != kept[stage_id].depends_on:
+            stages[index]["depends_on"] = list(kept[stage_id].depends_on)
+    return tomlkit.dumps(doc)

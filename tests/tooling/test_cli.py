@@ -144,7 +144,12 @@ def test_a_failed_extraction_leaves_nothing_half_made(two_stages: Project, monke
 
 
 def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
-    """The local-checkout target as users give it, then --accept."""
+    """The local-checkout target as users give it, then --accept: the pin is
+    the commit (a branch moves), the path relative to the series file, and
+    the file keeps its comments."""
+    two_stages.series_file.write_text(
+        "# A comment of the user's\n" + two_stages.series_file.read_text()
+    )
     ops = two_stages.upstream / "vllm/ops.py"
     ops.write_text(ops.read_text().replace("return 5\n", "return 55\n", 1))
     sh(two_stages.upstream, "git", "commit", "-q", "-am", "upstream main")
@@ -170,8 +175,15 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
     accepted = _cli(two_stages, "rebase", "--accept")
     assert accepted.returncode == 0, accepted.stderr
-    assert 'rev = "main"' in two_stages.series_file.read_text()
+    main = sh(two_stages.upstream, "git", "rev-parse", "main").strip()
+    accepted_text = two_stages.series_file.read_text()
+    assert f'rev = "{main}"' in accepted_text
+    assert 'git = "../../upstream"' in accepted_text
+    assert accepted_text.startswith("# A comment of the user's\n")
+    sh(two_stages.upstream, "git", "commit", "-q", "--allow-empty", "-m", "moves on")
     assert _cli(two_stages, "apply").returncode == 0
+    tree = two_stages.root / f"build/vllm-git-{main[:12]}"
+    assert "return 55" in (tree / "vllm/ops.py").read_text()
 
 
 def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Project):

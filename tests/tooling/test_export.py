@@ -17,6 +17,7 @@ def test_each_stage_is_one_commit_with_its_overlays(two_stages: Project):
     repo = apply(two_stages.series())
     head = git_out(repo, "rev-parse", "HEAD")
     first, second = export_stages(two_stages.series())
+    assert first.patch.parent == two_stages.root / "build/export/vllm-git-v1"
     assert first.needs is None  # applies on the base alone
     assert git_out(repo, "rev-parse", f"{first.branch}^") == git_out(
         repo, "rev-parse", "base"

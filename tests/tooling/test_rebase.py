@@ -38,6 +38,12 @@ def _target(project: Project, edits: dict[str, tuple[str, str]], files=None):
     return GitBase("vllm", project.upstream, TARGET)
 
 
+def _pinned(target: GitBase) -> GitBase:
+    """The target as a rebase pins it: at its commit, not a moving ref."""
+    commit = sh(target.path, "git", "rev-parse", f"{target.rev}^{{commit}}").strip()
+    return GitBase(target.name, target.path, commit)
+
+
 def _outcomes(reports):
     return {r.id: r.outcome for r in reports}
 
@@ -65,7 +71,7 @@ def test_clean_rebase_writes_a_series_for_review(two_stages):
     assert _snapshot(two_stages) == before
     folder = review_dir(two_stages.series(), target)
     rebased = load_series(folder / "series.toml")
-    assert rebased.base == target and rebased.root == two_stages.root
+    assert rebased.base == _pinned(target) and rebased.root == two_stages.root
     tree = apply(rebased, quiet=True)
     assert "return 55" in (tree / "vllm/ops.py").read_text()
     assert "return 2020" in (tree / "vllm/ops.py").read_text()
@@ -234,7 +240,7 @@ def test_accept_adopts_the_rebased_series(two_stages):
     rebase.start(two_stages.series(), target)
     accept(two_stages.series())
     series = two_stages.series()
-    assert series.base == target
+    assert series.base == _pinned(target)
     assert not (two_stages.root / "patches" / "next").exists()
     tree = apply(series, quiet=True)
     assert "return 55" in (tree / "vllm/ops.py").read_text()
@@ -561,3 +567,43 @@ def test_a_stage_that_no_longer_imports_on_the_target_stops_the_rebase(two_stage
     ]
     folder = review_dir(two_stages.series(), target)
     assert (folder / "vllm_overlay/vllm/cp_indexer.py").read_text() == fixed
+
+
+def test_accept_keeps_the_resolutions_and_names_reviews_it_made_stale(
+    two_stages, capsys
+):
+    test_conflict_then_continue(two_stages)  # a review onto v2, hand-resolved
+    sh(two_stages.upstream, "git", "tag", "v3", "v2")
+    rebase.start(two_stages.series(), GitBase("vllm", two_stages.upstream, "v3"))
+    capsys.readouterr()
+    accept(two_stages.series(), "vllm-git-v2")
+    out = capsys.readouterr().out
+    kept = two_stages.root / "patches/resolutions"
+    assert kept.is_dir() and any(kept.iterdir())
+    assert "vllm-git-v3 was rebased from the series before this one" in out
+    # the kept resolutions replay on the next rebase from the accepted series
+    up = two_stages.upstream
+    (up / "README.md").write_text("v4\n")
+    sh(up, "git", "commit", "-qam", "v4")
+    sh(up, "git", "tag", "v4")
+    rebase.start(two_stages.series(), GitBase("vllm", up, "v4"))
+    assert "patches/resolutions" in capsys.readouterr().out
+
+
+def test_accept_of_a_dropped_stage_edits_the_series_file_in_place(two_stages):
+    """The stage's entry goes, the later stage's dependencies follow, and the
+    file's comments stay."""
+    text = two_stages.series_file.read_text()
+    two_stages.series_file.write_text(
+        text.replace("[[stage]]", "# why this stage exists\n[[stage]]", 1)
+        + "# a trailing note\n"
+    )
+    target = _upstream_merged_0001_differently(two_stages)
+    rebase.start(two_stages.series(), target, drop=["0001"])
+    accept(two_stages.series())
+    accepted = two_stages.series_file.read_text()
+    assert "# a trailing note\n" in accepted and "# why this stage exists" in accepted
+    series = load_series(two_stages.series_file)
+    assert [(s.id, s.depends_on) for s in series.stages] == [("0002", ())]
+    assert not (two_stages.root / "patches" / two_stages.stages[0]["patch"]).exists()
+    assert not (two_stages.root / "vllm_overlay/vllm/cp_indexer.py").exists()
