@@ -11,7 +11,9 @@ Kernels still run on the CPU through the stand-ins in ``fake_aiter`` and
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import inspect
 import shutil
 import subprocess
 import sys
@@ -39,6 +41,66 @@ def real_gfx950_with_aiter() -> bool:
         return False
     out = subprocess.run([rocminfo], capture_output=True, text=True, check=False)
     return "gfx950" in out.stdout
+
+
+# What stage 0003 and its gfx950 tests call in AITER: module -> {function:
+# keyword parameters} (vllm-project/vllm v0.32.0,
+# vllm/v1/attention/ops/rocm_paged_mxfp4_indexer.py lines 50-150 and 405-470;
+# ROCm/aiter 689b79d5, aiter/ops/triton/fusions/k_norm_rope_mxfp4_cache.py).
+AITER_MXFP4_API: dict[str, dict[str, tuple[str, ...]]] = {
+    "aiter.ops.triton.attention.pa_mqa_logits_mxfp4": {
+        "cache_format": (),
+        "select_config": (),
+        "build_schedule": (),
+        "paged_mxfp4_mqa_logits": (
+            "out_logits",
+            "clean_logits",
+            "row_ends",
+            "query_start_loc",
+            "schedule",
+        ),
+    },
+    "aiter.ops.triton.fusions.k_norm_rope_mxfp4_cache": {
+        "k_norm_rope_mxfp4_cache": ("shuffle",),
+    },
+}
+
+
+def missing_aiter_mxfp4_api() -> list[str]:
+    """What of ``AITER_MXFP4_API`` the installed AITER lacks (an older AITER
+    than stage 0003 needs), as "module.function(param)" strings."""
+    missing = []
+    for module_name, functions in AITER_MXFP4_API.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        for name, params in functions.items():
+            function = getattr(module, name, None)
+            if function is None:
+                missing.append(f"{module_name}.{name}")
+                continue
+            accepted = inspect.signature(function).parameters
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+            missing += [
+                f"{module_name}.{name}({param}=)"
+                for param in params
+                if param not in accepted and not takes_any
+            ]
+    return missing
+
+
+def gfx950_aiter_mxfp4_skip_reason() -> str | None:
+    """Why stage 0003's gfx950 tests cannot run here, or None."""
+    if not real_gfx950_with_aiter():
+        return "needs a gfx950 GPU (MI355X) with AITER"
+    if missing := missing_aiter_mxfp4_api():
+        return (
+            "this AITER is older than stage 0003 needs (README, 'On an MI355X'); "
+            "it lacks " + ", ".join(missing)
+        )
+    return None
 
 
 def amdsmi_stand_in(arch: str) -> types.ModuleType:

@@ -36,7 +36,7 @@ from scripts.series.prepare import prepare
 from scripts.series.refresh import recover_interrupted_refresh, refresh
 from scripts.series.status import format_status, tree_status
 from scripts.series.testrun import format_summary, run_tests
-from scripts.series.trees import stage_tree
+from scripts.series.trees import copy_tree, stage_tree
 
 # Commands that only read; every other one holds the project lock.
 READ_ONLY = ("check", "status", "stages", "overview")
@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("overview", help="print the README's stage table")
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
+    copy = sub.add_parser(
+        "copy-tree",
+        help="copy a stage's tree (no .git) to build and install vLLM from",
+    )
+    copy.add_argument("stage", help="'base' or a stage id (all up to it)")
+    copy.add_argument("dest", type=Path, help="a new or empty folder")
     env = sub.add_parser(
         "env", help="print the environment a stage's tests run with (shell exports)"
     )
@@ -284,6 +290,8 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         print(" ".join(["base", *(s.id for s in series.stages)]))
     elif args.command == "tree":
         print(stage_tree(series, args.stage))
+    elif args.command == "copy-tree":
+        print(copy_tree(series, args.stage, args.dest.resolve()))
     elif args.command == "env":
         print(_env(series, args.stage, args.tree, gpu=args.gpu))
     elif args.command == "test":

@@ -7,6 +7,8 @@ tree, while the work tree itself stays where the user left it.
 
 from __future__ import annotations
 
+import io
+import tarfile
 from pathlib import Path
 
 from scripts.series import SeriesError
@@ -38,3 +40,20 @@ def stage_tree(series: Series, stage_id: str) -> Path:
     if rev_parse(tree, "HEAD") != commit:
         git(tree, "checkout", "-q", "--detach", commit)
     return tree
+
+
+def copy_tree(series: Series, stage_id: str, dest: Path) -> Path:
+    """A plain copy (no .git) of the tree at ``stage_id``, to build and
+    install vLLM from: a build writes into its tree (version file, egg-info,
+    compiled extensions), which must not be one of the series' trees."""
+    if stage_id != "base":
+        series.stage(stage_id)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise SeriesError(f"{dest} exists and is not an empty folder; name a new one")
+    repo = workdir(series)
+    commit = read_chain(series, repo).current_commit(stage_id)
+    archive = git(repo, "archive", "--format=tar", commit).stdout
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest

@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from scripts.harness import mxfp4_reference as ref
-from scripts.harness.rocm_platform import real_gfx950_with_aiter
+from scripts.harness.rocm_platform import gfx950_aiter_mxfp4_skip_reason
 from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0003")
 
-pytestmark = pytest.mark.skipif(
-    not real_gfx950_with_aiter(), reason="needs a gfx950 GPU (MI355X) with AITER"
-)
+SKIP_REASON = gfx950_aiter_mxfp4_skip_reason()
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 HEADS, HEAD_DIM, ROW, PAGE = 64, 128, 68, 64
 
 

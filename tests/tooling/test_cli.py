@@ -319,3 +319,19 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
     out, err = waiting.communicate(timeout=120)
     assert waiting.returncode == 0, err
     assert "waiting for `python -m scripts.series test holder`" in err
+
+
+def test_copy_tree_gives_a_tree_to_build_from(two_stages: Project, tmp_path):
+    """The copy holds the stage's files and no .git; building in it (a
+    version file written, say) leaves the series' trees clean."""
+    assert _cli(two_stages, "apply").returncode == 0
+    dest = tmp_path / "vllm-dsa"
+    copied = _cli(two_stages, "copy-tree", "0001", str(dest))
+    assert copied.returncode == 0, copied.stderr
+    assert (dest / "vllm/cp_indexer.py").exists() and not (dest / ".git").exists()
+    assert "CP_INDEXER = False" in (dest / "vllm/envs.py").read_text()
+    (dest / "vllm/_version.py").write_text("__version__ = '0.1.dev1'\n")
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    assert sh(repo, "git", "status", "--porcelain") == ""
+    again = _cli(two_stages, "copy-tree", "0001", str(dest))
+    _one_line_error(again, "exists and is not an empty folder")
