@@ -26,7 +26,7 @@ from scripts.series.config import (
     load_series,
 )
 from scripts.series.contract import tree_env
-from scripts.series.export import export_stages
+from scripts.series.export import export_stages, exporter_identity
 from scripts.series.fetch import fetch_sdist
 from scripts.series.git import is_repo
 from scripts.series.layout import results_dir, workdir
@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="which stages are applied; edits beyond them")
     pr = sub.add_parser("export", help="each stage as one upstream PR commit")
     pr.add_argument("stage", nargs="?", help="only this stage (and what it needs)")
+    pr.add_argument(
+        "--signoff",
+        metavar="'NAME <EMAIL>'",
+        help="who signs the PRs off (DCO); default: your git user.name/user.email",
+    )
     sub.add_parser("stages", help="print 'base' and the stage ids, in order")
     sub.add_parser("overview", help="print the README's stage table")
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
@@ -278,7 +283,8 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     elif args.command == "status":
         print(format_status(series, tree_status(series)))
     elif args.command == "export":
-        for pr in export_stages(series, args.stage):
+        exporter = exporter_identity(series.root, args.signoff)
+        for pr in export_stages(series, exporter, args.stage):
             where = (
                 f"needs {pr.needs} first" if pr.needs else "applies on the base alone"
             )

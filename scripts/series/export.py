@@ -3,7 +3,8 @@
 
 A stage's PR is one commit: its glue and its overlay modules folded
 together, on the pinned base (or, when it does not apply there, on the PR of
-the stage it needs first), with a description in vLLM's PR template. It is
+the stage it needs first), with the stage's plain-text message signed off by
+the person exporting; its description is the base tree's PR template, filled. It is
 written as a branch ``pr/<id>`` in the work repo and as a patch plus a
 description under ``build/export/<base>/``. Everything is made with git plumbing
 and a temporary index, so the work tree is not touched, and with fixed
@@ -13,12 +14,13 @@ identities and dates, so two exports are byte-identical.
 from __future__ import annotations
 
 import re
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Series, Stage
+from scripts.series.config import Series, Stage, load_series
 from scripts.series.git import Identity, commit_tree, git, git_out, rev_parse
 from scripts.series.layout import export_dir, exported_ref, pr_branch, workdir
 from scripts.series.refresh import FORMAT_PATCH_FLAGS
@@ -53,45 +55,141 @@ def _split_message(message: str) -> tuple[str, str, list[str]]:
     return subject, "\n".join(lines).strip(), trailers
 
 
-def _results_section(series: Series, stage: Stage) -> str:
+def _doc_section(series: Series, stage: Stage, heading: str) -> str | None:
+    """A ``## <heading>...`` section of docs/stage_<id>.md, if it has one."""
     doc = series.root / "docs" / f"stage_{stage.id}.md"
     if not doc.exists():
-        return "See the test plan; no recorded results yet."
-    text = doc.read_text(encoding="utf-8")
-    found = re.search(r"^## Results\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    return found.group(1).strip() if found else text.strip()
+        return None
+    # Links between the series' docs do not resolve in a PR: name the file.
+    text = re.sub(
+        r"\[([^\]]+)\]\(([^)\s]+\.md)\)",
+        r"\1 (`docs/\2` in the DSA series repository)",
+        doc.read_text(encoding="utf-8"),
+    )
+    found = re.search(rf"^## {heading}[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    return found.group(1).strip() if found else None
 
 
-def pr_description(series: Series, stage: Stage, message: str) -> str:
-    """vLLM's PR template: purpose, test plan, test results, sign-off."""
-    subject, body, trailers = _split_message(message)
+# The sections vLLM's template has asked for since 0.32.0; used as they are
+# when the target tree has no template of its own.
+_FALLBACK_TEMPLATE = "## Overview\n\n## Claims\n\n## Validation\n\n## Details\n"
+
+
+def pr_description(
+    series: Series,
+    stage: Stage,
+    message: str,
+    template: str | None,
+    needs: Stage | None,
+) -> str:
+    """The target's PR template (``.github/PULL_REQUEST_TEMPLATE.md``) with its
+    Overview, Claims, Validation and Details filled from the stage's commit
+    message and docs/stage_<id>.md; every figure says where it comes from."""
+    subject, body, _ = _split_message(message)
+    paragraphs = [p for p in body.split("\n\n") if p.strip()]
+    overview = [paragraphs[0] if paragraphs else subject]
+    if needs is not None:
+        overview.append(
+            f"Depends on the PR of stage {needs.id} ({needs.title}; "
+            f"{needs.upstream_pr}), which must land first: this one applies on it."
+        )
+    pinned = load_series(series.root / "patches" / "series.toml").base
     test_dir = series.tests_dir / stage.tests
     tests = (
         sorted(p.name for p in test_dir.glob("test_*.py")) if test_dir.is_dir() else []
     )
-    plan = [
-        f"CPU, on vLLM {getattr(series.base, 'version', series.base.label)} "
-        f'with this change: `nox -s "tests({stage.id})"`, which runs:',
-        *[f"- `tests/{stage.tests}/{name}`" for name in tests],
+    validation = [
+        f"Measured with the DSA patch series on {pinned.label} (where each row "
+        "says: CPU, NVIDIA H200); nothing here ran on AMD hardware.",
+        _doc_section(series, stage, "Results") or "No recorded results yet.",
+        f"The series' tests of this change (`tests/{stage.tests}/` in the series "
+        "repository, not part of this PR): "
+        + (", ".join(f"`{name}`" for name in tests) or "none"),
     ]
-    sections = [
-        subject,
-        "",
-        "## Purpose",
-        "",
-        body,
-        "",
-        "## Test Plan",
-        "",
-        *plan,
-        "",
-        "## Test Result",
-        "",
-        _results_section(series, stage),
-        "",
-        *trailers,
-    ]
-    return "\n".join(sections).rstrip() + "\n"
+    claims = _doc_section(series, stage, "Figures from")
+    sections = {
+        "Overview": "\n\n".join(overview),
+        "Claims": (
+            "Quoted from the PR texts this stage implements (MI355X, not "
+            "measured here):\n\n" + claims
+            if claims
+            else "See Validation."
+        ),
+        "Validation": "\n\n".join(validation),
+        "Details": "\n\n".join(paragraphs[1:]) or "-",
+    }
+    return f"{subject}\n\n" + _fill_template(template or _FALLBACK_TEMPLATE, sections)
+
+
+def _fill_template(template: str, sections: dict[str, str]) -> str:
+    """``template`` with each ``## <name>`` of ``sections`` followed by its
+    text instead of the template's hint comment; sections the template lacks
+    are added before its closing part (the checklist after ``---``)."""
+    out: list[str] = []
+    filling = False
+    missing = dict(sections)
+    for line in template.splitlines():
+        heading = re.match(r"^## (.+?)\s*$", line)
+        if heading or line.startswith("---"):
+            if filling:
+                out.append("")
+            if line.startswith("---") and missing:
+                out += [
+                    text
+                    for name, body in missing.items()
+                    for text in (f"## {name}", "", body, "")
+                ]
+                missing.clear()
+            name = heading.group(1) if heading else ""
+            filling = name in sections
+            out.append(line)
+            if filling:
+                out += ["", sections[name]]
+                missing.pop(name, None)
+            continue
+        if filling and (not line.strip() or line.strip().startswith("<!--")):
+            continue  # the hint, and blank lines around it
+        if filling:
+            out.append("")
+            filling = False
+        out.append(line)
+    for name, body in missing.items():
+        out += ["", f"## {name}", "", body]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def commit_message(message: str, exporter: Identity) -> str:
+    """The stage's subject and body, plain text (it survives an editor),
+    signed off by whoever exports it, not by the series' identity."""
+    subject, body, trailers = _split_message(message)
+    kept = [t for t in trailers if not t.startswith("Signed-off-by:")]
+    trailers = [*kept, f"Signed-off-by: {exporter.name} <{exporter.email}>"]
+    return f"{subject}\n\n{body}\n\n" + "\n".join(trailers) + "\n"
+
+
+def exporter_identity(root: Path, signoff: str | None) -> Identity:
+    """Who signs the PRs off (DCO): ``signoff`` ("Name <email>"), else the
+    user's git identity; never an invented one."""
+    if signoff is not None:
+        found = re.fullmatch(r"\s*(.+?)\s*<([^<>\s]+@[^<>\s]+)>\s*", signoff)
+        if not found:
+            raise SeriesError(f"--signoff {signoff!r}: expected 'Name <email>'")
+        return Identity(found.group(1), found.group(2), "")
+    name, email = (
+        subprocess.run(
+            ["git", "-C", str(root), "config", "--get", key],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        for key in ("user.name", "user.email")
+    )
+    if not (name and email):
+        raise SeriesError(
+            "export signs each PR off as you (the DCO): set `git config "
+            "user.name` and `user.email`, or pass --signoff 'Name <email>'"
+        )
+    return Identity(name, email, "")
 
 
 def _try_apply(repo: Path, parent: str, diff: bytes, index: Path) -> bool:
@@ -148,15 +246,16 @@ def _refuse_to_move_a_users_branch(
 
 
 def export_stage(
-    series: Series, stage: Stage, done: dict[str, PullRequest]
+    series: Series, stage: Stage, done: dict[str, PullRequest], exporter: Identity
 ) -> PullRequest:
     repo = workdir(series)
     chain = read_chain(series, repo)
     commit = chain.current_commit(stage.id)
     diff = git(repo, "diff", "--full-index", "--binary", f"{commit}^", commit).stdout
     message = git_out(repo, "log", "-1", "--format=%B", commit)
-    author = git_out(repo, "log", "-1", "--format=%an%n%ae%n%aI", commit).split("\n")
-    identity = Identity(author[0], author[1], author[2])
+    # The exporter submits it; the stage's date keeps two exports identical.
+    date = git_out(repo, "log", "-1", "--format=%aI", commit)
+    identity = Identity(exporter.name, exporter.email, date)
     with tempfile.TemporaryDirectory() as tmp:
         index = Path(tmp) / "index"
         needs = None
@@ -170,8 +269,15 @@ def export_stage(
                 _explain_missing_dependency(repo, stage, diff, index, done)
         git(repo, "apply", "--cached", "-", input=diff, index_file=index)
         tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
-    description = pr_description(series, stage, message)
-    pr_commit = commit_tree(repo, tree, parent, description, identity)
+    template = git(
+        repo, "show", f"{chain.base}:.github/PULL_REQUEST_TEMPLATE.md", check=False
+    ).stdout.decode("utf-8")
+    description = pr_description(
+        series, stage, message, template or None, series.stage(needs) if needs else None
+    )
+    pr_commit = commit_tree(
+        repo, tree, parent, commit_message(message, exporter), identity
+    )
     branch = pr_branch(stage.id)
     _refuse_to_move_a_users_branch(repo, branch, pr_commit, stage)
     git(repo, "update-ref", f"refs/heads/{branch}", pr_commit)
@@ -188,14 +294,17 @@ def export_stage(
     return PullRequest(stage, branch, pr_commit, needs, patch, description_file)
 
 
-def export_stages(series: Series, stage_id: str | None = None) -> list[PullRequest]:
-    """Export the stages in order (a stage's dependencies first)."""
+def export_stages(
+    series: Series, exporter: Identity, stage_id: str | None = None
+) -> list[PullRequest]:
+    """Export the stages in order (a stage's dependencies first), signed off
+    by ``exporter``."""
     if stage_id == "base":
         raise SeriesError("the base is not a stage: name a stage to export")
     wanted = series.stages_upto(stage_id)
     done: dict[str, PullRequest] = {}
     for stage in wanted:
-        done[stage.id] = export_stage(series, stage, done)
+        done[stage.id] = export_stage(series, stage, done, exporter)
     if stage_id is not None:
         return [done[stage_id]]
     return list(done.values())

@@ -335,3 +335,37 @@ def test_copy_tree_gives_a_tree_to_build_from(two_stages: Project, tmp_path):
     assert sh(repo, "git", "status", "--porcelain") == ""
     again = _cli(two_stages, "copy-tree", "0001", str(dest))
     _one_line_error(again, "exists and is not an empty folder")
+
+
+def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path):
+    """No identity, no export (the DCO needs a real one); --signoff or the
+    user's git identity signs each PR commit off."""
+    import os
+
+    assert _cli(two_stages, "apply").returncode == 0
+    anonymous = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "scripts.series", "--series"]
+    command += [str(two_stages.series_file), "export"]
+    refused = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, env=anonymous
+    )
+    _one_line_error(refused, "export signs each PR off as you")
+    signed = subprocess.run(
+        [*command, "--signoff", "Eve Exporter <eve@example.org>"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=anonymous,
+    )
+    assert signed.returncode == 0, signed.stderr
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    message = sh(repo, "git", "log", "-1", "--format=%B", "pr/0001")
+    assert message.strip().endswith("Signed-off-by: Eve Exporter <eve@example.org>")
+    bad = subprocess.run(
+        [*command, "--signoff", "just a name"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=anonymous,
+    )
+    _one_line_error(bad, "expected 'Name <email>'")

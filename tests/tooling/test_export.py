@@ -9,14 +9,16 @@ import shutil
 from scripts.series.apply import apply
 from scripts.series.config import load_series
 from scripts.series.export import export_stages
-from scripts.series.git import changed_files, git_out
-from tests.tooling.conftest import Project
+from scripts.series.git import Identity, changed_files, git_out
+from tests.tooling.conftest import Project, sh, write_files
+
+EXPORTER = Identity("Eve Exporter", "eve@example.org", "")
 
 
 def test_each_stage_is_one_commit_with_its_overlays(two_stages: Project):
     repo = apply(two_stages.series())
     head = git_out(repo, "rev-parse", "HEAD")
-    first, second = export_stages(two_stages.series())
+    first, second = export_stages(two_stages.series(), EXPORTER)
     assert first.patch.parent == two_stages.root / "build/export/vllm-git-v1"
     assert first.needs is None  # applies on the base alone
     assert git_out(repo, "rev-parse", f"{first.branch}^") == git_out(
@@ -31,14 +33,39 @@ def test_each_stage_is_one_commit_with_its_overlays(two_stages: Project):
     assert not changed_files(repo), "export must not touch the work tree"
 
 
-def test_the_description_follows_vllms_pr_template(two_stages: Project):
+def test_the_description_follows_the_targets_pr_template(two_stages: Project):
+    """Read from the target tree: its sections filled (a dependency named),
+    its checklist kept; the commit message is the plain-text one, signed off
+    by the exporter instead of the series' identity."""
+    template = (
+        "<!-- markdownlint-disable -->\n\n## Overview\n\n<!-- Summarize. -->\n\n"
+        "## Claims\n\n<!-- Bullets. -->\n\n## Validation\n\n<!-- Evidence. -->\n\n"
+        "## Details\n\n<!-- Why. -->\n\n---\n\n<details>checklist</details>\n"
+    )
+    up = two_stages.upstream
+    write_files(up, {".github/PULL_REQUEST_TEMPLATE.md": template})
+    sh(up, "git", "add", "-A")
+    sh(up, "git", "commit", "-qm", "template")
+    sh(up, "git", "tag", "-f", "v1")
     apply(two_stages.series())
-    first, _ = export_stages(two_stages.series())
+    first, second = export_stages(two_stages.series(), EXPORTER)
     text = first.description.read_text()
-    assert text.startswith("Striped indexer\n\n## Purpose\n\nWhy this stage exists.")
-    assert "## Test Plan" in text and 'nox -s "tests(0001)"' in text
-    assert "## Test Result" in text
-    assert text.rstrip().endswith("Signed-off-by: Ada Dev <ada@example.com>")
+    assert text.startswith("Striped indexer\n\n<!-- markdownlint-disable -->")
+    assert "## Overview\n\nWhy this stage exists.\n\n## Claims" in text
+    assert "<!-- Summarize. -->" not in text
+    assert "on vllm-git-v1 (where each row" in text
+    assert text.rstrip().endswith("<details>checklist</details>")
+    assert "Depends on the PR of stage 0001 (Striped indexer" in (
+        second.description.read_text()
+    )
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    message = git_out(repo, "log", "-1", "--format=%B", first.commit)
+    assert message.startswith("Striped indexer\n\nWhy this stage exists.")
+    assert "## " not in message and "Ada Dev" not in message
+    assert message.endswith("Signed-off-by: Eve Exporter <eve@example.org>")
+    assert git_out(repo, "log", "-1", "--format=%an <%ae>", first.commit) == (
+        "Eve Exporter <eve@example.org>"
+    )
     patch = first.patch.read_text()
     assert "Subject: Striped indexer" in patch
     assert "vllm/cp_indexer.py" in patch  # folded in, unlike patches/
@@ -48,7 +75,7 @@ def test_a_stage_without_dependencies_applies_alone(project: Project):
     project.add_stage("0001", {"vllm/envs.py": ("VAR_1 = 1\n", "VAR_1 = 11\n")})
     project.add_stage("0002", {"vllm/ops.py": ("return 5\n", "return 55\n")})
     apply(project.series())
-    prs = export_stages(project.series())
+    prs = export_stages(project.series(), EXPORTER)
     assert [pr.needs for pr in prs] == [None, None]
     repo = project.root / "build" / "vllm-git-v1"
     assert git_out(repo, "rev-parse", "pr/0002^") == git_out(repo, "rev-parse", "base")
@@ -58,11 +85,11 @@ def test_two_exports_are_byte_identical(two_stages: Project, tmp_path):
     apply(two_stages.series())
     first = [
         (p.commit, p.patch.read_bytes(), p.description.read_bytes())
-        for p in export_stages(two_stages.series())
+        for p in export_stages(two_stages.series(), EXPORTER)
     ]
     again = [
         (p.commit, p.patch.read_bytes(), p.description.read_bytes())
-        for p in export_stages(two_stages.series())
+        for p in export_stages(two_stages.series(), EXPORTER)
     ]
     assert first == again
     other = tmp_path / "elsewhere"
@@ -71,14 +98,14 @@ def test_two_exports_are_byte_identical(two_stages: Project, tmp_path):
     apply(series)
     elsewhere = [
         (p.commit, p.patch.read_bytes(), p.description.read_bytes())
-        for p in export_stages(series)
+        for p in export_stages(series, EXPORTER)
     ]
     assert elsewhere == first
 
 
 def test_exporting_one_stage_exports_what_it_needs(two_stages: Project):
     apply(two_stages.series())
-    (only,) = export_stages(two_stages.series(), "0002")
+    (only,) = export_stages(two_stages.series(), EXPORTER, "0002")
     assert only.stage.id == "0002" and only.needs == "0001"
 
 
@@ -91,7 +118,7 @@ def test_an_undeclared_dependency_is_named(two_stages: Project):
     two_stages.write_series()
     apply(two_stages.series())
     with pytest.raises(SeriesError, match=r'add depends_on = \["0001"\]'):
-        export_stages(two_stages.series())
+        export_stages(two_stages.series(), EXPORTER)
 
 
 def test_a_pr_branch_with_a_users_commit_is_not_moved(two_stages: Project):
@@ -104,22 +131,22 @@ def test_a_pr_branch_with_a_users_commit_is_not_moved(two_stages: Project):
 
     series = two_stages.series()
     repo = apply(series)
-    first, _ = export_stages(series)
+    first, _ = export_stages(series, EXPORTER)
     # As if an older version of the stage had been exported: export may move
     # the branch, but not while it is checked out.
     for ref in (f"refs/heads/{first.branch}", "refs/dsa-series/exported/0001"):
         sh(repo, "git", "update-ref", ref, "stage/0001")
     sh(repo, "git", "worktree", "add", "-q", str(two_stages.tmp / "pr"), first.branch)
     with pytest.raises(SeriesError, match="is checked out in a work tree"):
-        export_stages(series, "0001")
+        export_stages(series, EXPORTER, "0001")
     sh(repo, "git", "worktree", "remove", str(two_stages.tmp / "pr"))
-    assert export_stages(series, "0001")[0].commit == first.commit
+    assert export_stages(series, EXPORTER, "0001")[0].commit == first.commit
     # A commit export did not make stays where it is.
     sh(repo, "git", "branch", "-f", first.branch, "stage/0002")
     with pytest.raises(SeriesError, match="holds commits export did not make"):
-        export_stages(series, "0001")
+        export_stages(series, EXPORTER, "0001")
     assert git_out(repo, "rev-parse", first.branch) == git_out(
         repo, "rev-parse", "stage/0002"
     )
     with pytest.raises(SeriesError, match="the base is not a stage"):
-        export_stages(series, "base")
+        export_stages(series, EXPORTER, "base")
