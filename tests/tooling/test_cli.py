@@ -344,28 +344,21 @@ def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path)
 
     assert _cli(two_stages, "apply").returncode == 0
     anonymous = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "HOME": str(tmp_path)}
-    command = [sys.executable, "-m", "scripts.series", "--series"]
-    command += [str(two_stages.series_file), "export"]
-    refused = subprocess.run(
-        command, cwd=REPO_ROOT, capture_output=True, text=True, env=anonymous
-    )
-    _one_line_error(refused, "export signs each PR off as you")
-    signed = subprocess.run(
-        [*command, "--signoff", "Eve Exporter <eve@example.org>"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env=anonymous,
-    )
+
+    def export(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "scripts.series", "--series"]
+            + [str(two_stages.series_file), "export", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            env=anonymous,
+        )
+
+    _one_line_error(export(), "export signs each PR off as you")
+    signed = export("--signoff", "Eve Exporter <eve@example.org>")
     assert signed.returncode == 0, signed.stderr
     repo = two_stages.root / "build" / "vllm-git-v1"
     message = sh(repo, "git", "log", "-1", "--format=%B", "pr/0001")
     assert message.strip().endswith("Signed-off-by: Eve Exporter <eve@example.org>")
-    bad = subprocess.run(
-        [*command, "--signoff", "just a name"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env=anonymous,
-    )
-    _one_line_error(bad, "expected 'Name <email>'")
+    _one_line_error(export("--signoff", "just a name"), "expected 'Name <email>'")
