@@ -345,3 +345,14 @@ def run_indexer(
             candidate_block_size=candidate_block_size,
         )
     return buffer
+
+
+def run_lengths(labels: list[str]) -> list[str]:
+    """Labels in run-length form: ``["prefill aiter x12"]``."""
+    runs: list[list] = []
+    for label in labels:
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return [f"{label} x{count}" for label, count in runs]

@@ -82,21 +82,13 @@ def _dispatch(monkeypatch: pytest.MonkeyPatch, requests) -> list[str]:
     return [label for label in taken if label != "gather"]
 
 
-def _runs(labels: list[str]) -> list[str]:
-    """Run-length form: ``["prefill aiter x12"]``."""
-    runs: list[list] = []
-    for label in labels:
-        if runs and runs[-1][0] == label:
-            runs[-1][1] += 1
-        else:
-            runs.append([label, 1])
-    return [f"{label} x{count}" for label, count in runs]
-
-
 @pytest.fixture(scope="module")
 def table() -> dict[str, list[str]]:
     with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm("gfx950"):
-        got = {name: _runs(_dispatch(monkeypatch, b)) for name, b in BATCHES.items()}
+        got = {
+            name: indexer_batch.run_lengths(_dispatch(monkeypatch, b))
+            for name, b in BATCHES.items()
+        }
     if os.environ.get(RECORD_ENV) == "1":
         TABLE_FILE.write_text(json.dumps(got, indent=2) + "\n")
     return got
