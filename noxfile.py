@@ -14,6 +14,7 @@ nox -s rebased            apply and test each rebased series under review
                           (patches/next/<target>/) on its target
 nox -s export [-- STAGE]  each stage as an upstream PR (build/export/<base>/)
 nox -s cost-model         stage 0001's row-assignment cost model (docs/)
+nox -s validate -- --stage 0001 [--dry-run]   the MI355X serving runs (README)
 """
 
 from __future__ import annotations
@@ -195,6 +196,13 @@ def cost_model(session: nox.Session) -> None:
         str(tree),
         env={"CUDA_VISIBLE_DEVICES": ""},
     )
+
+
+@nox.session(venv_backend="none")
+def validate(session: nox.Session) -> None:
+    """On the GPU box, with the patched vLLM installed in this Python: the
+    seeds' serving benchmarks and accuracy tasks, -- --stage 0001 [--dry-run]."""
+    session.run("python", "-m", "scripts.validate", *session.posargs, external=True)
 
 
 @nox.session(name="check-patches", venv_backend="none")

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``python -m scripts.validate --stage 0001 [--dry-run] [--config F] [--out D]``"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from scripts.validate.matrix import SEEDS, MatrixError, load_experiment, shell_line
+from scripts.validate.runner import run_experiment
+
+
+def dry_run(stage: str, config: Path, out: Path) -> str:
+    """Every command the run would make, in order, one per line."""
+    experiment = load_experiment(stage, config)
+    lines = []
+    for variant in experiment.variants:
+        folder = out / variant.name
+        lines.append(f"# {variant.name}")
+        serve = experiment.serve_command(variant)
+        lines.append(shell_line(serve, experiment.serve_env(variant)) + " &")
+        lines += [
+            shell_line(experiment.bench_command(p, folder)) for p in experiment.points
+        ]
+        lines += [shell_line(e) for e in experiment.eval_commands(folder)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.validate", description=__doc__
+    )
+    parser.add_argument("--stage", required=True, help="0001 or 0003 (see seeds.toml)")
+    parser.add_argument("--config", type=Path, default=SEEDS, help="the matrix file")
+    parser.add_argument(
+        "--out", type=Path, help="default: build/validate/<stage>-<time>"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the commands only"
+    )
+    args = parser.parse_args(argv)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = (args.out or Path("build") / "validate" / f"{args.stage}-{stamp}").resolve()
+    try:
+        if args.dry_run:
+            print(dry_run(args.stage, args.config, out))
+            return 0
+        out.mkdir(parents=True, exist_ok=True)
+        outcomes = run_experiment(load_experiment(args.stage, args.config), out)
+    except MatrixError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            f"interrupted; the server is stopped, results so far in {out}",
+            file=sys.stderr,
+        )
+        return 130
+    failed = [o for o in outcomes if o.problems]
+    for o in failed:
+        print(f"{o.variant} {o.run}: " + "; ".join(o.problems))
+    passed = len(outcomes) - len(failed)
+    print(f"{passed} of {len(outcomes)} runs pass their checks; {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

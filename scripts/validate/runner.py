@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run one stage's experiment: per variant, serve the model, wait for it,
+run every benchmark point and the accuracy tasks, check each result, stop
+the server (also on Ctrl-C or a failure). Every raw file stays in the output
+folder: the server log, each result JSON, the evals' output, summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from scripts.validate.checks import log_problems, result_problems
+from scripts.validate.matrix import Experiment, Point, Variant, shell_line
+
+POLL_S = 5.0  # between health checks while the server starts
+# How the server is stopped: each signal to its process group, then a wait.
+STOP_SIGNALS = ((signal.SIGINT, 60), (signal.SIGTERM, 30), (signal.SIGKILL, 10))
+
+
+class ServerError(Exception):
+    """The server did not come up (or went away); its log says why."""
+
+
+class Server:
+    """``vllm serve`` in its own process group, logged to a file; healthy on
+    entry, stopped on exit whatever happened."""
+
+    def __init__(
+        self, command: list[str], env: dict[str, str], port: int, log: Path
+    ) -> None:
+        self.command, self.env, self.port, self.log = command, env, port, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Server:
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env={**os.environ, **self.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def _wait_healthy(self, timeout_s: float = 3600) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"http://127.0.0.1:{self.port}/health"
+        while time.monotonic() < deadline:
+            if not self.alive():
+                assert self.process is not None
+                raise ServerError(
+                    f"the server exited ({self.process.returncode}) before it was "
+                    f"healthy; see {self.log}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(POLL_S)
+        raise ServerError(f"no healthy server on port {self.port}; see {self.log}")
+
+    def stop(self) -> None:
+        """SIGINT, then SIGTERM, then SIGKILL to the whole process group."""
+        if self.process is None:
+            return
+        for sig, wait_s in (
+            (signal.SIGINT, 60),
+            (signal.SIGTERM, 30),
+            (signal.SIGKILL, 10),
+        ):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+@dataclass
+class Outcome:
+    variant: str
+    run: str  # a benchmark point's name, or "server" / an eval's name
+    file: str | None  # its raw result, relative to the output folder
+    problems: list[str] = field(default_factory=list)
+    result: dict = field(default_factory=dict)
+
+
+def run_experiment(experiment: Experiment, out: Path) -> list[Outcome]:
+    """Every variant of ``experiment``; the outcomes, also in summary.json."""
+    outcomes: list[Outcome] = []
+    try:
+        for variant in experiment.variants:
+            outcomes += _run_variant(experiment, variant, out)
+    finally:
+        (out / "summary.json").write_text(
+            json.dumps([asdict(o) for o in outcomes], indent=1) + "\n"
+        )
+    return outcomes
+
+
+def _run_variant(experiment: Experiment, variant: Variant, out: Path) -> list[Outcome]:
+    folder = out / variant.name
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "server.log"
+    command = experiment.serve_command(variant)
+    (folder / "serve.sh").write_text(
+        shell_line(command, experiment.serve_env(variant)) + "\n"
+    )
+    outcomes: list[Outcome] = []
+    try:
+        server = Server(command, experiment.serve_env(variant), experiment.port, log)
+        with server:
+            outcomes.append(
+                Outcome(variant.name, "server", log.name, log_problems(log.read_text()))
+            )
+            for point in experiment.points:
+                outcomes.append(_bench(experiment, point, folder, variant))
+                if not server.alive():
+                    outcomes[-1].problems.append("the server died during this run")
+                    return outcomes
+            for index, command in enumerate(experiment.eval_commands(folder)):
+                done = subprocess.run(command, env={**os.environ, **experiment.env})
+                problems = [f"exit status {done.returncode}"] if done.returncode else []
+                outcomes.append(Outcome(variant.name, f"eval {index}", None, problems))
+    except ServerError as exc:
+        outcomes.append(Outcome(variant.name, "server", log.name, [str(exc)]))
+    return outcomes
+
+
+def _bench(
+    experiment: Experiment, point: Point, folder: Path, variant: Variant
+) -> Outcome:
+    command = experiment.bench_command(point, folder)
+    done = subprocess.run(command)
+    result_file = folder / f"{point.name}.json"
+    outcome = Outcome(variant.name, point.name, result_file.name)
+    if done.returncode != 0:
+        outcome.problems.append(f"`vllm bench serve` exited {done.returncode}")
+    if not result_file.exists():
+        outcome.problems.append("no result file")
+        return outcome
+    outcome.result = json.loads(result_file.read_text())
+    outcome.problems += result_problems(outcome.result, point)
+    return outcome

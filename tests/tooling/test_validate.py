@@ -1,0 +1,239 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The MI355X validation kit without a GPU: its commands are the seeds',
+its checks catch what the seeds checked, and a run against stand-in servers
+keeps every result, reports a bad one, survives a server that dies and
+always stops the server."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scripts.validate import runner
+from scripts.validate.__main__ import dry_run
+from scripts.validate.checks import log_problems, result_problems
+from scripts.validate.matrix import SEEDS, MatrixError, Point, load_experiment
+
+# Quoted from the PR texts (../shared/seeds/000_646305437ececa49.txt, "All
+# three use the same vllm serve command", "Env vars for all runs",
+# "Benchmark command for each point").
+SEED_0001_ENV = (
+    "VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ROCM_USE_AITER=1 "
+    "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1 VLLM_ROCM_USE_AITER_FP8BMM=0 "
+    "VLLM_ROCM_USE_AITER_FP4BMM=0"
+)
+SEED_0001_SERVE = """vllm serve amd/GLM-5.2-MXFP4 \\
+  --kv-cache-dtype fp8_e4m3 --trust-remote-code --tensor-parallel-size 8 \\
+  --linear-backend aiter --moe-backend aiter \\
+  --tool-call-parser glm47 --enable-auto-tool-choice --reasoning-parser glm45 \\
+  --no-enable-prefix-caching --port 8586"""
+SEED_0001_BENCH = """\
+vllm bench serve --backend openai --base-url http://127.0.0.1:8586 \\
+  --endpoint /v1/completions --model amd/GLM-5.2-MXFP4 \\
+  --tokenizer amd/GLM-5.2-MXFP4 --trust-remote-code \\
+  --dataset-name random --random-input-len $ISL --random-output-len 1024 \\
+  --max-concurrency $CONC --num-prompts $((CONC*10)) --num-warmups $((CONC*2)) \\
+  --request-rate inf --ignore-eos --save-result \\
+  --percentile-metrics ttft,tpot,e2el,itl --metric-percentiles 0,75,90,99,100"""
+# ../shared/seeds/002_da81abc11475dfc2.txt (the MXFP4 indexer PR's commands).
+SEED_0003_BENCH = """\
+vllm bench serve --backend vllm --model amd/GLM-5.2-MXFP4 --dataset-name random \\
+  --random-input-len 131072 --random-output-len 1024 --ignore-eos --temperature 0 \\
+  --num-prompts $N --max-concurrency $C --seed 43"""
+
+
+def _words(command: str, **values: int) -> list[str]:
+    for name, value in values.items():
+        command = command.replace(name, str(value))
+    return shlex.split(command.replace("\\\n", " "))
+
+
+def _without(words: list[str], *options: str) -> list[str]:
+    """``words`` less the options the kit adds to keep each raw result."""
+    out: list[str] = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in options:
+            skip = word != "--save-result"
+        else:
+            out.append(word)
+    return out
+
+
+def _lines(stage: str, tmp_path: Path) -> list[list[str]]:
+    return [shlex.split(line) for line in dry_run(stage, SEEDS, tmp_path).splitlines()]
+
+
+def test_the_dry_run_is_the_seeds_matrix_for_stage_0001(tmp_path):
+    lines = _lines("0001", tmp_path)
+    serves = [line for line in lines if "serve" in line and "bench" not in line]
+    assert len(serves) == 3  # flag off, stripe 512, stripe 1024
+    flag = ["VLLM_ROCM_USE_AITER_CP_INDEXER=1"]
+    expected = _words(SEED_0001_ENV) + flag
+    expected += ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE=512"]
+    assert serves[1] == expected + _words(SEED_0001_SERVE) + ["&"]
+    benches = [line for line in lines if line[:3] == ["vllm", "bench", "serve"]]
+    # 12 points per configuration, 36 runs in total (the seed's count)
+    assert len(benches) == 36
+    points = [(8192, c) for c in (4, 8, 16, 32, 64, 128, 256)]
+    points += [(51200, c) for c in (4, 8, 16, 32, 64)]
+    for (isl, conc), words in zip(points, benches[:12], strict=True):
+        seed = _words(
+            SEED_0001_BENCH,
+            **{"$((CONC*10))": conc * 10, "$((CONC*2))": conc * 2},
+            **{"$ISL": isl, "$CONC": conc},
+        )
+        assert _without(words, "--result-dir", "--result-filename") == seed
+
+
+def test_the_dry_run_is_the_seeds_matrix_for_stage_0003(tmp_path):
+    lines = _lines("0003", tmp_path)
+    serves = [line for line in lines if line[-1] == "&"]
+    assert serves[1][-3:] == [
+        "--attention-config",
+        '{"indexer_kv_dtype": "mxfp4"}',
+        "&",
+    ]
+    assert "--attention-config" not in serves[0]
+    benches = [line for line in lines if line[:3] == ["vllm", "bench", "serve"]]
+    first = _without(benches[0], "--save-result", "--result-dir", "--result-filename")
+    # 128K/1K at c1: num-prompts max(C, 3)
+    assert first == _words(SEED_0003_BENCH, **{"$N": 3, "$C": 1})
+
+
+def test_a_malformed_matrix_is_named(tmp_path):
+    bad = tmp_path / "matrix.toml"
+    bad.write_text(SEEDS.read_text().replace("per_c = 10 }", 'per_c = "ten" }'))
+    with pytest.raises(MatrixError, match="per_c and min must be integers"):
+        load_experiment("0001", bad)
+    with pytest.raises(MatrixError, match=r"no \[stage_0002\] \(stages: 0001, 0003\)"):
+        load_experiment("0002", SEEDS)
+
+
+def test_the_seeds_checks():
+    point = Point(isl=8192, osl=1024, conc=4, num_prompts=40, warmups=8, seed=None)
+    good = {"completed": 40, "failed": 0, "total_input_tokens": 40 * 8192}
+    assert result_problems(good, point) == []
+    cached = {**good, "total_input_tokens": 40 * 8192 - 512}
+    assert "a cached prefix" in result_problems(cached, point)[0]
+    lost = {**good, "completed": 39, "failed": 1}
+    assert result_problems(lost, point) == ["39 of 40 requests completed, 1 failed"]
+    assert log_problems("... enable_prefix_caching=False, ...") == []
+    assert log_problems("... enable_prefix_caching=True, ...")
+
+
+STAND_IN_SERVER = """
+import http.server, os, sys
+port, limit, served = int(sys.argv[1]), int(os.environ.get("DIE_AFTER", "0")), []
+print("engine config: enable_prefix_caching=False", flush=True)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        if self.path != "/health":
+            served.append(1)
+            if limit and len(served) >= limit:
+                os._exit(1)
+    def log_message(self, *args):
+        pass
+try:
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+except KeyboardInterrupt:
+    pass
+"""
+# Writes a result with the fields `vllm bench serve --save-result` writes
+# (vllm/benchmarks/serve.py in the applied tree); an ISL of 999 loses a token.
+STAND_IN_BENCH = """
+import json, sys, urllib.request
+result_dir, result_file, isl, n, port = sys.argv[1:]
+urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/completions", timeout=5).read()
+total = int(isl) * int(n) - (int(isl) == 999)
+result = {"num_prompts": int(n), "completed": int(n), "failed": 0,
+          "total_input_tokens": total, "output_throughput": 100.0,
+          "mean_ttft_ms": 10.0, "mean_tpot_ms": 1.0}
+with open(f"{result_dir}/{result_file}", "w") as f:
+    json.dump(result, f)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stand_in_matrix(tmp_path: Path, port: int) -> Path:
+    (tmp_path / "server.py").write_text(STAND_IN_SERVER)
+    (tmp_path / "bench.py").write_text(STAND_IN_BENCH)
+    matrix = tmp_path / "matrix.toml"
+    matrix.write_text(
+        textwrap.dedent(f"""
+        [stage_0001]
+        model = "stand-in"
+        port = {port}
+        serve = [{json.dumps(sys.executable)}, "{tmp_path}/server.py", "{{port}}"]
+        bench = [{json.dumps(sys.executable)}, "{tmp_path}/bench.py", "{{result_dir}}",
+                 "{{result_file}}", "{{isl}}", "{{num_prompts}}", "{{port}}"]
+        points = [
+            {{isl = 128, osl = 8, concurrency = [1, 2], num_prompts = {{per_c = 2}}}},
+            {{isl = 999, osl = 8, concurrency = [1], num_prompts = {{per_c = 2}}}},
+        ]
+        variants = [{{ name = "steady" }},
+                    {{ name = "dies", env = {{ DIE_AFTER = "2" }} }}]
+        """)
+    )
+    return matrix
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_run_keeps_every_result_and_reports_what_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
+    port = _free_port()
+    experiment = load_experiment("0001", _stand_in_matrix(tmp_path, port))
+    out = tmp_path / "out"
+    outcomes = runner.run_experiment(experiment, out)
+    by_run = {(o.variant, o.run): o.problems for o in outcomes}
+    assert by_run[("steady", "server")] == []
+    assert by_run[("steady", "isl128-osl8-c1")] == []
+    assert by_run[("steady", "isl128-osl8-c2")] == []
+    assert "a cached prefix" in by_run[("steady", "isl999-osl8-c1")][0]
+    # The second variant's server dies during its second point: reported,
+    # the run goes no further with it, and nothing is left running.
+    assert by_run[("dies", "isl128-osl8-c2")][-1] == "the server died during this run"
+    assert ("dies", "isl999-osl8-c1") not in by_run
+    assert _port_is_free(port)
+    assert (out / "steady" / "server.log").read_text().startswith("engine config")
+    assert (
+        json.loads((out / "steady" / "isl128-osl8-c2.json").read_text())[
+            "total_input_tokens"
+        ]
+        == 4 * 128
+    )
+    assert len(json.loads((out / "summary.json").read_text())) == len(outcomes)
+
+
+def test_ctrl_c_stops_the_server_and_keeps_the_summary(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
+    port = _free_port()
+    experiment = load_experiment("0001", _stand_in_matrix(tmp_path, port))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.subprocess, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_experiment(experiment, tmp_path / "out")
+    assert _port_is_free(port)
+    assert (tmp_path / "out" / "summary.json").exists()
