@@ -8,7 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.validate.matrix import SEEDS, MatrixError, load_experiment, shell_line
+from scripts.validate.matrix import (
+    SEEDS,
+    Experiment,
+    MatrixError,
+    load_experiment,
+    shell_line,
+)
+from scripts.validate.report import write_report
 from scripts.validate.runner import run_experiment
 
 
@@ -28,6 +35,12 @@ def dry_run(stage: str, config: Path, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _report(experiment: Experiment, out: Path) -> Path:
+    command = "python -m scripts.validate " + " ".join(sys.argv[1:])
+    variants = [v.name for v in experiment.variants]
+    return write_report(experiment.stage, out, variants, command)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m scripts.validate", description=__doc__
@@ -40,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="print the commands only"
     )
+    parser.add_argument(
+        "--report", type=Path, metavar="OUT", help="redraw the report of a run"
+    )
     args = parser.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = (args.out or Path("build") / "validate" / f"{args.stage}-{stamp}").resolve()
@@ -47,8 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(dry_run(args.stage, args.config, out))
             return 0
+        experiment = load_experiment(args.stage, args.config)
+        if args.report:
+            print(_report(experiment, args.report.resolve()))
+            return 0
         out.mkdir(parents=True, exist_ok=True)
-        outcomes = run_experiment(load_experiment(args.stage, args.config), out)
+        outcomes = run_experiment(experiment, out)
+        print(_report(experiment, out))
     except MatrixError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -112,6 +112,8 @@ class Outcome:
     file: str | None  # its raw result, relative to the output folder
     problems: list[str] = field(default_factory=list)
     result: dict = field(default_factory=dict)
+    isl: int | None = None  # a benchmark point's
+    conc: int | None = None
 
 
 def run_experiment(experiment: Experiment, out: Path) -> list[Outcome]:
@@ -162,7 +164,9 @@ def _bench(
     command = experiment.bench_command(point, folder)
     done = subprocess.run(command)
     result_file = folder / f"{point.name}.json"
-    outcome = Outcome(variant.name, point.name, result_file.name)
+    outcome = Outcome(
+        variant.name, point.name, result_file.name, isl=point.isl, conc=point.conc
+    )
     if done.returncode != 0:
         outcome.problems.append(f"`vllm bench serve` exited {done.returncode}")
     if not result_file.exists():

@@ -237,3 +237,46 @@ def test_ctrl_c_stops_the_server_and_keeps_the_summary(tmp_path, monkeypatch):
         runner.run_experiment(experiment, tmp_path / "out")
     assert _port_is_free(port)
     assert (tmp_path / "out" / "summary.json").exists()
+
+
+def _outcome(variant: str, isl: int, conc: int, tput: float, problems=()) -> dict:
+    return {
+        "variant": variant,
+        "run": f"isl{isl}-osl1024-c{conc}",
+        "file": None,
+        "problems": list(problems),
+        "isl": isl,
+        "conc": conc,
+        "result": {
+            "output_throughput": tput,
+            "mean_ttft_ms": 100.0,
+            "mean_tpot_ms": 10.0,
+        },
+    }
+
+
+def test_the_report_sets_each_variant_against_its_baseline_and_the_pr(tmp_path):
+    from scripts.validate.report import pr_figures, write_report
+
+    quoted = pr_figures("0001")
+    assert len(quoted) == 72  # 2 stripes x 12 points x 3 metrics, as in the PR
+    assert quoted[("stripe-512", 51200, "output_throughput", 4)] == (
+        178.7,
+        181.3,
+        "+1.51%",
+    )
+    summary = [
+        _outcome("baseline", 51200, 4, 200.0),
+        _outcome("stripe-512", 51200, 4, 204.0),
+        _outcome("stripe-1024", 51200, 4, 999.0, ["1 failed"]),  # left out
+    ]
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    variants = ["baseline", "stripe-512", "stripe-1024"]
+    report = write_report("0001", tmp_path, variants, "python -m scripts.validate")
+    text = report.read_text()
+    assert "| 4 | 200.0 | 204.0 | +2.00% | 178.7 | 181.3 | +1.51% | - | - |" in text
+    assert "1 run(s) failed a check and are left out" in text
+    assert (tmp_path / "report_isl51200.png").stat().st_size > 0
+    # stage 0003's PR has no tables: measured columns only
+    report = write_report("0003", tmp_path, ["fp8", "mxfp4"], "python -m ...")
+    assert "PR " not in report.read_text().split("## ISL")[1]
