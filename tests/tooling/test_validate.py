@@ -85,6 +85,11 @@ def test_the_dry_run_is_the_seeds_matrix_for_stage_0001(tmp_path):
     assert len(benches) == 36
     points = [(8192, c) for c in (4, 8, 16, 32, 64, 128, 256)]
     points += [(51200, c) for c in (4, 8, 16, 32, 64)]
+    evals = [line for line in lines[:17] if line[0] in ("lm_eval", "python3")]
+    assert [
+        line[line.index("--tasks") + 1] if "--tasks" in line else line[4]
+        for line in evals
+    ] == ["gsm8k", "niah_single_2", "gpqa"]
     for (isl, conc), words in zip(points, benches[:12], strict=True):
         seed = _words(
             SEED_0001_BENCH,
