@@ -150,3 +150,21 @@ def test_a_pr_branch_with_a_users_commit_is_not_moved(two_stages: Project):
     )
     with pytest.raises(SeriesError, match="the base is not a stage"):
         export_stages(series, EXPORTER, "base")
+
+
+def test_exported_prs_apply_with_git_am_on_their_base(two_stages: Project, tmp_path):
+    """As a maintainer applies them: each patch onto a clone of the base (the
+    second onto the first, which it needs), title and sign-off intact with
+    `git am -k` (plain `git am` drops a title's leading [tags], by design)."""
+    apply(two_stages.series())
+    first, second = export_stages(two_stages.series(), EXPORTER)
+    clone = tmp_path / "vllm"
+    sh(tmp_path, "git", "clone", "-q", str(two_stages.upstream), str(clone))
+    sh(clone, "git", "checkout", "-q", "v1")
+    for pr in (first, second):
+        sh(clone, "git", "am", "-q", "-k", str(pr.patch))
+    fields = "%s|%an|%(trailers:key=Signed-off-by,valueonly)"
+    log = sh(clone, "git", "log", "-2", f"--format={fields}")
+    assert log.split("\n\n")[0].startswith("Top-k gate|Eve Exporter|Eve Exporter <eve")
+    assert "Striped indexer|Eve Exporter" in log
+    assert (clone / "vllm/cp_indexer.py").exists()
