@@ -2,13 +2,16 @@
 """The report of a validation run (report.md and one plot per ISL in its
 output folder): each variant against the stage's baseline (its first
 variant), per ISL, metric and concurrency, beside the PR text's figures
-where it has tables of them. Only results that pass their checks count."""
+where it has tables of them, then each variant's KV cache capacity (from its
+server log) and accuracy (from the lm_eval results). Only results that pass
+their checks count."""
 
 from __future__ import annotations
 
 import csv
 import json
 import platform
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -38,6 +41,29 @@ def pr_figures(
         )
         for r in csv.DictReader(lines, delimiter="\t")
     }
+
+
+# vLLM logs its KV cache capacity once at start-up (v1/core/kv_cache_utils.py).
+_KV_CACHE = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def kv_cache_tokens(folder: Path) -> int | None:
+    """The KV cache capacity in tokens from a variant's server log."""
+    log = folder / "server.log"
+    found = _KV_CACHE.search(log.read_text(errors="replace")) if log.exists() else None
+    return int(found.group(1).replace(",", "")) if found else None
+
+
+def accuracy(folder: Path) -> dict[str, float]:
+    """{"task metric": value} from the lm_eval results files under a variant's
+    folder (``--output_path``), standard errors left out."""
+    scores: dict[str, float] = {}
+    for path in sorted(folder.rglob("results_*.json")):
+        for task, metrics in json.loads(path.read_text()).get("results", {}).items():
+            for name, value in metrics.items():
+                if isinstance(value, float | int) and "stderr" not in name:
+                    scores[f"{task} {name}"] = float(value)
+    return scores
 
 
 def _gain(base: float, value: float, higher_is_better: bool) -> str:
@@ -104,6 +130,21 @@ def write_report(stage: str, out: Path, variants: list[str], command: str) -> Pa
             lines += ["", f"![ISL {isl}](report_isl{isl}.png)"]
         except ImportError:
             lines += ["", "(No plot: matplotlib is not installed.)"]
+    lines += ["", "## KV cache and accuracy", ""]
+    lines += [
+        "| what | " + " | ".join(variants) + " |",
+        "|---|" + "---:|" * len(variants),
+    ]
+    kv = [kv_cache_tokens(out / name) for name in variants]
+    lines.append(
+        "| KV cache (tokens) | "
+        + " | ".join("-" if t is None else f"{t:,}" for t in kv)
+        + " |"
+    )
+    scores = [accuracy(out / name) for name in variants]
+    for key in sorted({k for s in scores for k in s}):
+        cells = ["-" if key not in s else f"{s[key]:.4f}" for s in scores]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     return report

@@ -276,12 +276,34 @@ def test_the_report_sets_each_variant_against_its_baseline_and_the_pr(tmp_path):
         _outcome("stripe-1024", 51200, 4, 999.0, ["1 failed"]),  # left out
     ]
     (tmp_path / "summary.json").write_text(json.dumps(summary))
+    # What vLLM logs and lm_eval writes, per variant.
+    for name, score in (("baseline", 0.9682), ("stripe-512", 0.9719)):
+        results = tmp_path / name / "gsm8k" / "model" / "results_1.json"
+        results.parent.mkdir(parents=True)
+        results.write_text(
+            json.dumps(
+                {
+                    "results": {
+                        "gsm8k": {
+                            "exact_match,strict-match": score,
+                            "exact_match_stderr,strict-match": 0.005,
+                        }
+                    }
+                }
+            )
+        )
+        (tmp_path / name / "server.log").write_text(
+            "INFO GPU KV cache size: 1,000,000 tokens, Maximum concurrency ...\n"
+        )
     variants = ["baseline", "stripe-512", "stripe-1024"]
     report = write_report("0001", tmp_path, variants, "python -m scripts.validate")
     text = report.read_text()
     assert "| 4 | 200.0 | 204.0 | +2.00% | 178.7 | 181.3 | +1.51% | - | - |" in text
     assert "1 run(s) failed a check and are left out" in text
     assert (tmp_path / "report_isl51200.png").stat().st_size > 0
+    assert "| KV cache (tokens) | 1,000,000 | 1,000,000 | - |" in text
+    assert "| gsm8k exact_match,strict-match | 0.9682 | 0.9719 | - |" in text
+    assert "stderr" not in text
     # stage 0003's PR has no tables: measured columns only
     report = write_report("0003", tmp_path, ["fp8", "mxfp4"], "python -m ...")
     assert "PR " not in report.read_text().split("## ISL")[1]
