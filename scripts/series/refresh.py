@@ -318,9 +318,13 @@ class _Journal:
         # the folded edits back in the work tree, uncommitted.
         folded = self.folded_into
         if self.had_edits and folded is None:
-            # Killed between the amend and its journal entry: HEAD is the fold.
             head = rev_parse(repo, "HEAD")
-            folded = head if head != self.head else None
+            if head == self.head:
+                # Never folded: HEAD and the edits are where they were.
+                self.end(repo)
+                return
+            # Killed between the amend and its journal entry: HEAD is the fold.
+            folded = head
         git(repo, "checkout", "-q", "-f", "--detach", folded or self.head)
         git(repo, "reset", "-q", "--soft", self.head)
         if self.branch:

@@ -319,3 +319,29 @@ def test_refresh_never_writes_through_a_symlink_out_of_the_project(
     with pytest.raises(SeriesError, match="leads outside the project"):
         refresh(series)
     assert outside.read_text() == "not the project's\n"
+
+
+def test_a_refresh_that_fails_before_folding_keeps_the_edits(
+    two_stages: Project, monkeypatch
+):
+    """The amend itself fails (a full disk, say): the edits were never
+    committed, and the undo must not check anything out over them."""
+    import scripts.series.refresh as refresh_module
+
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    _edit_tree(repo)
+    real_git = refresh_module.git
+
+    def failing_amend(repo_path, *args, **kwargs):
+        if "--amend" in args:
+            raise SeriesError("git commit failed: No space left on device")
+        return real_git(repo_path, *args, **kwargs)
+
+    monkeypatch.setattr(refresh_module, "git", failing_amend)
+    with pytest.raises(SeriesError, match="No space left"):
+        refresh(series)
+    monkeypatch.undo()
+    assert "return 77" in (repo / "vllm/ops.py").read_text()
+    assert [s.id for s in refresh(series)] == ["0002"]
