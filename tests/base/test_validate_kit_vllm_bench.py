@@ -20,11 +20,10 @@ from scripts.validate.matrix import load_experiment
 from scripts.validate.report import write_report
 
 TREE = applied_tree("base")
-if TREE.stage != "base":
-    pytest.skip(
-        "the kit does not depend on the stages: it runs on the base tree only",
-        allow_module_level=True,
-    )
+# The kit does not depend on the stages: once, on the base tree, is enough.
+pytestmark = pytest.mark.skipif(
+    TREE.stage != "base", reason="the validation kit runs on the base tree only"
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 # Streams /v1/completions as OpenAI does; reports the prompt's word count as
