@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     except MatrixError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        # An output folder that cannot be written, a --report folder with
+        # no summary.json: say which.
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             f"interrupted; the server is stopped, results so far in {out}",

@@ -41,13 +41,16 @@ class Server:
 
     def __enter__(self) -> Server:
         with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                env={**os.environ, **self.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            try:
+                self.process = subprocess.Popen(
+                    self.command,
+                    env={**os.environ, **self.env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except FileNotFoundError:
+                raise ServerError(_not_found(self.command[0])) from None
         try:
             self._wait_healthy()
         except BaseException:
@@ -150,8 +153,7 @@ def _run_variant(experiment: Experiment, variant: Variant, out: Path) -> list[Ou
                     outcomes[-1].problems.append("the server died during this run")
                     return outcomes
             for index, command in enumerate(experiment.eval_commands(folder)):
-                done = subprocess.run(command, env={**os.environ, **experiment.env})
-                problems = [f"exit status {done.returncode}"] if done.returncode else []
+                problems = _run(command, {**os.environ, **experiment.env})
                 outcomes.append(Outcome(variant.name, f"eval {index}", None, problems))
     except ServerError as exc:
         outcomes.append(Outcome(variant.name, "server", log.name, [str(exc)]))
@@ -161,17 +163,34 @@ def _run_variant(experiment: Experiment, variant: Variant, out: Path) -> list[Ou
 def _bench(
     experiment: Experiment, point: Point, folder: Path, variant: Variant
 ) -> Outcome:
-    command = experiment.bench_command(point, folder)
-    done = subprocess.run(command)
     result_file = folder / f"{point.name}.json"
     outcome = Outcome(
         variant.name, point.name, result_file.name, isl=point.isl, conc=point.conc
     )
-    if done.returncode != 0:
-        outcome.problems.append(f"`vllm bench serve` exited {done.returncode}")
+    outcome.problems += _run(experiment.bench_command(point, folder), None)
     if not result_file.exists():
         outcome.problems.append("no result file")
         return outcome
     outcome.result = json.loads(result_file.read_text())
     outcome.problems += result_problems(outcome.result, point)
     return outcome
+
+
+def _not_found(program: str) -> str:
+    return (
+        f"{program} is not installed here (not on PATH): install the patched "
+        "vLLM and the eval tools in this environment (README, 'On an MI355X')"
+    )
+
+
+def _run(command: list[str], env: dict[str, str] | None) -> list[str]:
+    """Run one client command; what went wrong with it, if anything."""
+    try:
+        done = subprocess.run(command, env=env)
+    except FileNotFoundError:
+        return [_not_found(command[0])]
+    return (
+        [f"`{' '.join(command[:3])}` exited {done.returncode}"]
+        if done.returncode
+        else []
+    )

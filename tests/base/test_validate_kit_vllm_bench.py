@@ -1,19 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """The validation kit over result files made by vLLM's own benchmark code:
 `vllm bench serve` from the applied tree (vllm/benchmarks/serve.py) runs
-against a stand-in OpenAI server and writes the results the kit checks and
-reports, in exactly the format it writes on an MI355X."""
+against the stand-in OpenAI server (scripts/harness/serving.py) and writes
+the results the kit checks and reports, in exactly the format it writes on
+an MI355X."""
 
 from __future__ import annotations
 
 import json
-import socket
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from scripts.harness import serving
 from scripts.harness.tree import applied_tree
 from scripts.validate import runner
 from scripts.validate.matrix import load_experiment
@@ -26,45 +26,6 @@ pytestmark = pytest.mark.skipif(
 )
 ROOT = Path(__file__).resolve().parents[2]
 
-# Streams /v1/completions as OpenAI does; reports the prompt's word count as
-# its prompt tokens (one word, one token, with the tokenizer below) less
-# TRUNCATE, as a server that did not take the whole prompt would.
-SERVER = """
-import json, os, sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-port, short = int(sys.argv[1]), int(os.environ.get("TRUNCATE", "0"))
-print("engine config: enable_prefix_caching=False", flush=True)
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    def do_GET(self):
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        tokens = int(body.get("max_tokens") or 1)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        def send(event):
-            data = ("data: " + event + "\\n\\n").encode()
-            self.wfile.write(f"{len(data):x}\\r\\n".encode() + data + b"\\r\\n")
-            self.wfile.flush()
-        for i in range(tokens):
-            send(json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}))
-        usage = {"prompt_tokens": len(body["prompt"].split()) - short,
-                 "completion_tokens": tokens}
-        send(json.dumps({"choices": [], "usage": usage}))
-        send("[DONE]")
-        self.wfile.write(b"0\\r\\n\\r\\n")
-    def log_message(self, *args):
-        pass
-try:
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-except KeyboardInterrupt:
-    pass
-"""
 # vLLM's own `vllm bench serve` (its argument parser and main) from the tree.
 BENCH = """
 import argparse, sys
@@ -101,34 +62,23 @@ def _tokenizer(folder: Path) -> Path:
 
 
 def test_vllm_bench_results_are_checked_and_reported(tmp_path, monkeypatch):
+    """The stand-in server (scripts/harness/serving.py) answers vLLM's own
+    client; TRUNCATE makes it report fewer prompt tokens than it was sent."""
     monkeypatch.setattr(runner, "POLL_S", 0.05)
     monkeypatch.setenv("PYTHONPATH", f"{TREE.path}:{ROOT}")
-    (tmp_path / "server.py").write_text(SERVER)
-    (tmp_path / "bench.py").write_text(BENCH)
+    bench = tmp_path / "bench.py"
+    bench.write_text(BENCH)
     tokenizer = _tokenizer(tmp_path / "tokenizer")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    python = json.dumps(sys.executable)
-    matrix = tmp_path / "matrix.toml"
-    matrix.write_text(
-        textwrap.dedent(f"""
-        [stage_0001]
-        model = "stand-in"
-        port = {port}
-        serve = [{python}, "{tmp_path}/server.py", "{{port}}"]
-        bench = [{python}, "{tmp_path}/bench.py", "{{result_dir}}", "{{result_file}}",
-                 "{{isl}}", "{{num_prompts}}", "{{conc}}", "{{port}}", "{tokenizer}"]
-        points = [{{isl = 32, osl = 4, concurrency = [2], num_prompts = {{per_c = 2}}}}]
-        variants = [
-            {{name = "baseline"}},
-            {{name = "truncating", env = {{TRUNCATE = "1"}}}},
-        ]
-        """)
+    placeholders = ["{result_dir}", "{result_file}", "{isl}", "{num_prompts}"]
+    matrix = serving.write_matrix(
+        tmp_path,
+        serving.free_port(),
+        [sys.executable, str(bench), *placeholders, "{conc}", "{port}", str(tokenizer)],
+        "[{isl = 32, osl = 4, concurrency = [2], num_prompts = {per_c = 2}}]",
+        '[{name = "baseline"}, {name = "truncating", env = {TRUNCATE = "1"}}]',
     )
-    experiment = load_experiment("0001", matrix)
     out = tmp_path / "out"
-    outcomes = runner.run_experiment(experiment, out)
+    outcomes = runner.run_experiment(load_experiment("0001", matrix), out)
     problems = {(o.variant, o.run): o.problems for o in outcomes}
     assert problems[("baseline", "isl32-osl4-c2")] == []
     result = json.loads((out / "baseline" / "isl32-osl4-c2.json").read_text())

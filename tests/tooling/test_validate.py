@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 import sys
-import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from scripts.harness import serving
 from scripts.validate import runner
 from scripts.validate.__main__ import dry_run
 from scripts.validate.checks import log_problems, result_problems
@@ -135,31 +135,19 @@ def test_the_seeds_checks():
     assert log_problems("... enable_prefix_caching=True, ...")
 
 
-STAND_IN_SERVER = """
-import http.server, os, sys
-port, limit, served = int(sys.argv[1]), int(os.environ.get("DIE_AFTER", "0")), []
-print("engine config: enable_prefix_caching=False", flush=True)
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        if self.path != "/health":
-            served.append(1)
-            if limit and len(served) >= limit:
-                os._exit(1)
-    def log_message(self, *args):
-        pass
-try:
-    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-except KeyboardInterrupt:
-    pass
-"""
-# Writes a result with the fields `vllm bench serve --save-result` writes
-# (vllm/benchmarks/serve.py in the applied tree); an ISL of 999 loses a token.
+# Reads one streamed completion from the stand-in server, then writes a
+# result with the fields `vllm bench serve --save-result` writes
+# (vllm/benchmarks/serve.py); an ISL of 999 loses a token. Results made by
+# vLLM's own code: tests/base/test_validate_kit_vllm_bench.py.
 STAND_IN_BENCH = """
 import json, sys, urllib.request
 result_dir, result_file, isl, n, port = sys.argv[1:]
-urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/completions", timeout=5).read()
+request = urllib.request.Request(
+    f"http://127.0.0.1:{port}/v1/completions",
+    data=json.dumps({"prompt": "w1 w2", "max_tokens": 1}).encode(),
+    headers={"Content-Type": "application/json"},
+)
+urllib.request.urlopen(request, timeout=5).read()
 total = int(isl) * int(n) - (int(isl) == 999)
 result = {"num_prompts": int(n), "completed": int(n), "failed": 0,
           "total_input_tokens": total, "output_throughput": 100.0,
@@ -169,43 +157,23 @@ with open(f"{result_dir}/{result_file}", "w") as f:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stand_in_matrix(tmp_path: Path, port: int) -> Path:
-    (tmp_path / "server.py").write_text(STAND_IN_SERVER)
-    (tmp_path / "bench.py").write_text(STAND_IN_BENCH)
-    matrix = tmp_path / "matrix.toml"
-    matrix.write_text(
-        textwrap.dedent(f"""
-        [stage_0001]
-        model = "stand-in"
-        port = {port}
-        serve = [{json.dumps(sys.executable)}, "{tmp_path}/server.py", "{{port}}"]
-        bench = [{json.dumps(sys.executable)}, "{tmp_path}/bench.py", "{{result_dir}}",
-                 "{{result_file}}", "{{isl}}", "{{num_prompts}}", "{{port}}"]
-        points = [
-            {{isl = 128, osl = 8, concurrency = [1, 2], num_prompts = {{per_c = 2}}}},
-            {{isl = 999, osl = 8, concurrency = [1], num_prompts = {{per_c = 2}}}},
-        ]
-        variants = [{{ name = "steady" }},
-                    {{ name = "dies", env = {{ DIE_AFTER = "2" }} }}]
-        """)
+def _stand_in_matrix(tmp_path: Path, port: int, variants: str | None = None) -> Path:
+    bench = tmp_path / "bench.py"
+    bench.write_text(STAND_IN_BENCH)
+    placeholders = ["{result_dir}", "{result_file}", "{isl}", "{num_prompts}", "{port}"]
+    return serving.write_matrix(
+        tmp_path,
+        port,
+        [sys.executable, str(bench), *placeholders],
+        "[{isl = 128, osl = 8, concurrency = [1, 2], num_prompts = {per_c = 2}}, "
+        "{isl = 999, osl = 8, concurrency = [1], num_prompts = {per_c = 2}}]",
+        variants or '[{name = "steady"}, {name = "dies", env = {DIE_AFTER = "2"}}]',
     )
-    return matrix
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def test_a_run_keeps_every_result_and_reports_what_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "POLL_S", 0.05)
-    port = _free_port()
+    port = serving.free_port()
     experiment = load_experiment("0001", _stand_in_matrix(tmp_path, port))
     out = tmp_path / "out"
     outcomes = runner.run_experiment(experiment, out)
@@ -218,7 +186,7 @@ def test_a_run_keeps_every_result_and_reports_what_fails(tmp_path, monkeypatch):
     # the run goes no further with it, and nothing is left running.
     assert by_run[("dies", "isl128-osl8-c2")][-1] == "the server died during this run"
     assert ("dies", "isl999-osl8-c1") not in by_run
-    assert _port_is_free(port)
+    assert serving.port_is_free(port)
     assert (out / "steady" / "server.log").read_text().startswith("engine config")
     assert (
         json.loads((out / "steady" / "isl128-osl8-c2.json").read_text())[
@@ -231,7 +199,7 @@ def test_a_run_keeps_every_result_and_reports_what_fails(tmp_path, monkeypatch):
 
 def test_ctrl_c_stops_the_server_and_keeps_the_summary(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "POLL_S", 0.05)
-    port = _free_port()
+    port = serving.free_port()
     experiment = load_experiment("0001", _stand_in_matrix(tmp_path, port))
 
     def interrupted(*args, **kwargs):
@@ -240,7 +208,7 @@ def test_ctrl_c_stops_the_server_and_keeps_the_summary(tmp_path, monkeypatch):
     monkeypatch.setattr(runner.subprocess, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         runner.run_experiment(experiment, tmp_path / "out")
-    assert _port_is_free(port)
+    assert serving.port_is_free(port)
     assert (tmp_path / "out" / "summary.json").exists()
 
 
@@ -307,3 +275,30 @@ def test_the_report_sets_each_variant_against_its_baseline_and_the_pr(tmp_path):
     # stage 0003's PR has no tables: measured columns only
     report = write_report("0003", tmp_path, ["fp8", "mxfp4"], "python -m ...")
     assert "PR " not in report.read_text().split("## ISL")[1]
+
+
+def test_a_missing_program_is_reported_not_a_traceback(tmp_path, monkeypatch):
+    """vllm (or lm_eval) not installed where the kit runs: one clear line."""
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
+    matrix = _stand_in_matrix(tmp_path, serving.free_port(), '[{name = "only"}]')
+    experiment = load_experiment("0001", matrix)
+    experiment = replace(experiment, serve=("no-such-vllm", "serve"))
+    (outcome,) = runner.run_experiment(experiment, tmp_path / "out")
+    missing = (
+        "is not installed here (not on PATH): install the patched "
+        "vLLM and the eval tools in this environment (README, 'On an MI355X')"
+    )
+    assert (outcome.run, outcome.problems) == ("server", [f"no-such-vllm {missing}"])
+    no_client = replace(load_experiment("0001", matrix), bench=("no-such-bench",))
+    outcomes = runner.run_experiment(no_client, tmp_path / "out2")
+    assert outcomes[1].problems[0] == f"no-such-bench {missing}"
+
+
+def test_a_report_of_a_folder_without_a_run_is_one_line(tmp_path, capsys):
+    from scripts.validate.__main__ import main
+
+    assert main(["--stage", "0001", "--report", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: No such file or directory (") and "summary.json" in err
+    )
