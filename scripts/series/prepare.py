@@ -63,10 +63,15 @@ def _extract_sdist(sdist: Path, dest: Path) -> None:
         archive.extractall(dest, members=inside, filter="data")
 
 
-def _extract_git(base: GitBase, commit: str, dest: Path) -> None:
-    archive = git(base.path, "archive", "--format=tar", commit).stdout
+def extract_commit(repo: Path, commit: str, dest: Path) -> None:
+    """The files of ``commit`` in ``repo`` into ``dest`` (no .git)."""
+    archive = git(repo, "archive", "--format=tar", commit).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
+
+
+def _extract_git(base: GitBase, commit: str, dest: Path) -> None:
+    extract_commit(base.path, commit, dest)
     _write_version_metadata(base, git_version(base.path, commit), dest)
 
 

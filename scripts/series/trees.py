@@ -7,14 +7,13 @@ tree, while the work tree itself stays where the user left it.
 
 from __future__ import annotations
 
-import io
-import tarfile
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series
 from scripts.series.git import changed_files, git, rev_parse
 from scripts.series.layout import stage_tree_dir, workdir
+from scripts.series.prepare import extract_commit
 from scripts.series.state import read_chain
 
 
@@ -52,8 +51,6 @@ def copy_tree(series: Series, stage_id: str, dest: Path) -> Path:
         raise SeriesError(f"{dest} exists and is not an empty folder; name a new one")
     repo = workdir(series)
     commit = read_chain(series, repo).current_commit(stage_id)
-    archive = git(repo, "archive", "--format=tar", commit).stdout
     dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(dest, filter="data")
+    extract_commit(repo, commit, dest)
     return dest
