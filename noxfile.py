@@ -212,11 +212,24 @@ def check_patches(session: nox.Session) -> None:
     _series(session, "check")
 
 
-@nox.session(venv_backend="none")
+@nox.session
 def export(session: nox.Session) -> None:
-    """Each stage (-- STAGE: one) as an upstream PR: build/export/<base>/, pr/<id>."""
-    _series(session, "apply")
-    _series(session, "export", *session.posargs)
+    """Each stage as an upstream PR, on the pinned vLLM and on each rebased
+    series' target (build/export/<base>/, pr/<id>), checked as a maintainer
+    takes it: `git am`, then its tests with plain pytest;
+    -- --signoff 'NAME <EMAIL>' (default: your git identity)."""
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    for series_file in (SERIES_FILE, *REBASED):
+        _series(session, "apply", series=series_file)
+        _install_cpu_deps(session, series_file)
+        _series(
+            session,
+            "export",
+            "--test-python",
+            python,
+            *session.posargs,
+            series=series_file,
+        )
 
 
 @nox.session(venv_backend="none")

@@ -32,6 +32,7 @@ from scripts.series.git import is_repo
 from scripts.series.layout import results_dir, workdir
 from scripts.series.lock import project_lock
 from scripts.series.overview import readme_table_is_current, stage_table
+from scripts.series.pr_check import check_prs
 from scripts.series.prepare import prepare
 from scripts.series.refresh import recover_interrupted_refresh, refresh
 from scripts.series.status import format_status, tree_status
@@ -83,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
         "--signoff",
         metavar="'NAME <EMAIL>'",
         help="who signs the PRs off (DCO); default: your git user.name/user.email",
+    )
+    pr.add_argument(
+        "--test-python",
+        metavar="PYTHON",
+        help="then check each PR as a maintainer would: `git am` on the base "
+        "(after the PRs it needs), and the tests it adds, with plain pytest in "
+        "this Python",
     )
     sub.add_parser("stages", help="print 'base' and the stage ids, in order")
     sub.add_parser("overview", help="print the README's stage table")
@@ -284,12 +292,19 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         print(format_status(series, tree_status(series)))
     elif args.command == "export":
         exporter = exporter_identity(series.root, args.signoff)
-        for pr in export_stages(series, exporter, args.stage):
+        prs = export_stages(series, exporter, args.stage)
+        for pr in prs:
             where = (
                 f"needs {pr.needs} first" if pr.needs else "applies on the base alone"
             )
             print(f"{pr.stage.id}: {pr.branch} {pr.commit[:12]} ({where})")
             print(f"  {pr.patch}\n  {pr.description}")
+        if args.test_python:
+            check_prs(series, prs, args.test_python)
+            print(
+                f"each PR applies with `git am` on {series.base.label} and its "
+                "tests pass there with plain pytest"
+            )
     elif args.command == "overview":
         print(stage_table(series))
     elif args.command == "stages":

@@ -89,6 +89,18 @@ class Stage:
     switches: tuple[str, ...] = ()
     validated_on: str = "not stated"
 
+    @property
+    def vllm_tests(self) -> tuple[str, ...]:
+        """The test files the stage adds to vLLM's own tests/ (overlays named
+        tests/**/test_*.py): its PR's tests, run with plain pytest in the
+        tree, as vLLM's CI would."""
+        return tuple(
+            overlay
+            for overlay in self.overlays
+            if overlay.startswith("tests/")
+            and overlay.rsplit("/", 1)[-1].startswith("test_")
+        )
+
 
 @dataclass(frozen=True)
 class RegressionSuite:

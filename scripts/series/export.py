@@ -22,9 +22,16 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage, load_series
 from scripts.series.git import Identity, commit_tree, git, git_out, rev_parse
-from scripts.series.layout import export_dir, exported_ref, pr_branch, workdir
+from scripts.series.layout import (
+    export_dir,
+    exported_ref,
+    pr_branch,
+    results_dir,
+    workdir,
+)
 from scripts.series.refresh import FORMAT_PATCH_FLAGS
 from scripts.series.state import read_chain
+from scripts.series.testrun import junit_suite, read_junit
 
 _TRAILER = re.compile(r"^[A-Za-z-]+: .+$")
 
@@ -99,11 +106,13 @@ def pr_description(
         sorted(p.name for p in test_dir.glob("test_*.py")) if test_dir.is_dir() else []
     )
     validation = [
+        _pr_tests_validation(series, stage),
         f"Measured with the DSA patch series on {pinned.label} (where each row "
         "says: CPU, NVIDIA H200); nothing here ran on AMD hardware.",
         _doc_section(series, stage, "Results") or "No recorded results yet.",
         f"The series' tests of this change (`tests/{stage.tests}/` in the series "
-        "repository, not part of this PR): "
+        "repository, not part of this PR; they drive the stages together, "
+        "across ranks and on GPUs): "
         + (", ".join(f"`{name}`" for name in tests) or "none"),
     ]
     claims = _doc_section(series, stage, "Figures from")
@@ -119,6 +128,36 @@ def pr_description(
         "Details": "\n\n".join(paragraphs[1:]) or "-",
     }
     return f"{subject}\n\n" + _fill_template(template or _FALLBACK_TEMPLATE, sections)
+
+
+def _pr_tests_validation(series: Series, stage: Stage) -> str:
+    """The PR's own tests: the command that runs them in a vLLM checkout and
+    their outcome in the last `test` run of the stage's tree on this base."""
+    if not stage.vllm_tests:
+        return "This PR adds no tests to vLLM's tests/."
+    command = "pytest -q " + " ".join(stage.vllm_tests)
+    junit = results_dir(series) / stage.id / "pr-tests.xml"
+    modules = tuple(
+        path.removesuffix(".py").replace("/", ".") for path in stage.vllm_tests
+    )
+    tally = read_junit(junit, modules) if junit.exists() else None
+    if tally is None or not (tally.passed or tally.failed or tally.skipped):
+        outcome = (
+            f"Not yet run on {series.base.label}: `python -m scripts.series test "
+            f"{stage.id}` in the series repository runs them."
+        )
+    else:
+        started = junit_suite(junit).get("timestamp", "?").partition(".")[0]
+        skips = "; ".join(f"{n} skipped: {r}" for r, n in tally.skip_reasons.items())
+        outcome = (
+            f"CPU, {series.base.label} (run of {started}): "
+            f"{tally.passed} passed, {tally.failed} failed"
+            + (f"; {skips}" if skips else "")
+        )
+    return (
+        f"Tests added to vLLM's tests/ (`cpu_test`; the ROCm ones skip elsewhere), "
+        f"run from the root of a vLLM checkout:\n\n```\n{command}\n```\n\n{outcome}"
+    )
 
 
 def _fill_template(template: str, sections: dict[str, str]) -> str:
@@ -158,13 +197,22 @@ def _fill_template(template: str, sections: dict[str, str]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def commit_subject(title: str) -> str:
+    """The PR title without its leading ``[ROCm][Perf]``-style tags: git
+    mailinfo strips every leading ``[...]`` from a subject, so a plain `git
+    am` would drop them. The tags stay in the PR title (the description's
+    first line), which GitHub uses for the squash-merged commit."""
+    return re.sub(r"^(\s*\[[^\]]*\])+\s*", "", title) or title
+
+
 def commit_message(message: str, exporter: Identity) -> str:
-    """The stage's subject and body, plain text (it survives an editor),
-    signed off by whoever exports it, not by the series' identity."""
+    """The stage's subject (``commit_subject``) and body, plain text (it
+    survives an editor), signed off by whoever exports it, not by the
+    series' identity."""
     subject, body, trailers = _split_message(message)
     kept = [t for t in trailers if not t.startswith("Signed-off-by:")]
     trailers = [*kept, f"Signed-off-by: {exporter.name} <{exporter.email}>"]
-    return f"{subject}\n\n{body}\n\n" + "\n".join(trailers) + "\n"
+    return f"{commit_subject(subject)}\n\n{body}\n\n" + "\n".join(trailers) + "\n"
 
 
 def exporter_identity(root: Path, signoff: str | None) -> Identity:
@@ -297,14 +345,12 @@ def export_stage(
 def export_stages(
     series: Series, exporter: Identity, stage_id: str | None = None
 ) -> list[PullRequest]:
-    """Export the stages in order (a stage's dependencies first), signed off
-    by ``exporter``."""
+    """Export the stages in order, up to ``stage_id`` (all: None), signed off
+    by ``exporter``; a stage's PR is made on the PRs it needs, so those are
+    exported (and returned) too."""
     if stage_id == "base":
         raise SeriesError("the base is not a stage: name a stage to export")
-    wanted = series.stages_upto(stage_id)
     done: dict[str, PullRequest] = {}
-    for stage in wanted:
+    for stage in series.stages_upto(stage_id):
         done[stage.id] = export_stage(series, stage, done, exporter)
-    if stage_id is not None:
-        return [done[stage_id]]
     return list(done.values())

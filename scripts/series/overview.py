@@ -16,21 +16,27 @@ END = "<!-- end of stage table -->"
 
 def stage_table(series: Series) -> str:
     rows = [
-        "| stage | turn it on | hooks into vLLM | overlay modules | tests "
-        "| validated on | upstream |",
-        "|---|---|---|---|---|---|---|",
+        "| stage | turn it on | hooks into vLLM | overlay modules | series tests "
+        "| PR tests (vLLM's tests/) | validated on | upstream |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for stage in series.stages:
         files = read_patch(series.patch_file(stage)).files
         hooks = "<br>".join(f"`{f.removeprefix('vllm/')}`" for f in files)
-        overlays = "<br>".join(f"`{o.rsplit('/', 1)[-1]}`" for o in stage.overlays)
+        overlays = "<br>".join(
+            f"`{o.rsplit('/', 1)[-1]}`"
+            for o in stage.overlays
+            if o not in stage.vllm_tests
+        )
+        pr_tests = "<br>".join(f"`{t}`" for t in stage.vllm_tests) or "none"
         switches = "<br>".join(f"`{s}`" for s in stage.switches) or "none"
         upstream = stage.upstream_status.replace("-", " ")
         if stage.upstream_status != "not-submitted":
             upstream += f" ({stage.upstream_pr})"
         rows.append(
             f"| **{stage.id}** {stage.title} | {switches} | {hooks} | {overlays} "
-            f"| `tests/{stage.tests}/` | {stage.validated_on} | {upstream} |"
+            f"| `tests/{stage.tests}/` | {pr_tests} | {stage.validated_on} "
+            f"| {upstream} |"
         )
     return "\n".join(rows)
 

@@ -248,12 +248,17 @@ def _stage_problem(
     ]
     if failure := tester.imports(series, repo, claimed, modules):
         return f"does not import: {failure}"
-    if not (series.tests_dir / stage.tests).is_dir():
-        return None  # a stage without tests (config names the folder)
-    tally = tester.pytest(series, repo, claimed, [stage.tests])
-    if tally.failed or not tally.passed:
-        failed = ", ".join(tally.failures[:5]) or "no test passed"
-        return f"its tests fail on the target ({tally.failed} failed: {failed})"
+    tallies = []
+    if (series.tests_dir / stage.tests).is_dir():  # config names the folder
+        tallies.append(
+            ("its tests", tester.pytest(series, repo, claimed, [stage.tests]))
+        )
+    if stage.vllm_tests:
+        tallies.append(("its PR's tests", tester.pr_tests(repo, stage.vllm_tests)))
+    for what, tally in tallies:
+        if tally.failed or not tally.passed:
+            failed = ", ".join(tally.failures[:5]) or "no test passed"
+            return f"{what} fail on the target ({tally.failed} failed: {failed})"
     return None
 
 

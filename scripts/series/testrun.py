@@ -2,7 +2,8 @@
 """Which pytest runs test a stage's tree, and the summary of their results.
 
 A stage's tree holds the base plus stages 1..N. It runs the base tests, the
-stage's own tests and the regression selection of vLLM's own tests; the top
+stage's own tests, the regression selection of vLLM's own tests and the
+tests the stage adds to vLLM's tests/ (its PR's, with plain pytest); the top
 stage's tree (the one users serve) runs every stage's tests, so a later stage
 that breaks an earlier one is caught there. The runs are independent
 processes and run side by side (one per CPU by default), the longest first
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import REPO_ROOT, Series, Stage
-from scripts.series.contract import PLUGIN_FILES_ENV, tree_env
+from scripts.series.contract import CPU_ENV, PLUGIN_FILES_ENV, tree_env
 from scripts.series.git import git
 from scripts.series.layout import results_dir
 from scripts.series.trees import stage_tree
@@ -38,14 +39,16 @@ from scripts.series.trees import stage_tree
 
 @dataclass(frozen=True)
 class PytestRun:
-    """One pytest invocation: arguments (after ``python -m pytest``), env, and
-    where it writes its JUnit XML. ``row`` is its line in the summary."""
+    """One pytest invocation: arguments (after ``python -m pytest``), env,
+    where it writes its JUnit XML and the folder it runs in (None: the
+    project). ``row`` is its line in the summary."""
 
     row: str
     label: str
     args: tuple[str, ...]
     env: dict[str, str]
     junit: Path
+    cwd: Path | None = None
 
 
 def stage_runs(
@@ -113,7 +116,38 @@ def stage_runs(
                 junit,
             )
         )
+    if pr_tests := [path for stage in tested for path in stage.vllm_tests]:
+        runs.append(pr_tests_run(stage_id, tree, pr_tests, out / "pr-tests.xml"))
     return runs
+
+
+def pr_tests_run(row: str, tree: Path, paths: Sequence[str], junit: Path) -> PytestRun:
+    """The tests stages add to vLLM's tests/, as a vLLM checkout runs them:
+    plain pytest from the tree's root with vLLM's own conftest, nothing of
+    this project on the path."""
+    return PytestRun(
+        row,
+        "PR tests (vLLM's tests/, plain pytest)",
+        ("-p", "no:cacheprovider", f"--junitxml={junit}", "-q", *paths),
+        {**CPU_ENV, "PYTHONPATH": ""},
+        junit,
+        cwd=tree,
+    )
+
+
+def run_pr_tests(python: str, tree: Path, paths: Sequence[str], junit: Path) -> Tally:
+    """Run ``pr_tests_run`` now, quietly, with ``python``; its results."""
+    junit.unlink(missing_ok=True)
+    run = pr_tests_run("check", tree, paths, junit)
+    subprocess.run(
+        [python, "-m", "pytest", *run.args],
+        env={**os.environ, **run.env},
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )
+    return read_junit(junit)
 
 
 def tooling_run(series: Series) -> PytestRun:
@@ -143,8 +177,9 @@ class Tally:
         self.failures += other.failures
 
 
-def read_junit(path: Path) -> Tally:
-    """Count a JUnit XML file; a missing or broken file counts as a failure."""
+def read_junit(path: Path, modules: Sequence[str] = ()) -> Tally:
+    """Count a JUnit XML file (only the tests of ``modules``, dotted, if
+    given); a missing or broken file counts as a failure."""
     tally = Tally()
     try:
         root = ET.parse(path).getroot()
@@ -153,7 +188,12 @@ def read_junit(path: Path) -> Tally:
         tally.failures.append(f"{path.name}: no results ({exc})")
         return tally
     for case in root.iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
+        classname = case.get("classname") or ""
+        if modules and not any(
+            classname == m or classname.startswith(m + ".") for m in modules
+        ):
+            continue
+        name = f"{classname}::{case.get('name')}"
         if case.find("failure") is not None or case.find("error") is not None:
             tally.failed += 1
             tally.failures.append(name)
@@ -164,7 +204,7 @@ def read_junit(path: Path) -> Tally:
         else:
             tally.passed += 1
     # Collection errors appear as <testsuite errors=N> without test cases.
-    for suite in root.iter("testsuite"):
+    for suite in [] if modules else root.iter("testsuite"):
         errors = int(suite.get("errors", 0))
         listed = sum(1 for c in suite.iter("testcase") if c.find("error") is not None)
         if errors > listed:
@@ -191,12 +231,20 @@ def format_summary(rows: list[tuple[str, Tally]]) -> str:
     return "\n".join(lines)
 
 
+def junit_suite(path: Path) -> dict[str, str]:
+    """The attributes of a JUnit file's (first) test suite: its time,
+    timestamp and counts; empty if there is no readable file."""
+    try:
+        return dict(next(ET.parse(path).getroot().iter("testsuite")).attrib)
+    except (OSError, ET.ParseError, StopIteration):
+        return {}
+
+
 def _last_duration(run: PytestRun) -> float:
     """Seconds the run took last time (unknown: infinite, so it starts first)."""
     try:
-        suite = next(ET.parse(run.junit).getroot().iter("testsuite"))
-        return float(suite.get("time", "inf"))
-    except (OSError, ET.ParseError, StopIteration, ValueError):
+        return float(junit_suite(run.junit).get("time", "inf"))
+    except ValueError:
         return math.inf
 
 
@@ -209,7 +257,7 @@ def _run_one(run: PytestRun, python: str, extra: Sequence[str], cwd: Path) -> Ta
     done = subprocess.run(
         [python, "-m", "pytest", *run.args, *extra],
         env={**os.environ, **run.env},
-        cwd=cwd,
+        cwd=run.cwd or cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -308,6 +356,12 @@ class TreeTester:
                 check=False,
             )
         return read_junit(junit)
+
+    def pr_tests(self, repo: Path, paths: Sequence[str]) -> Tally:
+        """``paths`` (tests the stages add to vLLM's tests/) on the tree,
+        with plain pytest from its root."""
+        with self._checkout(repo) as tree:
+            return run_pr_tests(self.python, tree, paths, repo.parent / "check-pr.xml")
 
     def imports(
         self, series: Series, repo: Path, stages: list[str], modules: Sequence[str]

@@ -16,10 +16,6 @@ from scripts.harness.tree import applied_tree
 TREE = applied_tree("0003")
 
 from scripts.harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache  # noqa: E402
-from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (  # noqa: E402
-    check_mxfp4_indexer_cache,
-    mxfp4_indexer_row_bytes,
-)
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
     RocmPagedMxfp4CacheLayout,
 )
@@ -77,11 +73,6 @@ def _edge_rows() -> torch.Tensor:
     rows = torch.stack(list(blocks.values()))
     pad = (-rows.shape[0]) % 4
     return torch.cat([rows, torch.zeros(pad, 32)]).reshape(-1, HEAD_DIM)
-
-
-def test_row_is_68_bytes():
-    assert mxfp4_indexer_row_bytes(128) == 68
-    assert ROW == 68
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
@@ -170,25 +161,3 @@ def test_writes_into_block_major_pool_stay_in_their_pages():
     want = torch.zeros(pages, entries, ROW, dtype=torch.uint8)
     ref.write_cache(want, slots, k, layout)
     assert torch.equal(cache, want)
-
-
-@pytest.mark.parametrize(
-    "shape, dtype, layout, match",
-    [
-        ((2, 64, 132), torch.uint8, LAYOUTS[0], "uint8 \\[pages, entries, 68\\]"),
-        ((2, 64, 68), torch.int8, LAYOUTS[0], "uint8"),
-        ((2, 40, 68), torch.uint8, LAYOUTS[0], "does not tile"),
-        ((2, 64, 68), torch.uint8, RocmPagedMxfp4CacheLayout(16, 48, 4), "tile"),
-        ((2, 64, 68), torch.uint8, RocmPagedMxfp4CacheLayout(16, 16, 3), "tile"),
-    ],
-)
-def test_cache_shape_errors(shape, dtype, layout, match):
-    with pytest.raises(ValueError, match=match):
-        check_mxfp4_indexer_cache(torch.zeros(shape, dtype=dtype), HEAD_DIM, layout)
-
-
-def test_head_dim_errors():
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
-        check_mxfp4_indexer_cache(
-            torch.zeros(1, 64, 48 + 3, dtype=torch.uint8), 96, LAYOUTS[0]
-        )

@@ -4,12 +4,19 @@ description, the standalone check, determinism, an untouched work tree."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
+import pytest
+
+from scripts.series import SeriesError
 from scripts.series.apply import apply
 from scripts.series.config import load_series
 from scripts.series.export import export_stages
 from scripts.series.git import Identity, changed_files, git_out
+from scripts.series.pr_check import check_prs
 from tests.tooling.conftest import Project, sh, write_files
 
 EXPORTER = Identity("Eve Exporter", "eve@example.org", "")
@@ -105,8 +112,11 @@ def test_two_exports_are_byte_identical(two_stages: Project, tmp_path):
 
 def test_exporting_one_stage_exports_what_it_needs(two_stages: Project):
     apply(two_stages.series())
-    (only,) = export_stages(two_stages.series(), EXPORTER, "0002")
-    assert only.stage.id == "0002" and only.needs == "0001"
+    first, second = export_stages(two_stages.series(), EXPORTER, "0002")
+    assert second.stage.id == "0002" and second.needs == "0001"
+    assert first.stage.id == "0001" and first.needs is None
+    (alone,) = export_stages(two_stages.series(), EXPORTER, "0001")
+    assert alone.commit == first.commit
 
 
 def test_an_undeclared_dependency_is_named(two_stages: Project):
@@ -152,19 +162,92 @@ def test_a_pr_branch_with_a_users_commit_is_not_moved(two_stages: Project):
         export_stages(series, EXPORTER, "base")
 
 
-def test_exported_prs_apply_with_git_am_on_their_base(two_stages: Project, tmp_path):
-    """As a maintainer applies them: each patch onto a clone of the base (the
-    second onto the first, which it needs), title and sign-off intact with
-    `git am -k` (plain `git am` drops a title's leading [tags], by design)."""
-    apply(two_stages.series())
-    first, second = export_stages(two_stages.series(), EXPORTER)
+def test_exported_prs_apply_with_plain_git_am_and_their_tests_pass(
+    project: Project, tmp_path
+):
+    """As a maintainer applies them: each patch with plain `git am` onto a
+    clone of the base (the second onto the first, which it needs); title and
+    sign-off intact; the tests each PR adds to the tree pass there with plain
+    pytest, nothing of the series on the path."""
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
+        {
+            "vllm/cp_indexer.py": "def split():\n    return 'striped'\n",
+            "tests/test_cp_indexer.py": (
+                "from vllm.cp_indexer import split\n\n\n"
+                "def test_split():\n    assert split() == 'striped'\n"
+            ),
+        },
+        title="[ROCm][Perf] Striped indexer",
+    )
+    project.add_stage(
+        "0002",
+        {"vllm/envs.py": ("CP_INDEXER = False\n", "CP_INDEXER = True\n")},
+        {
+            "tests/test_envs.py": (
+                "from vllm import envs\n\n\n"
+                "def test_on():\n    assert envs.CP_INDEXER\n"
+            )
+        },
+        title="[ROCm] Top-k gate",
+        depends_on=("0001",),
+    )
+    series = project.series()
+    assert [s.vllm_tests for s in series.stages] == [
+        ("tests/test_cp_indexer.py",),
+        ("tests/test_envs.py",),
+    ]
+    apply(series)
+    first, second = export_stages(series, EXPORTER)
     clone = tmp_path / "vllm"
-    sh(tmp_path, "git", "clone", "-q", str(two_stages.upstream), str(clone))
+    sh(tmp_path, "git", "clone", "-q", str(project.upstream), str(clone))
     sh(clone, "git", "checkout", "-q", "v1")
     for pr in (first, second):
-        sh(clone, "git", "am", "-q", "-k", str(pr.patch))
+        sh(clone, "git", "am", "-q", str(pr.patch))
     fields = "%s|%an|%(trailers:key=Signed-off-by,valueonly)"
-    log = sh(clone, "git", "log", "-2", f"--format={fields}")
-    assert log.split("\n\n")[0].startswith("Top-k gate|Eve Exporter|Eve Exporter <eve")
-    assert "Striped indexer|Eve Exporter" in log
-    assert (clone / "vllm/cp_indexer.py").exists()
+    log = sh(clone, "git", "log", "-2", f"--format={fields}").split("\n\n")
+    assert log[0].startswith("Top-k gate|Eve Exporter|Eve Exporter <eve")
+    assert log[1].startswith("Striped indexer|Eve Exporter|Eve Exporter <eve")
+    # The tags stay in the PR title, the description's first line.
+    assert first.description.read_text().startswith("[ROCm][Perf] Striped indexer\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout
+    assert "2 passed" in done.stdout
+
+
+def _stage_with_a_pr_test(project: Project, test_body: str) -> None:
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = True\n")},
+        {"tests/test_envs.py": f"from vllm import envs\n\n\n{test_body}"},
+        title="[ROCm] Switch",
+    )
+
+
+def test_the_maintainers_check_passes_a_good_pr(project: Project):
+    _stage_with_a_pr_test(project, "def test_on():\n    assert envs.CP_INDEXER\n")
+    apply(project.series())
+    prs = export_stages(project.series(), EXPORTER)
+    check_prs(project.series(), prs, sys.executable)
+    assert (
+        git_out(project.root / "build/vllm-git-v1", "worktree", "list").count("\n") == 0
+    ), "the check's checkouts are removed"
+
+
+def test_the_maintainers_check_names_a_failing_pr_test(project: Project):
+    _stage_with_a_pr_test(project, "def test_off():\n    assert not envs.CP_INDEXER\n")
+    apply(project.series())
+    prs = export_stages(project.series(), EXPORTER)
+    with pytest.raises(SeriesError, match="PR of stage 0001: its tests fail after"):
+        check_prs(project.series(), prs, sys.executable)
+    with pytest.raises(SeriesError, match="no such Python"):
+        check_prs(project.series(), prs, "/no/python")

@@ -120,3 +120,34 @@ def test_the_regression_selection_runs_on_every_stage_tree():
     assert sum(len(files) for files in plugin_files.values()) < sum(
         len(suite.paths) for suite in series.regression
     )
+
+
+def test_pr_tests_run_with_plain_pytest_in_the_tree():
+    """The tests stages add to vLLM's tests/: the stage's own on its tree,
+    every stage's on the top one; from the tree's root, with vLLM's conftest
+    and nothing of this project on the path."""
+    from scripts.series.config import load_series
+
+    series = load_series()
+    first, top = series.stages[0], series.stages[-1]
+    assert first.vllm_tests and all(t.startswith("tests/") for t in first.vllm_tests)
+    tree = Path("/trees/x")
+    own = [r for r in stage_runs(series, first.id, tree, tree) if r.cwd == tree]
+    assert len(own) == 1
+    assert own[0].env["PYTHONPATH"] == ""
+    assert "--noconftest" not in own[0].args
+    assert [a for a in own[0].args if a.startswith("tests/")] == list(first.vllm_tests)
+    every = [r for r in stage_runs(series, top.id, tree, tree) if r.cwd == tree]
+    assert [a for a in every[0].args if a.startswith("tests/")] == [
+        t for stage in series.stages for t in stage.vllm_tests
+    ]
+    assert not [r for r in stage_runs(series, "base", tree, tree) if r.cwd]
+
+
+def test_junit_counts_only_the_modules_asked_for(tmp_path: Path):
+    junit = tmp_path / "r.xml"
+    junit.write_text(JUNIT.format(errors=1))
+    tally = read_junit(junit, ["t.b"])
+    assert (tally.passed, tally.failed, tally.skipped) == (0, 0, 3)
+    other = read_junit(junit, ["t.x"])  # nothing of t.x ran: nothing failed
+    assert (other.passed, other.failed, other.skipped) == (0, 0, 0)

@@ -1,46 +1,66 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stage 0001: the row assignment, the env vars and when the split stays off."""
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The context-parallel split of the ROCm DSA indexer prefill: which TP rank
+scores each prefill row, when a batch splits, and the start-up settings.
 
-from __future__ import annotations
+The split is pure host-side planning, so these run on any machine; the ROCm
+platform and AITER switches are patched the way vLLM's other ROCm policy
+tests patch them. The merge across ranks needs a process group and is not
+covered here.
+"""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from scripts.harness import indexer_batch
-from scripts.harness.rocm_platform import emulate_rocm
-from scripts.harness.tree import applied_tree
-
-TREE = applied_tree("0001")
-
-from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
-from vllm.v1.attention.ops.rocm_cp_indexer import (  # noqa: E402
+import vllm._aiter_ops as aiter_ops
+import vllm.envs as envs
+from vllm._aiter_ops import rocm_aiter_ops
+from vllm.config import CUDAGraphMode
+from vllm.v1.attention.ops import rocm_cp_indexer
+from vllm.v1.attention.ops.rocm_cp_indexer import (
     CPIndexerPrefill,
     CPIndexerSplit,
     cp_indexer_stripe_at_startup,
     plan_cp_indexer_split,
+    unsafe_config_reason,
 )
+
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 
 @pytest.fixture
-def cp_on(monkeypatch):
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-    with emulate_rocm("gfx950"):
-        yield
+def rocm_aiter(monkeypatch: pytest.MonkeyPatch):
+    """A ROCm platform where AITER is found, switched on (VLLM_ROCM_USE_AITER=1)."""
+    monkeypatch.setattr(rocm_cp_indexer.current_platform, "is_rocm", lambda: True)
+    monkeypatch.setattr(aiter_ops, "is_aiter_found_and_supported", lambda: True)
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
+    rocm_aiter_ops.refresh_env_variables()
+    yield monkeypatch
+    monkeypatch.undo()
+    rocm_aiter_ops.refresh_env_variables()
+
+
+@pytest.fixture
+def cp_on(rocm_aiter: pytest.MonkeyPatch):
+    rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    rocm_aiter_ops.refresh_env_variables()
+    return rocm_aiter
+
+
+def _config(graphs: str | None = None):
+    mode = CUDAGraphMode[graphs] if graphs else None
+    return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+
+def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None) -> int | None:
+    return cp_indexer_stripe_at_startup(_config(graphs), tp, dcp, pcp)
 
 
 def _owners(split: CPIndexerSplit) -> list[int]:
     rows = torch.arange(split.first_row, split.first_row + split.num_rows)
     return split.owner(rows).tolist()
-
-
-def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None) -> int | None:
-    from vllm.config import CUDAGraphMode
-
-    mode = CUDAGraphMode[graphs] if graphs else None
-    config = indexer_batch.make_vllm_config(tp_size=tp, cudagraph_mode=mode)
-    return cp_indexer_stripe_at_startup(config, tp, dcp, pcp)
 
 
 def test_stripes_are_dealt_in_mirrored_order():
@@ -102,10 +122,11 @@ def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list:
     return chunks
 
 
-def test_invariant_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
+def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
     """Over many generated batches: once split, every prefill row is scored
     by exactly one rank; decode and padding rows by none; every rank makes
-    the same collective calls in the same order (one merge, or none)."""
+    the same collective calls (one merge, or none). The all_reduce(MAX)
+    merge is only right with one writer per row."""
     gen = torch.Generator().manual_seed(0)
     for case in range(300):
         tp = int(torch.randint(2, 9, (1,), generator=gen))
@@ -118,7 +139,7 @@ def test_invariant_one_writer_per_merged_row_and_the_same_collectives(monkeypatc
             stripe, tp, decode, rows, [c.token_end - c.token_start for c in chunks]
         )
         writers = torch.zeros(decode + rows + padding, dtype=torch.int64)
-        calls = []
+        merges = []
         for rank in range(tp):
             monkeypatch.setattr(
                 rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
@@ -128,33 +149,43 @@ def test_invariant_one_writer_per_merged_row_and_the_same_collectives(monkeypatc
                 local = prefill.rows(chunk).local
                 scored = torch.arange(chunk.token_start, chunk.token_end)
                 writers[scored if local is None else scored[local]] += 1
-            calls.append(prefill.split is not None)
+            merges.append(prefill.split is not None)
         expected = 1 if split is not None else tp
         assert writers[decode : decode + rows].eq(expected).all(), case
         assert writers[:decode].eq(0).all() and writers[decode + rows :].eq(0).all()
-        assert len(set(calls)) == 1, f"case {case}: ranks disagree on the merge"
+        assert len(set(merges)) == 1, f"case {case}: ranks disagree on the merge"
         if all(c.token_end - c.token_start < tp for c in chunks):
             assert split is None, f"case {case}: only short chunks, yet split"
 
 
-@pytest.mark.parametrize(("tp", "dcp", "pcp"), [(1, 1, False)])
-def test_one_rank_never_splits(cp_on, tp, dcp, pcp):
-    assert _at_startup(tp, dcp, pcp) is None
+def test_candidate_blocks_keep_the_prefill_replicated():
+    split = CPIndexerSplit(2, 4, 0, 16)
+    prefill = CPIndexerPrefill(split, has_candidate_blocks=True)
+    assert prefill.split is None
+    assert prefill.rows(SimpleNamespace(token_start=0, token_end=16)).local is None
 
 
-def test_the_stripe_size_is_read_at_startup(cp_on, monkeypatch):
+def test_one_rank_never_splits(cp_on):
+    assert _at_startup(1) is None
+
+
+def test_the_stripe_size_is_read_at_startup(cp_on):
     assert _at_startup(4) == 512
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "1024")
+    cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "1024")
     assert _at_startup(4) == 1024
 
 
-def test_flag_off_or_no_aiter_means_no_split(monkeypatch):
-    with emulate_rocm("gfx950"):
-        assert _at_startup(2) is None
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-    with emulate_rocm("gfx950", aiter=False):
-        assert _at_startup(2) is None
-    assert _at_startup(2) is None  # not ROCm
+def test_flag_off_aiter_off_or_not_rocm_means_no_split(rocm_aiter):
+    assert _at_startup(2) is None  # flag off
+    rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    rocm_aiter.setenv("VLLM_ROCM_USE_AITER", "0")
+    rocm_aiter_ops.refresh_env_variables()
+    assert _at_startup(2) is None
+    rocm_aiter.setenv("VLLM_ROCM_USE_AITER", "1")
+    rocm_aiter_ops.refresh_env_variables()
+    assert _at_startup(2) == 512
+    rocm_aiter.setattr(rocm_cp_indexer.current_platform, "is_rocm", lambda: False)
+    assert _at_startup(2) is None
 
 
 @pytest.mark.parametrize(
@@ -167,13 +198,11 @@ def test_flag_off_or_no_aiter_means_no_split(monkeypatch):
     ],
 )
 def test_unsafe_configurations_stay_off_with_a_startup_log_line(
-    cp_on, monkeypatch, dcp, pcp, graphs, invariant, reason
+    cp_on, dcp, pcp, graphs, invariant, reason
 ):
-    import vllm.envs as envs
-
-    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", invariant, raising=False)
+    cp_on.setattr(envs, "VLLM_BATCH_INVARIANT", invariant, raising=False)
     logged = []
-    monkeypatch.setattr(
+    cp_on.setattr(
         rocm_cp_indexer.logger, "info", lambda msg, *args: logged.append(msg % args)
     )
     assert _at_startup(2, dcp, pcp, graphs) is None
@@ -184,58 +213,34 @@ def test_unsafe_configurations_stay_off_with_a_startup_log_line(
     "graphs", ["PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"]
 )
 def test_graphs_that_leave_mixed_batches_eager_or_piecewise_are_safe(cp_on, graphs):
-    from vllm.config import CUDAGraphMode
-
-    config = indexer_batch.make_vllm_config(
-        tp_size=2, cudagraph_mode=CUDAGraphMode[graphs]
-    )
-    assert rocm_cp_indexer.unsafe_config_reason(config, 1, False) is None
+    assert unsafe_config_reason(_config(graphs), 1, False) is None
     assert _at_startup(2, graphs=graphs) == 512
 
 
-def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
-    """Through vLLM's own builder: decode rows first, then the plan over the
-    prefill rows only."""
-    config = indexer_batch.make_vllm_config(tp_size=4)
-    builder = indexer_batch.make_builder(config, monkeypatch)
-    assert builder.cp_indexer_stripe == 512
-    batch = indexer_batch.build_batch(builder, [(30, 1), (0, 200), (50, 90)])
-    assert batch.metadata.prefill.cp_split == CPIndexerSplit(4, 36, 1, 290)
-    single = indexer_batch.make_builder(indexer_batch.make_vllm_config(1), monkeypatch)
-    batch = indexer_batch.build_batch(single, [(30, 1), (0, 200)])
-    assert batch.metadata.prefill.cp_split is None
-
-
 @pytest.mark.parametrize("value", ["0", "-512", "abc", "", "1.5"])
-def test_invalid_stripe_sizes_are_clear_errors_at_startup(cp_on, monkeypatch, value):
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", value)
+def test_invalid_stripe_sizes_are_clear_errors_at_startup(cp_on, value):
+    cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", value)
     with pytest.raises(ValueError, match="STRIPE_SIZE must be a positive number"):
         _at_startup(2)
 
 
-def test_a_bad_stripe_size_breaks_nothing_while_the_split_is_off(monkeypatch):
+def test_a_bad_stripe_size_breaks_nothing_while_the_split_is_off(rocm_aiter):
     """vLLM reads every env var after start-up (enable_envs_cache) and
     rocm_aiter_ops mirrors them at import: a bad value must not break vLLM
     with the feature off."""
-    import vllm.envs as envs
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "0")
+    rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "0")
     rocm_aiter_ops.refresh_env_variables()
     for name, read in envs.environment_variables.items():
         if name.startswith("VLLM_ROCM_USE_AITER_CP_INDEXER"):
             read()
-    with emulate_rocm("gfx950"):
-        assert _at_startup(2) is None
+    assert _at_startup(2) is None
 
 
-def test_env_vars_are_registered_and_mirrored(monkeypatch):
-    import vllm.envs as envs
-    from vllm._aiter_ops import rocm_aiter_ops
-
+def test_env_vars_are_registered_and_mirrored(rocm_aiter):
     assert envs.VLLM_ROCM_USE_AITER_CP_INDEXER is False
     assert envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE == 512
     assert "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE" in envs.environment_variables
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "true")
-    with emulate_rocm("gfx950"):
-        assert rocm_aiter_ops.is_cp_indexer_enabled()
+    assert not rocm_aiter_ops.is_cp_indexer_enabled()
+    rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "true")
+    rocm_aiter_ops.refresh_env_variables()
+    assert rocm_aiter_ops.is_cp_indexer_enabled()

@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The MXFP4 indexer K cache of DeepSeek-V3.2-style DSA models on ROCm: its
+68-byte row, who may turn it on with ``indexer_kv_dtype='mxfp4'``, the
+startup error everyone else gets, and the cache shapes the writer refuses.
+
+The rules are host-side, so they run on any machine with the ROCm platform,
+the CDNA generation and AITER's presence patched the way vLLM's other ROCm
+policy tests patch them. The last test asks the real platform and runs only
+on ROCm.
+"""
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vllm._aiter_ops as aiter_ops
+from vllm._aiter_ops import rocm_aiter_ops
+from vllm.config import AttentionConfig
+from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
+    check_mxfp4_indexer_cache,
+    mxfp4_indexer_row_bytes,
+)
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import RocmPagedMxfp4CacheLayout
+
+HEAD_DIM = 128
+# (model_type, architectures) as vLLM sees the targets and, after
+# SpeculativeConfig.hf_config_override, their MTP drafts.
+DEEPSEEK_V32 = ("deepseek_v32", ["DeepseekV32ForCausalLM"])
+GLM5 = ("glm_moe_dsa", ["GlmMoeDsaForCausalLM"])
+DSA_DRAFT = ("deepseek_mtp", ["DeepseekV32MTPModel"])
+DEEPSEEK_V41 = ("deepseek_v41", ["DeepseekV41ForCausalLM"])
+NOT_DSA = [
+    ("deepseek_v3", ["DeepseekV3ForCausalLM"]),
+    ("deepseek_mtp", ["DeepSeekMTPModel"]),  # DeepSeek-V3's draft: no DSA
+    ("llama", ["LlamaForCausalLM"]),
+]
+# AITER's gfx950 page layout for 64 indexer heads (cache_format).
+LAYOUT = RocmPagedMxfp4CacheLayout(32, 16, 2)
+
+
+def _config(model=DEEPSEEK_V32, kv_dtype="mxfp4", block_size=64, dcp=1, pcp=1):
+    """The parts of a VllmConfig the checks read; ``block_size`` as given with
+    --block-size, None for no --block-size (vLLM's default until
+    update_block_size_for_backend picks one)."""
+    model_type, architectures = model
+    hf_config = SimpleNamespace(
+        model_type=model_type,
+        architectures=architectures,
+        index_n_heads=64,
+        index_head_dim=HEAD_DIM,
+        index_topk=2048,
+    )
+    attention = AttentionConfig()
+    attention.indexer_kv_dtype = kv_dtype
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config),
+        attention_config=attention,
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp
+        ),
+        cache_config=SimpleNamespace(
+            block_size=16 if block_size is None else block_size,
+            user_specified_block_size=block_size is not None,
+        ),
+    )
+
+
+@pytest.fixture
+def rocm(monkeypatch: pytest.MonkeyPatch):
+    """``rocm(cdna=4, aiter_found=True, aiter_on=True)``: a ROCm platform."""
+
+    def platform(cdna: int = 4, aiter_found: bool = True, aiter_on: bool = True):
+        module = types.ModuleType("vllm.platforms.rocm")
+        module.get_cdna_version = lambda: cdna  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "vllm.platforms.rocm", module)
+        monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
+        monkeypatch.setattr(aiter_ops, "IS_AITER_FOUND", aiter_found)
+        monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1" if aiter_on else "0")
+        rocm_aiter_ops.refresh_env_variables()
+
+    yield platform
+    monkeypatch.undo()
+    rocm_aiter_ops.refresh_env_variables()
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+def test_the_row_is_68_bytes():
+    # 64 bytes of E2M1 pairs and 4 E8M0 scales; the FP8 row is 128 + 4 = 132.
+    assert mxfp4_indexer_row_bytes(HEAD_DIM) == 68
+    assert mxfp4_indexer_row_bytes(256) == 136
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+@pytest.mark.parametrize("model", [DEEPSEEK_V32, GLM5, DSA_DRAFT, DEEPSEEK_V41])
+@pytest.mark.parametrize("block_size", [64, 128, None])
+def test_dsa_models_may_use_it_on_cdna4(rocm, model, block_size):
+    rocm()
+    assert dsa_indexer_uses_fp4(_config(model, block_size=block_size))
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_fp8_stays_the_default(rocm, kv_dtype):
+    rocm()
+    assert not dsa_indexer_uses_fp4(_config(kv_dtype=kv_dtype))
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+@pytest.mark.parametrize(
+    "platform, overrides, match",
+    [
+        ({}, {"model": NOT_DSA[0]}, "only supported for"),
+        ({}, {"model": NOT_DSA[1]}, "only supported for"),
+        ({}, {"model": NOT_DSA[2]}, "only supported for"),
+        ({"cdna": 3}, {}, "requires CDNA4"),
+        ({"aiter_found": False}, {}, "the aiter package is not installed"),
+        ({"aiter_on": False}, {}, "enable aiter with VLLM_ROCM_USE_AITER=1"),
+        ({}, {"dcp": 2}, "context parallelism"),
+        ({}, {"pcp": 2}, "context parallelism"),
+        ({}, {"block_size": 16}, "--block-size 64 or 128"),
+        ({}, {"block_size": 32}, "--block-size 64 or 128"),
+        ({}, {"block_size": 256}, "--block-size 64 or 128"),
+        ({}, {"model": GLM5, "block_size": 1}, "--block-size 64 or 128"),
+        ({}, {"kv_dtype": "nvfp4"}, "not supported by the DeepSeek"),
+    ],
+)
+def test_startup_errors(rocm, platform, overrides, match):
+    rocm(**platform)
+    with pytest.raises(ValueError, match=match):
+        dsa_indexer_uses_fp4(_config(**overrides))
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+def test_deepseek_v41_keeps_its_own_rules(rocm):
+    """DeepSeek-V4.1 keeps its builder's own DCP/PCP check and block sizes."""
+    rocm()
+    assert dsa_indexer_uses_fp4(_config(DEEPSEEK_V41, block_size=256, dcp=2))
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+def test_off_rocm_the_rules_are_unchanged():
+    """Off ROCm mxfp4 still needs Blackwell; a CPU is refused."""
+    if current_platform.is_device_capability_family(100):
+        pytest.skip("a Blackwell GPU may use it")
+    with pytest.raises(ValueError, match="Blackwell"):
+        dsa_indexer_uses_fp4(_config())
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+@pytest.mark.parametrize(
+    "shape, dtype, layout, match",
+    [
+        ((2, 64, 132), torch.uint8, LAYOUT, "uint8 \\[pages, entries, 68\\]"),
+        ((2, 64, 68), torch.int8, LAYOUT, "uint8"),
+        ((2, 40, 68), torch.uint8, LAYOUT, "does not tile"),
+        ((2, 64, 68), torch.uint8, RocmPagedMxfp4CacheLayout(16, 48, 4), "tile"),
+        ((2, 64, 68), torch.uint8, RocmPagedMxfp4CacheLayout(16, 16, 3), "tile"),
+    ],
+)
+def test_cache_shape_errors(shape, dtype, layout, match):
+    with pytest.raises(ValueError, match=match):
+        check_mxfp4_indexer_cache(torch.zeros(shape, dtype=dtype), HEAD_DIM, layout)
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+def test_head_dim_errors():
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        check_mxfp4_indexer_cache(torch.zeros(1, 64, 51, dtype=torch.uint8), 96, LAYOUT)
+    check_mxfp4_indexer_cache(torch.zeros(1, 64, 68, dtype=torch.uint8), 128, LAYOUT)
+
+
+@pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm-only")
+def test_mi355x_with_aiter_may_use_it(monkeypatch):
+    """On the real platform: with VLLM_ROCM_USE_AITER=1 a CDNA4 GPU serves a
+    DeepSeek-V3.2 indexer from the MXFP4 cache; other GPUs are refused."""
+    from vllm.platforms.rocm import get_cdna_version
+
+    if not aiter_ops.IS_AITER_FOUND:
+        pytest.skip("AITER is not installed")
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
+    rocm_aiter_ops.refresh_env_variables()
+    try:
+        if get_cdna_version() == 4:
+            assert dsa_indexer_uses_fp4(_config())
+        else:
+            with pytest.raises(ValueError, match="requires CDNA4"):
+                dsa_indexer_uses_fp4(_config())
+    finally:
+        monkeypatch.undo()
+        rocm_aiter_ops.refresh_env_variables()
