@@ -62,6 +62,12 @@ def _split_message(message: str) -> tuple[str, str, list[str]]:
     return subject, "\n".join(lines).strip(), trailers
 
 
+_SERIES_ONLY = re.compile(
+    r"`((?:nox |python -m scripts|scripts/|tests/(?:stage_|base/|tooling/)"
+    r"|vllm_overlay/|docs/)[^`]*)`"
+)
+
+
 def _doc_section(series: Series, stage: Stage, heading: str) -> str | None:
     """A ``## <heading>...`` section of docs/stage_<id>.md, if it has one."""
     doc = series.root / "docs" / f"stage_{stage.id}.md"
@@ -70,9 +76,12 @@ def _doc_section(series: Series, stage: Stage, heading: str) -> str | None:
     # Links between the series' docs do not resolve in a PR: name the file.
     text = re.sub(
         r"\[([^\]]+)\]\(([^)\s]+\.md)\)",
-        r"\1 (`docs/\2` in the DSA series repository)",
+        r"\1 (docs/\2 in the DSA series repository)",
         doc.read_text(encoding="utf-8"),
     )
+    # Commands in a PR must work in a vLLM checkout: the series' own paths
+    # and commands stay as plain text, named as the series'.
+    text = _SERIES_ONLY.sub(r"\1 (DSA series)", text)
     found = re.search(rf"^## {heading}[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
     return found.group(1).strip() if found else None
 
@@ -110,10 +119,9 @@ def pr_description(
         f"Measured with the DSA patch series on {pinned.label} (where each row "
         "says: CPU, NVIDIA H200); nothing here ran on AMD hardware.",
         _doc_section(series, stage, "Results") or "No recorded results yet.",
-        f"The series' tests of this change (`tests/{stage.tests}/` in the series "
+        f"The series' tests of this change (tests/{stage.tests}/ in the DSA series "
         "repository, not part of this PR; they drive the stages together, "
-        "across ranks and on GPUs): "
-        + (", ".join(f"`{name}`" for name in tests) or "none"),
+        "across ranks and on GPUs): " + (", ".join(tests) or "none"),
     ]
     claims = _doc_section(series, stage, "Figures from")
     sections = {

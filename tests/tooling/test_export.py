@@ -54,10 +54,25 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
     sh(up, "git", "add", "-A")
     sh(up, "git", "commit", "-qm", "template")
     sh(up, "git", "tag", "-f", "v1")
+    write_files(
+        two_stages.root,
+        {
+            "docs/stage_0001.md": "# Stage 0001\n\n## Results\n\n"
+            "| what | where |\n|---|---|\n| gloo | `tests/stage_0001/t.py`, "
+            "`nox -s apply-and-test` |\n| kernel | `tests/v1/test_x.py` |\n\n"
+            "See [the bench](bench.md).\n\n## Design\n\nnot in the PR\n"
+        },
+    )
     apply(two_stages.series())
     first, second = export_stages(two_stages.series(), EXPORTER)
     text = first.description.read_text()
     assert text.startswith("Striped indexer\n\n<!-- markdownlint-disable -->")
+    # Commands work in a vLLM checkout: the series' own stay plain text.
+    assert "| tests/stage_0001/t.py (DSA series), nox -s apply-and-test (DSA" in text
+    assert "`tests/v1/test_x.py`" in text
+    assert "the bench (docs/bench.md in the DSA series repository)" in text
+    assert "not in the PR" not in text
+    assert "`nox" not in text and "`tests/stage" not in text
     assert "## Overview\n\nWhy this stage exists.\n\n## Claims" in text
     assert "<!-- Summarize. -->" not in text
     assert "on vllm-git-v1 (where each row" in text
