@@ -214,13 +214,16 @@ def commit_subject(title: str) -> str:
 
 
 def commit_message(message: str, exporter: Identity) -> str:
-    """The stage's subject (``commit_subject``) and body, plain text (it
-    survives an editor), signed off by whoever exports it, not by the
-    series' identity."""
+    """A short vLLM-style message: the stage's subject (``commit_subject``)
+    and its first paragraph, plain text (it survives an editor), signed off
+    by whoever exports it, not by the series' identity. The rest of the
+    stage's message goes to the description's Details."""
     subject, body, trailers = _split_message(message)
+    summary = body.split("\n\n", 1)[0].strip()
     kept = [t for t in trailers if not t.startswith("Signed-off-by:")]
     trailers = [*kept, f"Signed-off-by: {exporter.name} <{exporter.email}>"]
-    return f"{commit_subject(subject)}\n\n{body}\n\n" + "\n".join(trailers) + "\n"
+    head = commit_subject(subject) + (f"\n\n{summary}" if summary else "")
+    return f"{head}\n\n" + "\n".join(trailers) + "\n"
 
 
 def exporter_identity(root: Path, signoff: str | None) -> Identity:

@@ -163,6 +163,7 @@ def two_stages(project: Project) -> Project:
         {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
         {"vllm/cp_indexer.py": "def split():\n    return 'striped'\n"},
         title="Striped indexer",
+        body="Why this stage exists.\n\nHow it works.",
     )
     project.add_stage(
         "0002",

@@ -82,7 +82,10 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
     )
     repo = two_stages.root / "build" / "vllm-git-v1"
     message = git_out(repo, "log", "-1", "--format=%B", first.commit)
-    assert message.startswith("Striped indexer\n\nWhy this stage exists.")
+    assert message.startswith("Striped indexer\n\nWhy this stage exists.\n\n")
+    # Short: the first paragraph; the rest is the description's Details.
+    assert "How it works." not in message
+    assert "## Details\n\nHow it works." in text
     assert "## " not in message and "Ada Dev" not in message
     assert message.endswith("Signed-off-by: Eve Exporter <eve@example.org>")
     assert git_out(repo, "log", "-1", "--format=%an <%ae>", first.commit) == (

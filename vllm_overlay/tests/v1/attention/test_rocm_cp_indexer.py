@@ -3,10 +3,10 @@
 """The context-parallel split of the ROCm DSA indexer prefill: which TP rank
 scores each prefill row, when a batch splits, and the start-up settings.
 
-The split is pure host-side planning, so these run on any machine; the ROCm
+The split is host-side planning, so these run on any machine; the ROCm
 platform and AITER switches are patched the way vLLM's other ROCm policy
-tests patch them. The merge across ranks needs a process group and is not
-covered here.
+tests patch them. The merge over a TP group is tested in
+tests/distributed/test_rocm_cp_indexer_merge.py.
 """
 
 from types import SimpleNamespace
