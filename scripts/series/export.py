@@ -151,8 +151,8 @@ def _pr_tests_validation(series: Series, stage: Stage) -> str:
     tally = read_junit(junit, modules) if junit.exists() else None
     if tally is None or not (tally.passed or tally.failed or tally.skipped):
         outcome = (
-            f"Not yet run on {series.base.label}: `python -m scripts.series test "
-            f"{stage.id}` in the series repository runs them."
+            f"Not yet run on {series.base.label} (the DSA series' test command "
+            "runs them on every stage tree)."
         )
     else:
         started = junit_suite(junit).get("timestamp", "?").partition(".")[0]

@@ -2,7 +2,8 @@
 """Check exported PRs as a vLLM maintainer would take them (``export
 --test-python``): each patch applied with plain ``git am`` onto a checkout of
 the base, after the patches of the PRs it needs; its title and sign-off as
-exported; the tests it adds to vLLM's tests/ passing there with plain pytest.
+exported, and its message unchanged by an editor; the tests it adds to
+vLLM's tests/ passing there with plain pytest.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def check_pr(
                 )
             if f"Signed-off-by: {author}" not in message:
                 return f"the applied commit is not signed off by its author, {author}"
+            # What an editor keeps of it (`git commit --amend`: comment lines
+            # and surplus blank lines go).
+            git(tree, "commit", "-q", "--amend", "--no-edit", "--cleanup=strip")
+            if git_out(tree, "log", "-1", "--format=%B") != message:
+                return "its commit message changes when edited (lines git strips)"
             if not pr.stage.vllm_tests:
                 return None
             tally = run_pr_tests(

@@ -72,6 +72,7 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
     assert "`tests/v1/test_x.py`" in text
     assert "the bench (docs/bench.md in the DSA series repository)" in text
     assert "not in the PR" not in text
+    assert "This PR adds no tests to vLLM's tests/." in text
     assert "`nox" not in text and "`tests/stage" not in text
     assert "## Overview\n\nWhy this stage exists.\n\n## Claims" in text
     assert "<!-- Summarize. -->" not in text
@@ -217,7 +218,23 @@ def test_exported_prs_apply_with_plain_git_am_and_their_tests_pass(
         ("tests/test_envs.py",),
     ]
     apply(series)
+    # The last `test` run's results of stage 0001's tree (junit of its PR tests).
+    results = project.root / "build/results/vllm-git-v1/0001"
+    results.mkdir(parents=True)
+    (results / "pr-tests.xml").write_text(
+        '<testsuites><testsuite timestamp="2026-11-30T10:00:00.123">'
+        '<testcase classname="tests.test_cp_indexer" name="test_split"/>'
+        '<testcase classname="tests.test_other" name="t"><failure/></testcase>'
+        "</testsuite></testsuites>"
+    )
     first, second = export_stages(series, EXPORTER)
+    assert (
+        "```\npytest -q tests/test_cp_indexer.py\n```" in first.description.read_text()
+    )
+    assert "CPU, vllm-git-v1 (run of 2026-11-30T10:00:00): 1 passed, 0 failed" in (
+        first.description.read_text()
+    )
+    assert "Not yet run on vllm-git-v1" in second.description.read_text()
     clone = tmp_path / "vllm"
     sh(tmp_path, "git", "clone", "-q", str(project.upstream), str(clone))
     sh(clone, "git", "checkout", "-q", "v1")
@@ -269,3 +286,16 @@ def test_the_maintainers_check_names_a_failing_pr_test(project: Project):
         check_prs(project.series(), prs, sys.executable)
     with pytest.raises(SeriesError, match="no such Python"):
         check_prs(project.series(), prs, "/no/python")
+
+
+def test_the_maintainers_check_names_a_message_an_editor_would_change(project):
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 33\n")},
+        # An issue number at the start of a line: an editor strips it.
+        body="Raise VAR_3, as asked in\n#3, for the new\ndefault.",
+    )
+    apply(project.series())
+    prs = export_stages(project.series(), EXPORTER)
+    with pytest.raises(SeriesError, match="message changes when edited"):
+        check_prs(project.series(), prs, sys.executable)

@@ -569,6 +569,29 @@ def test_a_stage_that_no_longer_imports_on_the_target_stops_the_rebase(two_stage
     assert (folder / "vllm_overlay/vllm/cp_indexer.py").read_text() == fixed
 
 
+def test_a_stage_whose_pr_tests_fail_on_the_target_stops_the_rebase(project):
+    """The tests a stage adds to vLLM's tests/ run on the target with plain
+    pytest: a value they rely on changed upstream (no conflict), the rebase
+    stops; the test adapted in the work repo, --continue passes."""
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = True\n")},
+        {
+            "tests/test_cp.py": (
+                "from vllm import envs\n\n\n"
+                "def test_next_to_var_5():\n    assert envs.VAR_5 == 5\n"
+            )
+        },
+    )
+    target = _target(project, {"vllm/envs.py": ("VAR_5 = 5\n", "VAR_5 = 50\n")})
+    with pytest.raises(SeriesError, match="its PR's tests fail on the target"):
+        rebase.start(project.series(), target, test_python=sys.executable)
+    test = _work_repo(project) / "tests/test_cp.py"
+    test.write_text(test.read_text().replace("== 5", "== 50"))
+    (report,) = rebase.resume(project.series())
+    assert report.outcome == "merged, fixed by hand after its checks"
+
+
 def test_accept_keeps_the_resolutions_and_names_reviews_it_made_stale(
     two_stages, capsys
 ):
