@@ -12,6 +12,8 @@ import torch
 
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import (
+    destroy_distributed_environment,
+    destroy_model_parallel,
     ensure_model_parallel_initialized,
     init_distributed_environment,
 )
@@ -66,6 +68,8 @@ def _merge_worker(rank: int, world_size: int, port: int, device_kind: str) -> No
         start += rows
     prefill.merge(buffer)
     merged = buffer.cpu()
+    destroy_model_parallel()
+    destroy_distributed_environment()
     stop = DECODE_ROWS + prefill_rows
     assert torch.equal(merged[:stop].sort(dim=1).values, expected[:stop]), rank
     assert merged[stop:].eq(-1).all(), "padding rows are left alone"
@@ -89,9 +93,9 @@ def test_the_merge_gives_every_rank_every_row_on_cpu(world_size):
     _run_merge(world_size, "cpu")
 
 
-@pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm-only")
 @pytest.mark.skipif(
-    torch.accelerator.device_count() < 2, reason="Need at least 2 GPUs to run the test."
+    not current_platform.is_rocm() or torch.accelerator.device_count() < 2,
+    reason="ROCm-only, needs 2 GPUs",
 )
 def test_the_merge_gives_every_rank_every_row_on_gpus():
     """The same over the TP device group of two GPUs (RCCL)."""
