@@ -2,7 +2,7 @@
 """Stage 0001: the split planned through vLLM's own indexer metadata builder.
 The plan's rules, the settings and their errors are unit-tested by the
 stage's PR test (tests/v1/attention/test_rocm_cp_indexer.py in vLLM's tree,
-vllm_overlay/ here), which the series runs on every tree that holds it."""
+vllm_overlay/ here)."""
 
 from __future__ import annotations
 
