@@ -2,7 +2,8 @@
 """Tooling that turns patches/ + vllm_overlay/ into tested vLLM trees.
 
 One module per job, named after its verb where it has one: fetch, prepare,
-apply, refresh, check, status, export, overview, testrun (``test`` and the
+apply, refresh, check, status, export (with pr_check, the maintainer's
+check of the exported PRs), overview, testrun (``test`` and the
 rebase's probe), rebase (with rebase_state, its state and report, and review,
 the rebased series under review and ``--accept``); and what they share:
 config (reading series.toml) and series_toml (writing it), layout (every

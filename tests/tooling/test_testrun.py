@@ -151,3 +151,9 @@ def test_junit_counts_only_the_modules_asked_for(tmp_path: Path):
     assert (tally.passed, tally.failed, tally.skipped) == (0, 0, 3)
     other = read_junit(junit, ["t.x"])  # nothing of t.x ran: nothing failed
     assert (other.passed, other.failed, other.skipped) == (0, 0, 0)
+    # A module that does not collect counts as failed, not as "not run".
+    junit.write_text(
+        '<testsuites><testsuite errors="1"><testcase classname="" name="t.x">'
+        '<error message="collection failure"/></testcase></testsuite></testsuites>'
+    )
+    assert read_junit(junit, ["t.x"]).failed == 1

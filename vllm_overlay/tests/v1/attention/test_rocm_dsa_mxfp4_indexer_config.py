@@ -73,7 +73,9 @@ def _config(model=DEEPSEEK_V32, kv_dtype="mxfp4", block_size=64, dcp=1, pcp=1):
 
 @pytest.fixture
 def rocm(monkeypatch: pytest.MonkeyPatch):
-    """``rocm(cdna=4, aiter_found=True, aiter_on=True)``: a ROCm platform."""
+    """``rocm(cdna=4, aiter_found=True, aiter_on=True)``: a ROCm platform.
+    vllm.platforms.rocm cannot be imported without a ROCm torch; the checks
+    reach it only through get_cdna_version() (dsa_indexer_uses_fp4)."""
 
     def platform(cdna: int = 4, aiter_found: bool = True, aiter_on: bool = True):
         module = types.ModuleType("vllm.platforms.rocm")

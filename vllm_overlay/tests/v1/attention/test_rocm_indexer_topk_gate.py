@@ -28,7 +28,9 @@ PHASES = ["decode", "prefill 32767", "prefill 32768"]
 
 
 def _rocm(monkeypatch: pytest.MonkeyPatch, gfx950: bool, aiter: bool) -> None:
-    """ROCm with AITER found, on gfx950 or not, AITER switched on or off."""
+    """ROCm with AITER found, on gfx950 or not, AITER switched on or off.
+    vllm.platforms.rocm cannot be imported without a ROCm torch; the gate
+    reaches it only through on_gfx950() (rocm_aiter_ops.is_indexer_top_k_enabled)."""
     rocm = types.ModuleType("vllm.platforms.rocm")
     rocm.on_gfx950 = lambda: gfx950  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm.platforms.rocm", rocm)
