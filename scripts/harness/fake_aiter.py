@@ -134,7 +134,7 @@ def _flash_attn_varlen_func(*args, **kwargs):
 
 def _mfma_nonk_dim(num_heads: int, head_size: int) -> int:
     """The launcher's ``mfma_nonk_dim`` (same file): 32x32 MFMA tiles for
-    small heads or >= 32 heads (DeepSeek-V3.2 and GLM-5.x have 64)."""
+    small heads or >= 32 heads (DeepSeek-V3.2 has 64, GLM-5.x 32)."""
     return 32 if (head_size <= 64 or num_heads >= 32) else 16
 
 

@@ -97,7 +97,9 @@ def make_vllm_config(
     return config
 
 
-def make_builder(vllm_config, monkeypatch, device: str = "cpu"):
+def make_builder(
+    vllm_config, monkeypatch, device: str = "cpu", block_size: int = BLOCK_SIZE
+):
     import vllm.v1.attention.backends.mla.indexer as indexer
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -105,7 +107,7 @@ def make_builder(vllm_config, monkeypatch, device: str = "cpu"):
     # The CPU platform has no compute-unit count; gfx950 has 256.
     monkeypatch.setattr(indexer, "num_compute_units", lambda device_index: 256)
     spec = MLAAttentionSpec(
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         num_kv_heads=1,
         head_size=HEAD_DIM + HEAD_DIM // QUANT_BLOCK * 4,
         dtype=torch.uint8,
@@ -116,7 +118,7 @@ def make_builder(vllm_config, monkeypatch, device: str = "cpu"):
             [LAYER],
             vllm_config,
             torch.device(device),
-            block_table_width=max_model_len(vllm_config) // BLOCK_SIZE,
+            block_table_width=max_model_len(vllm_config) // block_size,
         )
 
 
@@ -195,13 +197,14 @@ def build_batch(
 
     gen = torch.Generator().manual_seed(seed)
     device = builder.device
+    page = builder.kv_cache_spec.block_size
     num_reqs = len(requests)
     # Pages for the tokens each request has; the rest of its table row is 0.
-    pages = [-(-(c + q) // BLOCK_SIZE) for c, q in requests]
+    pages = [-(-(c + q) // page) for c, q in requests]
     kv_cache = torch.zeros(
-        (sum(pages), BLOCK_SIZE, HEAD_DIM + 4), dtype=torch.uint8, device=device
+        (sum(pages), page, HEAD_DIM + 4), dtype=torch.uint8, device=device
     )
-    width = max_model_len(builder.vllm_config) // BLOCK_SIZE
+    width = max_model_len(builder.vllm_config) // page
     block_table = torch.zeros((num_reqs, width), dtype=torch.int32)
     first = 0
     for req, count in enumerate(pages):
@@ -209,8 +212,8 @@ def build_batch(
         first += count
 
     def slots(req: int, positions: torch.Tensor) -> torch.Tensor:
-        blocks = block_table[req, positions // BLOCK_SIZE].to(torch.int64)
-        return blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+        blocks = block_table[req, positions // page].to(torch.int64)
+        return blocks * page + positions % page
 
     new_slots, row_ends, row_requests = [], [], []
     for req, (context, query) in enumerate(requests):

@@ -181,3 +181,25 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
             cache.cache_clear()
         monkeypatch.undo()
         aiter_ops.rocm_aiter_ops.refresh_env_variables()
+
+
+def use_rocm_fp8_encoding(monkeypatch, arch: str) -> torch.dtype:
+    """The FP8 dtype vLLM's ROCm platform picks on ``arch`` (fnuz on gfx942,
+    OCP on gfx950: ``RocmPlatform.fp8_dtype``), given to the platform and to
+    the module constants that were read from it at import on this CPU
+    (``FP8_DTYPE`` in rocm_aiter_mla_sparse.py; ``_FP8_DTYPE``, ``_USE_FNUZ``
+    and ``_FP8_MAX`` in deepseek_v32/common/kernels.py, whose lines 29-33
+    derive them so: 224 keeps the ue8m0 scale inside the fnuz range)."""
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as mla_sparse
+    from vllm.platforms import current_platform
+
+    fp8 = rocm_platform_module(arch).RocmPlatform.fp8_dtype()
+    monkeypatch.setattr(current_platform, "fp8_dtype", lambda: fp8)
+    monkeypatch.setattr(mla_sparse, "FP8_DTYPE", fp8)
+    kernels = sys.modules.get("vllm.models.deepseek_v32.common.kernels")
+    if kernels is not None:
+        fnuz = fp8 == torch.float8_e4m3fnuz
+        monkeypatch.setattr(kernels, "_FP8_DTYPE", fp8)
+        monkeypatch.setattr(kernels, "_USE_FNUZ", fnuz)
+        monkeypatch.setattr(kernels, "_FP8_MAX", 224.0 if fnuz else 448.0)
+    return fp8

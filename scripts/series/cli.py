@@ -36,7 +36,7 @@ from scripts.series.pr_check import check_prs
 from scripts.series.prepare import prepare
 from scripts.series.refresh import recover_interrupted_refresh, refresh
 from scripts.series.status import format_status, tree_status
-from scripts.series.testrun import format_summary, run_tests
+from scripts.series.testrun import compile_summary, format_summary, run_tests
 from scripts.series.trees import copy_tree, stage_tree
 
 # Commands that only read; every other one holds the project lock.
@@ -203,7 +203,8 @@ def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     rows = run_tests(
         series, stage_ids, tooling=args.tooling, jobs=args.jobs, extra=extra
     )
-    summary = format_summary(rows)
+    compiled = [(stage_id, compile_summary(series, stage_id)) for stage_id in stage_ids]
+    summary = format_summary(rows, compiled)
     out = results_dir(series) / "summary.md"
     out.write_text(f"{summary}\n")
     print(f"\n{series.base.label}\n\n{summary}\n\nwritten to {out}")

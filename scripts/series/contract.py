@@ -17,6 +17,8 @@ STAGES_ENV = "DSA_STAGES"  # what it holds: "base,0001,..."
 BASE_TREE_ENV = "DSA_BASE_TREE"
 # {plugin module: [test files it applies to]} for vLLM's own tests.
 PLUGIN_FILES_ENV = "DSA_PLUGIN_FILES"
+# Where the compile matrix (tests/gfx_compile) writes its per-kernel counts.
+COMPILE_SUMMARY_ENV = "DSA_COMPILE_SUMMARY"
 
 # CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
 # Triton kernels through the interpreter, and bytecode written so a tree is

@@ -31,10 +31,20 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import REPO_ROOT, Series, Stage
-from scripts.series.contract import CPU_ENV, PLUGIN_FILES_ENV, tree_env
+from scripts.series.contract import (
+    COMPILE_SUMMARY_ENV,
+    CPU_ENV,
+    PLUGIN_FILES_ENV,
+    tree_env,
+)
 from scripts.series.git import git
 from scripts.series.layout import results_dir
 from scripts.series.trees import stage_tree
+
+# Tests that compile the stages' Triton kernels for the AMD targets, run on
+# every stage's tree in a process of their own, and what they write.
+COMPILE_TESTS = "gfx_compile"
+COMPILE_SUMMARY = "gfx-compile.json"
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,38 @@ def stage_runs(
         )
     if pr_tests := [path for stage in tested for path in stage.vllm_tests]:
         runs.append(pr_tests_run(stage_id, tree, pr_tests, out / "pr-tests.xml"))
+    compile_tests = series.tests_dir / COMPILE_TESTS
+    if applied and compile_tests.is_dir():
+        # Triton's compiler, not its interpreter: the kernels are compiled
+        # for the AMD targets (tests/gfx_compile/conftest.py).
+        runs.append(
+            PytestRun(
+                stage_id,
+                "compile matrix (gfx950, gfx942)",
+                (
+                    str(compile_tests),
+                    f"--junitxml={out / 'gfx-compile.xml'}",
+                    "-q",
+                ),
+                {
+                    **env,
+                    "TRITON_INTERPRET": "0",
+                    COMPILE_SUMMARY_ENV: str(out / COMPILE_SUMMARY),
+                },
+                out / "gfx-compile.xml",
+            )
+        )
     return runs
+
+
+def compile_summary(series: Series, stage_id: str) -> list[dict]:
+    """Per kernel and target, the variants a tree's compile matrix compiled
+    and failed (empty when it did not run)."""
+    path = results_dir(series) / stage_id / COMPILE_SUMMARY
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
 
 
 def pr_tests_run(row: str, tree: Path, paths: Sequence[str], junit: Path) -> PytestRun:
@@ -215,8 +256,11 @@ def read_junit(path: Path, modules: Sequence[str] = ()) -> Tally:
     return tally
 
 
-def format_summary(rows: list[tuple[str, Tally]]) -> str:
-    """A Markdown table: stage, passed, failed, skipped, and the skip reasons."""
+def format_summary(
+    rows: list[tuple[str, Tally]], compiled: Sequence[tuple[str, list[dict]]] = ()
+) -> str:
+    """A Markdown table: stage, passed, failed, skipped, and the skip
+    reasons; then, per tree, the kernels compiled for the AMD targets."""
     lines = [
         "| stage | passed | failed | skipped | skip reasons |",
         "|---|---:|---:|---:|---|",
@@ -227,6 +271,20 @@ def format_summary(rows: list[tuple[str, Tally]]) -> str:
             f"| {stage} | {tally.passed} | {tally.failed} | {tally.skipped} | "
             f"{reasons or '-'} |"
         )
+    if any(kernels for _, kernels in compiled):
+        lines += [
+            "",
+            "Triton kernels compiled for AMD targets (tests/gfx_compile):",
+            "",
+            "| tree | target | kernel | variants compiled | failed |",
+            "|---|---|---|---:|---:|",
+        ]
+        for stage, kernels in compiled:
+            for k in kernels:
+                lines.append(
+                    f"| {stage} | {k['target']} | {k['kernel']} | {k['compiled']} | "
+                    f"{k['failed']} |"
+                )
     failures = [f for _, tally in rows for f in tally.failures]
     if failures:
         lines += ["", "Failed:"] + [f"- {f}" for f in failures]
@@ -256,6 +314,8 @@ _PRINT_LOCK = threading.Lock()
 def _run_one(run: PytestRun, python: str, extra: Sequence[str], cwd: Path) -> Tally:
     run.junit.parent.mkdir(parents=True, exist_ok=True)
     run.junit.unlink(missing_ok=True)
+    if summary := run.env.get(COMPILE_SUMMARY_ENV):
+        Path(summary).unlink(missing_ok=True)
     done = subprocess.run(
         [python, "-m", "pytest", *run.args, *extra],
         env={**os.environ, **run.env},

@@ -22,8 +22,8 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
 
 HEAD_DIM = 128
 ROW = HEAD_DIM // 2 + HEAD_DIM // 32
-# AITER's two gfx950 geometries first (n_per_tile 32 for DeepSeek-V3.2's and
-# GLM-5.x's 64 heads, 16 for fewer than 32 heads), then others the class can
+# AITER's two gfx950 geometries first (n_per_tile 32 for 32 heads or more:
+# GLM-5.x's 32, DeepSeek-V3.2's 64; 16 for fewer), then others the class can
 # express, so a writer that hard-codes one tiling fails.
 LAYOUTS = [
     RocmPagedMxfp4CacheLayout(32, 16, 2),

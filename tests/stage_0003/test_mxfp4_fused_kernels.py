@@ -59,8 +59,8 @@ def device(request):
     torch.set_default_device("cpu")
 
 
-# AITER's gfx950 layouts: n_per_tile 32 (64 heads: DeepSeek-V3.2, GLM-5.x)
-# and 16 (fewer than 32 heads).
+# AITER's gfx950 layouts: n_per_tile 32 (32 heads or more: GLM-5.x's 32 and
+# DeepSeek-V3.2's 64) and 16 (fewer than 32 heads).
 LAYOUTS = [RocmPagedMxfp4CacheLayout(32, 16, 2), RocmPagedMxfp4CacheLayout(16, 16, 4)]
 MAX_POS = 512
 
@@ -143,7 +143,7 @@ def test_fused_norm_rope_follows_the_page_stride_of_vllms_pool(layout):
 
 
 def _fused_q(index_q, weights, cos_sin, mxfp4: bool):
-    tokens = index_q.shape[0]
+    tokens, heads = index_q.shape[:2]
     q_heads = 2
     return fused_q(
         torch.arange(tokens, dtype=torch.int64),
@@ -155,32 +155,34 @@ def _fused_q(index_q, weights, cos_sin, mxfp4: bool):
         torch.ones(1),
         weights,
         HEAD_DIM**-0.5,
-        INDEX_HEADS**-0.5,
+        heads**-0.5,
         quantize_mqa=False,
         index_q_mxfp4=mxfp4,
     )
 
 
-def test_fused_q_mxfp4_values_scales_and_weights():
+@pytest.mark.parametrize("heads", [INDEX_HEADS, 32, 64])
+def test_fused_q_mxfp4_values_scales_and_weights(heads):
     """With RoPE at the identity the query reaches the quantiser unchanged:
     values and scales are bit-exact with the reference, shaped as
     paged_mxfp4_mqa_logits takes them ([T, H, D/2] and [T, H, D/32] uint8),
-    and the weights carry the softmax and head scales but no query scale."""
+    and the weights carry the softmax and head scales but no query scale.
+    GLM-5.x has 32 index heads, DeepSeek-V3.2 64."""
     torch.manual_seed(3)
-    tokens = 6
-    index_q = (torch.randn(tokens, INDEX_HEADS, HEAD_DIM) * 7).to(torch.bfloat16)
-    weights = torch.randn(tokens, INDEX_HEADS)
+    tokens = 6 if heads == INDEX_HEADS else 2
+    index_q = (torch.randn(tokens, heads, HEAD_DIM) * 7).to(torch.bfloat16)
+    weights = torch.randn(tokens, heads)
     index_q_out, weights_out, _ = _fused_q(
         index_q, weights, _cos_sin(identity=True), mxfp4=True
     )
     values, scales = index_q_out.values, index_q_out.scales
     want_values, want_scales = ref.quantize(index_q.float())
     assert values.dtype == scales.dtype == torch.uint8
-    assert values.shape == (tokens, INDEX_HEADS, HEAD_DIM // 2)
-    assert scales.shape == (tokens, INDEX_HEADS, HEAD_DIM // 32)
+    assert values.shape == (tokens, heads, HEAD_DIM // 2)
+    assert scales.shape == (tokens, heads, HEAD_DIM // 32)
     assert torch.equal(values.cpu(), want_values)
     assert torch.equal(scales.cpu(), want_scales)
-    assert torch.equal(weights_out, weights * HEAD_DIM**-0.5 * INDEX_HEADS**-0.5)
+    assert torch.equal(weights_out, weights * HEAD_DIM**-0.5 * heads**-0.5)
 
 
 def test_fused_q_mxfp4_with_rope_decodes_to_the_rotated_query():
@@ -224,3 +226,31 @@ def test_fused_q_fp8_path_unchanged():
     torch.testing.assert_close(
         q_fp8.float() * q_scale[..., None], index_q.float(), rtol=0.07, atol=1e-3
     )
+
+
+def test_fused_q_of_a_layer_that_skips_its_mxfp4_indexer():
+    """An MTP draft layer reusing the target's top-k keeps its MXFP4 indexer
+    but skips it (has_indexer=False): fused_q makes the MLA query and no
+    index query. Compiled (cuda), the MXFP4 store was traced for the
+    1-element dummy index query and failed to compile; the interpreter never
+    saw it."""
+    torch.manual_seed(6)
+    tokens, q_heads = 3, 2
+    q_pe = torch.randn(tokens, q_heads, ROPE_DIM).to(torch.bfloat16)
+    index_q, weights_out, q_pe_out = fused_q(
+        torch.arange(tokens, dtype=torch.int64),
+        q_pe,
+        _cos_sin(identity=True),
+        None,
+        None,
+        torch.randn(tokens, q_heads, 32).to(torch.bfloat16),
+        torch.ones(1),
+        None,
+        0.0,
+        0.0,
+        has_indexer=False,
+        quantize_mqa=False,
+        index_q_mxfp4=True,
+    )
+    assert isinstance(index_q, torch.Tensor), "no MXFP4 index query is made"
+    torch.testing.assert_close(q_pe_out, q_pe)  # RoPE at the identity

@@ -23,18 +23,22 @@ TREE = applied_tree("0003")
 
 SKIP_REASON = gfx950_aiter_mxfp4_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
-HEADS, HEAD_DIM, ROW, PAGE = 64, 128, 68, 64
+HEAD_DIM, ROW, PAGE = 128, 68, 64
+# DeepSeek-V3.2's 64 index heads and GLM-5.x's 32: AITER's kernels take other
+# paths at 32 heads (rows per workgroup, the relaxed store).
+HEAD_COUNTS = pytest.mark.parametrize("heads", [64, 32], ids=["64-heads", "32-heads"])
 
 
-def _layout():
+def _layout(heads: int):
     from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
         rocm_paged_mxfp4_cache_layout,
     )
 
-    return rocm_paged_mxfp4_cache_layout(HEADS, HEAD_DIM, PAGE)
+    return rocm_paged_mxfp4_cache_layout(heads, HEAD_DIM, PAGE)
 
 
-def test_writer_layout_matches_aiter():
+@HEAD_COUNTS
+def test_writer_layout_matches_aiter(heads):
     from aiter.ops.triton.fusions.k_norm_rope_mxfp4_cache import (
         k_norm_rope_mxfp4_cache,
     )
@@ -43,7 +47,7 @@ def test_writer_layout_matches_aiter():
 
     torch.manual_seed(0)
     tokens, pages = 300, 8
-    layout = _layout()
+    layout = _layout(heads)
     k_pre = torch.randn(tokens, HEAD_DIM, device="cuda").bfloat16()
     pos = torch.arange(tokens, device="cuda")
     cos_sin = torch.randn(4096, 64, device="cuda")
@@ -64,17 +68,18 @@ def test_writer_layout_matches_aiter():
         assert torch.equal(decoded, keys)
 
 
-def test_aiter_reads_our_cache_like_the_fp8_indexer():
+@HEAD_COUNTS
+def test_aiter_reads_our_cache_like_the_fp8_indexer(heads):
     from scripts.harness.mxfp4_writer import indexer_k_mxfp4_quant_and_cache
     from vllm.models.deepseek_v32.common.kernels import fused_q
     from vllm.v1.attention.ops import rocm_paged_mxfp4_indexer as ops
 
     torch.manual_seed(1)
     context, rows, topk = 8192, 4, 512
-    layout = _layout()
+    layout = _layout(heads)
     keys = torch.randn(context, HEAD_DIM, device="cuda").bfloat16()
-    q = torch.randn(rows, HEADS, HEAD_DIM, device="cuda").bfloat16()
-    w = torch.rand(rows, HEADS, device="cuda")
+    q = torch.randn(rows, heads, HEAD_DIM, device="cuda").bfloat16()
+    w = torch.rand(rows, heads, device="cuda")
     # needles: keys along each row's weighted query
     direction = (q.float() * w[..., None]).sum(1)
     needles = torch.arange(rows, device="cuda") * 1000 + 17

@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stage 0003's glue in DeepSeek-V3.2's ROCm attention layer, run for real:
-with the MXFP4 cache the layer builds RocmSparseAttnIndexer, hands
-fused_norm_rope the page order aiter reports for its cache, asks fused_q for
-the MXFP4 query and passes (values, scales) to the indexer; with FP8 it
-keeps SparseAttnIndexer and the FP8 calls.
+"""Stage 0003's glue in DeepSeek-V3.2's ROCm attention layer, run for real
+with the published models' shapes (DeepSeek-V3.2: 64 index heads, GLM-5.x:
+32): with the MXFP4 cache the layer builds RocmSparseAttnIndexer, hands
+fused_norm_rope the page order AITER reports for its head count, asks
+fused_q for the MXFP4 query and passes (values, scales) to the indexer;
+with FP8 it keeps SparseAttnIndexer and the FP8 calls. An MTP draft layer
+that reuses the target's top-k (index_share_for_mtp_iteration) keeps its
+MXFP4 indexer but skips it: it runs through both fused kernels without an
+index query and writes no index key.
 
-The MLA machinery around the glue (the parent constructor, projections, the
-attention kernel) cannot be built on CPU without weights and a TP group, so
-the parent constructor sets only what the glue reads, and the two fused
-kernels are recorded instead of run (their MXFP4 paths are tested in
-test_mxfp4_fused_kernels.py)."""
+The layer is built and run by scripts/harness/dsa_attention.py (the parent
+constructor sets only what the glue reads); the fused kernels run for real
+(interpreted on the CPU; tests/gfx_compile compiles them for gfx950 in every
+layer kind)."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from scripts.harness import indexer_batch
+from scripts.harness import dsa_attention
+from scripts.harness import mxfp4_reference as ref
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
 
@@ -31,155 +33,126 @@ from vllm.model_executor.layers.rocm_paged_mxfp4_indexer import (  # noqa: E402
 from vllm.model_executor.layers.sparse_attn_indexer import (  # noqa: E402
     SparseAttnIndexer,
 )
-from vllm.models.deepseek_v32 import attention as v32_attention  # noqa: E402
 from vllm.models.deepseek_v32.amd import rocm  # noqa: E402
+from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (  # noqa: E402
+    Mxfp4IndexQuery,
+)
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
     RocmPagedMxfp4CacheLayout,
 )
 
-HEAD_DIM, INDEX_HEADS, PAGE, TOKENS = 128, 8, 64, 3
-LAYER = "model.layers.0.self_attn"
+TOKENS, PAGE, TP = 2, 64, 8
+LAYOUT = RocmPagedMxfp4CacheLayout(32, 16, 2)
+MODELS = [
+    pytest.param(dsa_attention.DEEPSEEK_V32, id="deepseek-v32-64-heads"),
+    pytest.param(dsa_attention.GLM5, id="glm5-32-heads"),
+]
 
 
-class Stop(Exception):
-    """Raised by the recorded fused_q: the glue under test is done by then."""
+def _assert_keys_cached(layer, handed_on) -> None:
+    """Each token's 68-byte key is on the cache at its slot (read where
+    AITER's reader reads it) and nothing else is written."""
+    cache = layer.indexer.k_cache.kv_cache
+    _, scales = ref.read_cache(cache, handed_on.slots, LAYOUT, 128)
+    assert bool((scales != 0).all()), "every key has its e8m0 scales"
+    assert int(cache.count_nonzero()) <= TOKENS * 68
 
 
-def _config(kv_dtype: str):
-    config = indexer_batch.make_vllm_config()
-    hf = SimpleNamespace(
-        model_type="deepseek_v32",
-        architectures=["DeepseekV32ForCausalLM"],
-        index_n_heads=INDEX_HEADS,
-        index_head_dim=HEAD_DIM,
-    )
-    config.model_config.hf_config = config.model_config.hf_text_config = hf
-    config.attention_config.indexer_kv_dtype = kv_dtype
-    config.cache_config.block_size = PAGE
-    return config
-
-
-def _layer(monkeypatch, config):
-    """DeepseekV32MLAAttention whose parent constructor sets only what the
-    glue reads: the indexer with its real ROCm K cache."""
-    row = 68 if config.attention_config.indexer_kv_dtype == "mxfp4" else 132
-    cache = rocm.DeepseekV32ROCmIndexerCache(
-        head_dim=row,
-        dtype=torch.uint8,
-        prefix=f"{LAYER}.indexer.k_cache",
-        cache_config=config.cache_config,
-    )
-    cache.kv_cache = torch.zeros(4, PAGE, row, dtype=torch.uint8)
-    indexer = SimpleNamespace(
-        k_cache=cache,
-        quant_block_size=128,
-        scale_fmt="ue8m0",
-        topk_tokens=2048,
-        head_dim=HEAD_DIM,
-        n_head=INDEX_HEADS,
-        max_model_len=4096,
-        max_total_seq_len=4096,
-        softmax_scale=HEAD_DIM**-0.5,
-        k_norm=SimpleNamespace(weight=torch.ones(HEAD_DIM), bias=None, eps=1e-6),
-        wq_b=lambda q_c: (torch.zeros(q_c.shape[0], INDEX_HEADS * HEAD_DIM),),
-    )
-
-    def parent_init(self, *args, **kwargs):
-        torch.nn.Module.__init__(self)
-        self.indexer = indexer
-        self.kv_cache_dtype = "auto"
-
-    monkeypatch.setattr(v32_attention.DeepseekV32Attention, "__init__", parent_init)
-    layer = rocm.DeepseekV32MLAAttention(config, None, LAYER)
-    norm = SimpleNamespace(weight=torch.ones(1), variance_epsilon=1e-6)
-    rope = SimpleNamespace(cos_sin_cache=torch.zeros(8, 64))
-    for name, value in dict(
-        layer_name=LAYER,
-        skip_topk=False,
-        q_a_layernorm=norm,
-        kv_a_layernorm=norm,
-        rotary_emb=rope,
-        indexer_rope_emb=rope,
-        kv_cache=torch.zeros(1),
-        _k_scale=torch.ones(1),
-        _k_scale_float=1.0,  # read by vLLM 0.33.0's layer
-        _q_scale=torch.ones(1),
-        topk_indices_buffer=torch.zeros(TOKENS, 2048, dtype=torch.int32),
-        _index_rope_interleave=False,
-    ).items():
-        object.__setattr__(layer, name, value)
-    return layer
-
-
-def _run(monkeypatch, layer):
-    """The layer's _fused_attention up to fused_q; returns both calls."""
+def _run(monkeypatch, model, kv_dtype: str, kind: str):
+    """Build the layer and run its _fused_attention; returns the layer, the
+    fused kernels' keyword arguments and what the layer handed on."""
     calls: dict = {}
 
-    def norm_rope(*args, **kwargs):
-        calls["fused_norm_rope"] = kwargs
-        return args[1]
+    def recorded(name, kernel):
+        def call(*args, **kwargs):
+            calls[name] = kwargs
+            return kernel(*args, **kwargs)
 
-    def q(*args, **kwargs):
-        calls["fused_q"] = kwargs
-        raise Stop
+        return call
 
-    monkeypatch.setattr(rocm, "fused_norm_rope", norm_rope)
-    monkeypatch.setattr(rocm, "fused_q", q)
     monkeypatch.setattr(
-        rocm,
-        "get_forward_context",
-        lambda: SimpleNamespace(
-            attn_metadata={LAYER: object()}, slot_mapping={LAYER: torch.arange(3)}
-        ),
+        rocm, "fused_norm_rope", recorded("fused_norm_rope", rocm.fused_norm_rope)
     )
-    monkeypatch.setattr(layer, "_use_sparse_mha", lambda metadata: False)
-    monkeypatch.setattr(
-        layer, "_compute_ql_nope", lambda q_c: (torch.zeros(1), torch.zeros(1))
-    )
-    x = torch.zeros(TOKENS, 4)
-    with pytest.raises(Stop):
-        layer._fused_attention(
-            torch.arange(TOKENS), x, x, x, x, torch.zeros(TOKENS, INDEX_HEADS), x
-        )
-    return calls
-
-
-def test_mxfp4_layer_glue(monkeypatch):
-    config = _config("mxfp4")
+    monkeypatch.setattr(rocm, "fused_q", recorded("fused_q", rocm.fused_q))
+    config = dsa_attention.make_config(model, kv_dtype, PAGE)
     with emulate_rocm("gfx950"), set_current_vllm_config(config):
-        layer = _layer(monkeypatch, config)
-        calls = _run(monkeypatch, layer)
+        layer = dsa_attention.build_layer(monkeypatch, config, model, kind, tp=TP)
+        handed_on = dsa_attention.run_attention(monkeypatch, layer, TOKENS)
+    return layer, calls, handed_on
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_mxfp4_layer_glue(monkeypatch, model):
+    layer, calls, handed_on = _run(monkeypatch, model, "mxfp4", "target")
     assert type(layer.indexer_op) is RocmSparseAttnIndexer
     assert layer.indexer_op.skip_k_cache_insert
     norm_rope = calls["fused_norm_rope"]
     assert norm_rope["indexer_k_cache"] is layer.indexer.k_cache.kv_cache
-    # the page order the stand-in AITER's cache_format reports for 64 entries
-    assert norm_rope["indexer_cache_mxfp4_layout"] == RocmPagedMxfp4CacheLayout(
-        16, 16, 4
-    )
+    # AITER's cache_format: n_per_tile 32 for 32 heads and for 64 (its
+    # mfma_nonk_dim; the stand-in cites it).
+    assert norm_rope["indexer_cache_mxfp4_layout"] == LAYOUT
     assert calls["fused_q"]["index_q_mxfp4"] is True
+    # The query reaches the indexer as (values, scales), one row per head.
+    _, index_q, weights = handed_on.indexer_args
+    assert isinstance(index_q, Mxfp4IndexQuery)
+    heads, dim = model.index_n_heads, model.index_head_dim
+    assert index_q.values.shape == (TOKENS, heads, dim // 2)
+    assert index_q.scales.shape == (TOKENS, heads, dim // 32)
+    assert weights.shape == (TOKENS, heads)
+    _assert_keys_cached(layer, handed_on)
 
 
-def test_fp8_layer_keeps_the_fp8_calls(monkeypatch):
-    config = _config("fp8")
-    with emulate_rocm("gfx950"), set_current_vllm_config(config):
-        layer = _layer(monkeypatch, config)
-        calls = _run(monkeypatch, layer)
+@pytest.mark.parametrize("model", MODELS)
+def test_fp8_layer_keeps_the_fp8_calls(monkeypatch, model):
+    layer, calls, handed_on = _run(monkeypatch, model, "fp8", "target")
     assert type(layer.indexer_op) is SparseAttnIndexer
     assert calls["fused_norm_rope"]["indexer_cache_mxfp4_layout"] is None
     assert calls["fused_q"]["index_q_mxfp4"] is False
+    _, index_q, _ = handed_on.indexer_args
+    assert isinstance(index_q, torch.Tensor) and index_q.element_size() == 1
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_mtp_draft_reusing_the_targets_topk_serves_on_the_mxfp4_cache(
+    monkeypatch, model
+):
+    """index_share_for_mtp_iteration: the draft layer keeps its MXFP4
+    indexer (and cache) but skips it; both fused kernels run without an
+    index query or key, and the MLA query is made as usual."""
+    layer, calls, handed_on = _run(monkeypatch, model, "mxfp4", "mtp-reuse")
+    assert layer.indexer is not None and layer.indexer_mxfp4 and layer.skip_topk
+    assert calls["fused_norm_rope"]["has_indexer"] is False
+    assert calls["fused_q"]["has_indexer"] is False
+    assert handed_on.indexer_args is None, "the shared top-k is not recomputed"
+    assert not layer.indexer.k_cache.kv_cache.any(), "no index key is written"
+    local_heads = model.num_attention_heads // TP
+    assert handed_on.mqa_q.shape == (
+        TOKENS,
+        local_heads,
+        model.kv_lora_rank + model.qk_rope_head_dim,
+    )
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_mtp_draft_with_its_own_indexer_scores_on_the_mxfp4_cache(monkeypatch, model):
+    layer, calls, handed_on = _run(monkeypatch, model, "mxfp4", "mtp")
+    assert calls["fused_q"]["has_indexer"] is True
+    assert isinstance(handed_on.indexer_args[1], Mxfp4IndexQuery)
+    _assert_keys_cached(layer, handed_on)
 
 
 def test_mxfp4_query_reaches_the_indexer_as_values_and_scales(monkeypatch):
     """_run_indexer hands fused_q's (values, scales) pair to forward_hip."""
-    config = _config("mxfp4")
+    model = dsa_attention.GLM5
+    config = dsa_attention.make_config(model, "mxfp4", PAGE)
     with emulate_rocm("gfx950"), set_current_vllm_config(config):
-        layer = _layer(monkeypatch, config)
+        layer = dsa_attention.build_layer(monkeypatch, config, model, "target")
     seen = []
     monkeypatch.setattr(
         RocmSparseAttnIndexer, "forward_hip", lambda self, *args: seen.append(args)
     )
-    pair = (torch.zeros(TOKENS, INDEX_HEADS, 64), torch.zeros(TOKENS, INDEX_HEADS, 4))
-    weights = torch.ones(TOKENS, INDEX_HEADS)
+    heads = model.index_n_heads
+    pair = (torch.zeros(TOKENS, heads, 64), torch.zeros(TOKENS, heads, 4))
+    weights = torch.ones(TOKENS, heads)
     layer._run_indexer(torch.zeros(TOKENS, 4), pair, weights)
     assert seen and seen[0][1] is pair and seen[0][3] is weights

@@ -203,10 +203,31 @@ def test_unsafe_configurations_stay_off_with_a_startup_log_line(
     cp_on.setattr(envs, "VLLM_BATCH_INVARIANT", invariant, raising=False)
     logged = []
     cp_on.setattr(
-        rocm_cp_indexer.logger, "info", lambda msg, *args: logged.append(msg % args)
+        rocm_cp_indexer.logger,
+        "info_once",
+        lambda msg, *args: logged.append(msg % args),
     )
     assert _at_startup(2, dcp, pcp, graphs) is None
     assert len(logged) == 1 and reason in logged[0] and "stays off" in logged[0]
+
+
+def test_an_fp4_indexer_cache_keeps_the_prefill_replicated_and_says_so(cp_on):
+    """The MXFP4 cache's op (rocm_mxfp4_sparse_attn_indexer) scores every
+    prefill row on every rank: the startup log must not claim a split."""
+    logged = []
+    cp_on.setattr(
+        rocm_cp_indexer.logger,
+        "info_once",
+        lambda msg, *args: logged.append(msg % args),
+    )
+    assert cp_indexer_stripe_at_startup(_config(), 4, 1, False, fp4_cache=True) is None
+    assert logged == [
+        "CP indexer stays off (replicated prefill): the MXFP4 indexer cache's op "
+        "does not split prefill rows."
+    ]
+    logged.clear()
+    assert _at_startup(4) == 512
+    assert logged == ["CP indexer on: 4 TP ranks, stripes of 512 rows."]
 
 
 @pytest.mark.parametrize(

@@ -95,14 +95,20 @@ def _check_ranks_agree(enabled: bool, stripe: int | str) -> None:
 
 
 def cp_indexer_stripe_at_startup(
-    vllm_config: VllmConfig, tp_size: int, dcp_world_size: int, use_pcp: bool
+    vllm_config: VllmConfig,
+    tp_size: int,
+    dcp_world_size: int,
+    use_pcp: bool,
+    *,
+    fp4_cache: bool = False,
 ) -> int | None:
     """The stripe size when this engine splits the indexer prefill, else None.
 
     Called once per indexer metadata builder at engine start, on every rank:
     it checks that the TP ranks agree on the settings (a collective on the
     TP group's CPU group), validates the stripe size and says why the split
-    stays off in an unsafe configuration."""
+    stays off in an unsafe configuration, or with an FP4 indexer cache
+    (``fp4_cache``), whose op scores every prefill row on every rank."""
     # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
@@ -126,10 +132,13 @@ def cp_indexer_stripe_at_startup(
     if isinstance(stripe, str):
         raise ValueError(stripe)
     reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
+    if fp4_cache:
+        # Only rocm_aiter_sparse_attn_indexer (the FP8 cache) splits rows.
+        reason = "the MXFP4 indexer cache's op does not split prefill rows"
     if reason is not None:
-        logger.info("CP indexer stays off (replicated prefill): %s.", reason)
+        logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
-    logger.info("CP indexer on: %d TP ranks, stripes of %d rows.", tp_size, stripe)
+    logger.info_once("CP indexer on: %d TP ranks, stripes of %d rows.", tp_size, stripe)
     return stripe
 
 

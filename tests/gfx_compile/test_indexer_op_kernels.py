@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Triton kernels of the ROCm indexer op (``rocm_aiter_sparse_attn_
+indexer`` with the FP8 K cache) compiled for the AMD targets, with the
+shapes the stages route into them: stage 0001's split scores each rank's own
+rows of every chunk, stage 0002 sends decode and long prefill chunks to
+AITER's top-k (and its prefill indices through vLLM's Triton localisation).
+
+The specialisations come from vLLM's own code: the metadata builder and the
+op run on a step of decodes (next_n rows each) and prefills, with Triton's
+compile-only driver recording every launch (the builder's metadata kernels,
+the K-cache writer, the K gather, the decode packing, the localisation) and
+the interpreter computing its results, so the host code after each kernel
+sees real values. The split runs on two forked gloo ranks of a real TP
+group. AITER's own kernels (logits, top-k) are stand-ins here and are not
+compiled."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.harness import gfx_compile, indexer_batch
+from scripts.harness.multiproc import run_ranks
+from scripts.harness.rocm_platform import emulate_rocm, use_rocm_fp8_encoding
+from scripts.harness.tree import applied_tree
+
+TREE = applied_tree("0001")
+
+from vllm.config import set_current_vllm_config  # noqa: E402
+
+TOPK = 2048
+PAGES = (64, 128)
+NEXT_N = (1, 2, 4)
+# DeepSeek-V3.2's 64 and GLM-5.x's 32 index heads (published configs; see
+# scripts/harness/dsa_attention.py).
+HEADS = (64, 32)
+LONG_PREFILL = [(32760, 8)]  # 32,768 keys: AITER's prefill top-k from stage 0002
+
+
+def _step(next_n: int) -> list[tuple[int, int]]:
+    """Two decodes of next_n rows, a fresh prompt, and a turn over a short
+    cached prefix (small: every kernel is interpreted too)."""
+    return [(20, next_n), (9, next_n), (0, 24), (40, 7)]
+
+
+def _run_op(recorder, arch, heads, page, next_n, tp=1, requests=None, label="") -> None:
+    """Build the step with vLLM's builder and run the op, recording."""
+    long = requests is not None
+    with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm(arch):
+        use_rocm_fp8_encoding(monkeypatch, arch)
+        monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if tp > 1 else "0")
+        config = indexer_batch.make_vllm_config(
+            tp_size=tp,
+            max_len=33024 if long else indexer_batch.MAX_MODEL_LEN,
+            num_speculative_tokens=next_n - 1,
+        )
+        with set_current_vllm_config(config):
+            builder = indexer_batch.make_builder(config, monkeypatch, block_size=page)
+        recorder.label = label
+        with gfx_compile.recording(arch, interpret=not long, into=recorder):
+            batch = indexer_batch.build_batch(
+                builder,
+                requests or _step(next_n),
+                heads=heads,
+                cache_new_keys=True,
+                torch_context=long,
+            )
+            indexer_batch.run_indexer(
+                batch, TOPK, skip_k_cache_insert=True, torch_gather=long
+            )
+
+
+def _kinds():
+    for arch in gfx_compile.ARCHS:
+        for heads in HEADS:
+            yield pytest.param(arch, heads, id=f"{arch}-{heads}-heads")
+
+
+@pytest.mark.parametrize(("arch", "heads"), _kinds())
+def test_indexer_op_kernels_compile(compile_matrix, arch, heads):
+    recorder = gfx_compile.Recorder()
+    for page in PAGES:
+        for next_n in NEXT_N:
+            _run_op(
+                recorder, arch, heads, page, next_n,
+                label=f"{heads} index heads, {page}-token pages, next_n {next_n}",
+            )  # fmt: skip
+    kernels = {variant.name for variant in recorder.variants}
+    assert "_cp_gather_indexer_quant_cache" in " ".join(kernels), kernels
+    failures = compile_matrix.compile(arch, recorder)
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("arch", gfx_compile.ARCHS)
+def test_split_prefill_kernels_compile(compile_matrix, arch):
+    """Stage 0001's split at TP 2: each rank gathers the chunk's keys and
+    scores its own rows."""
+
+    def on_rank(rank, world_size):
+        recorder = gfx_compile.Recorder()
+        _run_op(
+            recorder, arch, 64, 64, 2, tp=world_size,
+            label=f"CP split, rank {rank} of {world_size}",
+        )  # fmt: skip
+        return recorder.variants
+
+    recorder = gfx_compile.Recorder()
+    for variants in run_ranks(2, on_rank):
+        for variant, labels in variants.items():
+            for label in labels:
+                recorder.label = label
+                recorder.add(variant)
+    failures = compile_matrix.compile(arch, recorder)
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_long_prefill_localisation_compiles(compile_matrix, heads):
+    """A chunk whose requests reach 32K keys takes AITER's prefill top-k on
+    gfx950 (stage 0002), whose chunk-global indices vLLM's Triton kernel
+    makes sequence-local."""
+    applied_tree("0002")
+    recorder = gfx_compile.Recorder()
+    _run_op(
+        recorder, "gfx950", heads, 64, 1, requests=LONG_PREFILL,
+        label=f"{heads} index heads, a 32K-key prefill chunk",
+    )  # fmt: skip
+    kernels = {variant.name for variant in recorder.variants}
+    assert "_localize_aiter_prefill_topk_kernel" in kernels, kernels
+    failures = compile_matrix.compile("gfx950", recorder)
+    assert not failures, "\n\n".join(failures)
