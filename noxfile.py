@@ -131,23 +131,32 @@ def apply(session: nox.Session) -> None:
     _series(session, "apply", *upto)
 
 
+def _test_args(session: nox.Session) -> list[str]:
+    """``test``'s own --rerun, then -- and the rest for pytest."""
+    posargs = list(session.posargs)
+    rerun = ["--rerun"] if "--rerun" in posargs else []
+    return [*rerun, "--", *(arg for arg in posargs if arg != "--rerun")]
+
+
 @nox.session
 @nox.parametrize("stage", STAGE_IDS, ids=STAGE_IDS)
 def tests(session: nox.Session, stage: str) -> None:
-    """Test one stage's tree (base + stages up to it); -- ARGS go to pytest."""
+    """Test one stage's tree (base + stages up to it); -- --rerun runs
+    unchanged runs again; other ARGS go to pytest."""
     _series(session, "apply", "--upto", stage)
     _install_cpu_deps(session)
-    _series(session, "test", stage, "--", *session.posargs)
+    _series(session, "test", stage, *_test_args(session))
 
 
 @nox.session(name="apply-and-test")
 def apply_and_test(session: nox.Session) -> None:
-    """The main job: apply every stage, test each stage's tree, one table."""
+    """The main job: apply every stage, test each stage's tree, one table
+    (-- --rerun: also the runs whose inputs are unchanged since they passed)."""
     started = time.monotonic()
     _series(session, "apply")
     _install_cpu_deps(session)
     try:
-        _series(session, "test", "--tooling", "--", *session.posargs)
+        _series(session, "test", "--tooling", *_test_args(session))
     finally:
         session.log(f"apply-and-test took {time.monotonic() - started:.0f} s")
 
@@ -171,7 +180,7 @@ def rebased(session: nox.Session) -> None:
     for series_file in REBASED:
         _series(session, "apply", series=series_file)
         _install_cpu_deps(session, series_file)
-        _series(session, "test", "--", *session.posargs, series=series_file)
+        _series(session, "test", *_test_args(session), series=series_file)
 
 
 @nox.session

@@ -62,8 +62,9 @@ def _fp8_mqa_logits(
     rows, width = logits.shape
     gen = adversary.generator(logits.device)
     pitch = -(-width // LOGITS_ROW_ALIGN) * LOGITS_ROW_ALIGN
-    padded = adversary.garbage((rows, pitch), gen, logits.device)
+    padded = torch.empty((rows, pitch), device=logits.device)
     padded[:, :width] = logits
+    padded[:, width:] = adversary.garbage((rows, pitch - width), gen, logits.device)
     if not clean_logits:
         cols = torch.arange(width, device=logits.device)
         outside = (cols < cu_seqlen_ks[:, None]) | (cols >= cu_seqlen_ke[:, None])

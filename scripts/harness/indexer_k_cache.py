@@ -34,12 +34,26 @@ def read_paged_k(
     pages = kv_cache.reshape(kv_cache.shape[0], -1)
     block_size = pages.shape[1] // (head_dim + 4)
     tokens = torch.arange(count, device=kv_cache.device)
-    page = pages[blocks[tokens // block_size].to(torch.int64)]
-    slot = tokens % block_size
-    values = page.gather(1, _value_offsets(slot, head_dim)).view(FP8_DTYPE)
-    scale_bytes = page[:, block_size * head_dim :].reshape(-1, block_size, 4)
-    scales = scale_bytes[torch.arange(count), slot].contiguous().view(torch.float32)
-    return values.to(torch.float32) * scales
+    page_of = blocks.to(torch.int64)[tokens // block_size]
+    values, scale_bytes = _token_bytes(pages, page_of, tokens, head_dim)
+    scales = scale_bytes.contiguous().view(torch.float32)
+    return values.view(FP8_DTYPE).to(torch.float32) * scales
+
+
+def _token_bytes(
+    pages: torch.Tensor, page_of: torch.Tensor, positions: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 value bytes [n, head_dim] and scale bytes [n, 4] of the keys
+    at sequence ``positions``, on pages ``page_of`` (one per key), indexed
+    in the flat cache (copying whole pages per key costs 66x the bytes)."""
+    page_bytes = pages.shape[1]
+    block_size = page_bytes // (head_dim + 4)
+    base = (page_of * page_bytes)[:, None]
+    slot = positions % block_size
+    flat = pages.reshape(-1)
+    values = flat[base + _value_offsets(slot, head_dim)]
+    scale_at = block_size * head_dim + slot[:, None] * 4 + torch.arange(4)[None, :]
+    return values, flat[base + scale_at]
 
 
 def write_paged_k(
@@ -91,8 +105,6 @@ def gather_paged_k(
     seq = token_to_seq.to(torch.int64)
     pos = tokens - cu_seqlen.to(torch.int64)[seq]
     blocks = block_table.to(torch.int64)[seq, pos // block_size]
-    page = pages[blocks]
-    slot = pos % block_size
-    k_fp8.view(torch.uint8).copy_(page.gather(1, _value_offsets(slot, head_dim)))
-    scale_at = block_size * head_dim + slot[:, None] * 4 + torch.arange(4)[None, :]
-    k_fp8_scale.view(torch.uint8).reshape(-1, 4).copy_(page.gather(1, scale_at))
+    values, scale_bytes = _token_bytes(pages, blocks, pos, head_dim)
+    k_fp8.view(torch.uint8).copy_(values)
+    k_fp8_scale.view(torch.uint8).reshape(-1, 4).copy_(scale_bytes)

@@ -77,10 +77,13 @@ def select_topk(
         # Keep every column above the k-th value; among those equal to it,
         # a random subset.
         kth = top.values[:, -1:]
-        noise = torch.rand(
-            keyed.shape, generator=gen, dtype=torch.float64, device=device
+        tied = keyed == kth
+        score = torch.where(keyed > kth, 2.0, -1.0).to(torch.float32)
+        # Random draws only for the tied columns (a row's noise is all the
+        # choice needs, and drawing for every column costs a full copy).
+        score[tied] = torch.rand(
+            int(tied.sum()), generator=gen, dtype=torch.float32, device=device
         )
-        score = torch.where(keyed > kth, 2.0, torch.where(keyed == kth, noise, -1.0))
         picked = torch.topk(score, take, dim=1).indices
         # Atomic order: permute each row's valid prefix.
         order_key = torch.rand((rows, take), generator=gen, device=device)

@@ -36,7 +36,12 @@ from scripts.series.pr_check import check_prs
 from scripts.series.prepare import prepare
 from scripts.series.refresh import recover_interrupted_refresh, refresh
 from scripts.series.status import format_status, tree_status
-from scripts.series.testrun import compile_summary, format_summary, run_tests
+from scripts.series.testrun import (
+    compile_summary,
+    format_summary,
+    format_timings,
+    run_tests,
+)
 from scripts.series.trees import copy_tree, stage_tree
 
 # Commands that only read; every other one holds the project lock.
@@ -122,6 +127,12 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("stages", nargs="*", help="'base' and/or stage ids")
     test.add_argument("--tooling", action="store_true", help="also test the tool")
     test.add_argument(
+        "--rerun",
+        action="store_true",
+        help="run every pytest run, also those whose inputs are unchanged "
+        "since their last green run (reported from it otherwise)",
+    )
+    test.add_argument(
         "--jobs",
         type=_positive_int,
         default=0,
@@ -200,14 +211,32 @@ def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     for stage_id in stage_ids:
         if stage_id != "base":
             series.stage(stage_id)
-    rows = run_tests(
-        series, stage_ids, tooling=args.tooling, jobs=args.jobs, extra=extra
+    results = run_tests(
+        series,
+        stage_ids,
+        tooling=args.tooling,
+        jobs=args.jobs,
+        extra=extra,
+        rerun=args.rerun,
     )
+    rows = results.rows
     compiled = [(stage_id, compile_summary(series, stage_id)) for stage_id in stage_ids]
     summary = format_summary(rows, compiled)
+    if results.reused:
+        summary += (
+            f"\n\n{len(results.reused)} of {results.runs} pytest runs are reported "
+            "from their last green run, their inputs unchanged since (run them "
+            "again with --rerun; nox -s apply-and-test -- --rerun):\n"
+            + "\n".join(f"- {line}" for line in results.reused)
+        )
     out = results_dir(series) / "summary.md"
     out.write_text(f"{summary}\n")
-    print(f"\n{series.base.label}\n\n{summary}\n\nwritten to {out}")
+    timings = format_timings(rows, results.wall_s)
+    (results_dir(series) / "timings.md").write_text(f"{timings}\n")
+    print(
+        f"\n{series.base.label}\n\n{summary}\n\nwritten to {out} (per-run times: "
+        "timings.md beside it)"
+    )
     return 1 if any(tally.failed for _, tally in rows) else 0
 
 

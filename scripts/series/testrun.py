@@ -29,12 +29,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.series import SeriesError
+from scripts.series import SeriesError, testcache
 from scripts.series.config import REPO_ROOT, Series, Stage
 from scripts.series.contract import (
+    BASE_TREE_ENV,
     COMPILE_SUMMARY_ENV,
     CPU_ENV,
     PLUGIN_FILES_ENV,
+    TREE_ENV,
     tree_env,
 )
 from scripts.series.git import git
@@ -202,6 +204,15 @@ def tooling_run(series: Series) -> PytestRun:
     )
 
 
+@dataclass(frozen=True)
+class RunTiming:
+    """One pytest run's wall time and CPU time (its children included)."""
+
+    run: str
+    wall_s: float
+    cpu_s: float
+
+
 @dataclass
 class Tally:
     passed: int = 0
@@ -209,6 +220,7 @@ class Tally:
     skipped: int = 0
     skip_reasons: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
+    timings: list[RunTiming] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
         self.passed += other.passed
@@ -216,6 +228,21 @@ class Tally:
         self.skipped += other.skipped
         self.skip_reasons.update(other.skip_reasons)
         self.failures += other.failures
+        self.timings += other.timings
+
+
+def format_timings(rows: list[tuple[str, Tally]], wall_s: float) -> str:
+    """The runs this invocation ran, slowest first: wall and CPU seconds."""
+    timings = sorted(
+        (t for _, tally in rows for t in tally.timings), key=lambda t: -t.wall_s
+    )
+    lines = ["| pytest run | wall s | CPU s |", "|---|---:|---:|"]
+    lines += [f"| {t.run} | {t.wall_s:.1f} | {t.cpu_s:.1f} |" for t in timings]
+    cpu = sum(t.cpu_s for t in timings)
+    lines.append(
+        f"| all ({len(timings)} runs, side by side) | {wall_s:.1f} | {cpu:.1f} |"
+    )
+    return "\n".join(lines)
 
 
 def read_junit(path: Path, modules: Sequence[str] = ()) -> Tally:
@@ -311,30 +338,88 @@ def _last_duration(run: PytestRun) -> float:
 _PRINT_LOCK = threading.Lock()
 
 
-def _run_one(run: PytestRun, python: str, extra: Sequence[str], cwd: Path) -> Tally:
+def _run_one(
+    run: PytestRun,
+    python: str,
+    extra: Sequence[str],
+    cwd: Path,
+    project: str,
+    rerun: bool,
+) -> tuple[Tally, str | None]:
+    """Run one pytest run, or (unless ``rerun``) report its last green
+    result if none of its inputs changed. Returns the tally and, for a
+    reported result, when that run finished."""
+    env = testcache.environment_of(run.env)
+    cached = testcache.CachedRun(run.junit)
+    trees = [
+        Path(run.env[name]) for name in (TREE_ENV, BASE_TREE_ENV) if name in run.env
+    ]
+    key = testcache.run_key(
+        args=[*run.args, *extra],
+        env=env,
+        cwd=run.cwd or cwd,
+        python=python,
+        project=project,
+        trees=trees + ([run.cwd] if run.cwd else []),
+    )
+    if not rerun and key is not None and (finished := cached.matches(key)):
+        with _PRINT_LOCK:
+            print(
+                f"=== {run.row}: {run.label}: inputs unchanged since its green "
+                f"run of {finished}, reported from that run",
+                flush=True,
+            )
+        return read_junit(run.junit), finished
+    cached.forget()
     run.junit.parent.mkdir(parents=True, exist_ok=True)
     run.junit.unlink(missing_ok=True)
     if summary := run.env.get(COMPILE_SUMMARY_ENV):
         Path(summary).unlink(missing_ok=True)
-    done = subprocess.run(
+    started = time.monotonic()
+    process = subprocess.Popen(
         [python, "-m", "pytest", *run.args, *extra],
-        env={**os.environ, **run.env},
+        env=env,
         cwd=run.cwd or cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
-        check=False,
+    )
+    assert process.stdout is not None
+    output = process.stdout.read()
+    # wait4: the run's own CPU time, its forked ranks included.
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    timing = RunTiming(
+        f"{run.row}: {run.label}",
+        time.monotonic() - started,
+        usage.ru_utime + usage.ru_stime,
     )
     tally = read_junit(run.junit)
+    tally.timings.append(timing)
     # 0: passed, 1: some failed, 5: nothing collected; the rest is pytest
     # itself failing (usage, internal error, interrupted).
-    if done.returncode not in (0, 1, 5):
+    if process.returncode not in (0, 1, 5):
         tally.failed += 1
-        tally.failures.append(f"{run.row} {run.label}: pytest exited {done.returncode}")
+        tally.failures.append(
+            f"{run.row} {run.label}: pytest exited {process.returncode}"
+        )
+    if key is not None and not tally.failed and process.returncode in (0, 5):
+        cached.record(key, time.strftime("%Y-%m-%d %H:%M:%S"))
     with _PRINT_LOCK:
-        print(f"=== {run.row}: {run.label}\n{done.stdout}", flush=True)
-    return tally
+        print(f"=== {run.row}: {run.label}\n{output}", flush=True)
+    return tally, None
+
+
+@dataclass
+class TestResults:
+    """One tally per summary row, in order, and the runs whose result was
+    reported from their last green run."""
+
+    rows: list[tuple[str, Tally]]
+    reused: list[str]
+    runs: int
+    wall_s: float
 
 
 def run_tests(
@@ -345,25 +430,35 @@ def run_tests(
     python: str = sys.executable,
     jobs: int = 0,
     extra: Sequence[str] = (),
-) -> list[tuple[str, Tally]]:
+    rerun: bool = False,
+) -> TestResults:
     """Run the tooling tests (if asked) and each stage's runs, ``jobs`` at a
-    time (0: one per CPU); return one tally per summary row, in order."""
+    time (0: one per CPU). A run whose inputs are unchanged since its last
+    green run is reported from it (``testcache``), unless ``rerun``."""
     base_tree = stage_tree(series, "base")
     runs = [tooling_run(series)] if tooling else []
     for stage_id in stage_ids:
         runs += stage_runs(series, stage_id, stage_tree(series, stage_id), base_tree)
+    project = testcache.project_files(series.root)
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        tallies = list(
-            pool.map(lambda run: _run_one(run, python, extra, series.root), order)
+        outcomes = list(
+            pool.map(
+                lambda run: _run_one(run, python, extra, series.root, project, rerun),
+                order,
+            )
         )
-    print(f"{len(runs)} pytest runs took {time.monotonic() - started:.0f} s")
+    wall_s = time.monotonic() - started
+    print(f"{len(runs)} pytest runs took {wall_s:.0f} s")
     rows: dict[str, Tally] = {run.row: Tally() for run in runs}
-    for run, tally in zip(order, tallies, strict=True):
+    reused = []
+    for run, (tally, finished) in zip(order, outcomes, strict=True):
         rows[run.row].add(tally)
-    return list(rows.items())
+        if finished is not None:
+            reused.append(f"{run.row}: {run.label} (green run of {finished})")
+    return TestResults(list(rows.items()), reused, len(runs), wall_s)
 
 
 def probe_paths(stage: Stage) -> tuple[str, ...]:

@@ -7,12 +7,12 @@ AITER's top-k (and its prefill indices through vLLM's Triton localisation).
 
 The specialisations come from vLLM's own code: the metadata builder and the
 op run on a step of decodes (next_n rows each) and prefills, with Triton's
-compile-only driver recording every launch (the builder's metadata kernels,
-the K-cache writer, the K gather, the decode packing, the localisation) and
-the interpreter computing its results, so the host code after each kernel
-sees real values. The split runs on two forked gloo ranks of a real TP
-group. AITER's own kernels (logits, top-k) are stand-ins here and are not
-compiled."""
+compile-only driver recording every launch (the builder's decode kernel, the
+K gather, the localisation) and the interpreter computing its results, so
+the host code after each kernel sees real values. The cache is filled by
+the torch equivalent of vLLM's K-cache writer, which the stages do not call.
+The split runs on two forked gloo ranks of a real TP group. AITER's own
+kernels (logits, top-k) are stand-ins here and are not compiled."""
 
 from __future__ import annotations
 
@@ -57,12 +57,14 @@ def _run_op(recorder, arch, heads, page, next_n, tp=1, requests=None, label="") 
             builder = indexer_batch.make_builder(config, monkeypatch, block_size=page)
         recorder.label = label
         with gfx_compile.recording(arch, interpret=not long, into=recorder):
+            # The cache is filled by the torch writer (the stages do not call
+            # vLLM's); the builder's own kernels are recorded.
             batch = indexer_batch.build_batch(
                 builder,
                 requests or _step(next_n),
                 heads=heads,
                 cache_new_keys=True,
-                torch_context=long,
+                torch_context=True,
             )
             indexer_batch.run_indexer(
                 batch, TOPK, skip_k_cache_insert=True, torch_gather=long

@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+from scripts.series import testcache
 from scripts.series.config import REPO_ROOT
 from tests.tooling.conftest import Project, sh, write_files
 
 
-def _cli(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(
+    project: Project, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
             sys.executable,
@@ -24,6 +29,7 @@ def _cli(project: Project, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -362,3 +368,66 @@ def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path)
     message = sh(repo, "git", "log", "-1", "--format=%B", "pr/0001")
     assert message.strip().endswith("Signed-off-by: Eve Exporter <eve@example.org>")
     _one_line_error(export("--signoff", "just a name"), "expected 'Name <email>'")
+
+
+def test_an_unchanged_green_run_is_reported_from_its_last_result(two_stages: Project):
+    """A green run whose inputs are all unchanged is not run again; a change
+    to any input (a test file, the tree, the environment), a failure or
+    --rerun runs it."""
+    assert _cli(two_stages, "apply").returncode == 0
+    marker = two_stages.tmp / "ran.log"  # outside the project: not an input
+    test = two_stages.root / "tests" / "base" / "test_base.py"
+    write_files(
+        two_stages.root / "tests",
+        {
+            "base/test_base.py": textwrap.dedent(f"""\
+                def test_base():
+                    with open({str(marker)!r}, "a") as log:
+                        log.write("ran\\n")
+                """),
+        },
+    )
+
+    def runs() -> int:
+        return len(marker.read_text().splitlines()) if marker.exists() else 0
+
+    first = _cli(two_stages, "test", "base")
+    assert first.returncode == 0 and runs() == 1
+    again = _cli(two_stages, "test", "base")
+    assert again.returncode == 0 and runs() == 1, "unchanged: reported"
+    assert "| base | 1 | 0 | 0 | - |" in again.stdout
+    assert "1 of 1 pytest runs are reported from their last green run" in again.stdout
+    assert _cli(two_stages, "test", "base", "--rerun").returncode == 0
+    assert runs() == 2
+    test.write_text(test.read_text() + "\n\ndef test_more():\n    pass\n")
+    assert _cli(two_stages, "test", "base").returncode == 0 and runs() == 3
+    # The environment is an input.
+    env_change = _cli(two_stages, "test", "base", env={"DSA_STANDIN_SEED": "7"})
+    assert env_change.returncode == 0 and runs() == 4
+    # A failing run keeps no key: it runs again next time.
+    test.write_text(test.read_text() + "\n\ndef test_fails():\n    assert False\n")
+    assert _cli(two_stages, "test", "base").returncode == 1 and runs() == 5
+    assert _cli(two_stages, "test", "base").returncode == 1 and runs() == 6
+
+
+def test_a_tree_with_changes_beyond_its_commit_has_no_key(tmp_path: Path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    sh(tree, "git", "init", "-q")
+    (tree / "a.py").write_text("x = 1\n")
+    sh(tree, "git", "add", "a.py")
+    sh(tree, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+
+    def key() -> str | None:
+        return testcache.run_key(
+            args=["-q"], env={}, cwd=tree, python=sys.executable,
+            project="p", trees=[tree],
+        )  # fmt: skip
+
+    clean = key()
+    assert clean is not None and key() == clean
+    (tree / "b.py").write_text("y = 2\n")
+    assert key() is None, "an untracked file"
+    (tree / "b.py").unlink()
+    (tree / "a.py").write_text("x = 2\n")
+    assert key() is None, "an edit"
