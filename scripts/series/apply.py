@@ -23,7 +23,7 @@ from scripts.series.git import (
     git,
     rev_parse,
 )
-from scripts.series.layout import SERIES_BRANCH, stage_tag
+from scripts.series.layout import SERIES_BRANCH, SERIES_REF, stage_tag
 from scripts.series.patchfile import failing_hunk, read_patch
 from scripts.series.prepare import prepare
 from scripts.series.state import (
@@ -137,7 +137,7 @@ def refuse_foreign_branch(repo: Path, chain: Chain) -> None:
     """Refuse to move the series branch while it holds a commit that is not
     a stage's (made on it before HEAD was detached): moving it would leave
     that commit only in the reflog."""
-    tip = rev_parse(repo, SERIES_BRANCH)
+    tip = rev_parse(repo, SERIES_REF)
     if tip is None or tip == rev_parse(repo, "HEAD"):
         return
     if tip not in _stage_commits(repo, chain):
@@ -227,7 +227,7 @@ def apply(
 
     keep = min(chain.current, len(target))
     start = chain.applied[keep - 1][1] if keep else chain.base
-    if rev_parse(repo, "HEAD") != start or rev_parse(repo, SERIES_BRANCH) != start:
+    if rev_parse(repo, "HEAD") != start or rev_parse(repo, SERIES_REF) != start:
         git(repo, "checkout", "-q", "-B", SERIES_BRANCH, start)
     parent = start
     for stage in target[:keep]:

@@ -261,8 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         series = load_series(args.series)
         if args.command in READ_ONLY:
+            if review.AcceptJournal.pending(series.patches_dir):
+                print(
+                    "note: an interrupted `rebase --accept` is pending; the next "
+                    "writing command finishes it",
+                    file=sys.stderr,
+                )
             return _run(series, args, extra)
         with project_lock(series, " ".join(argv)):
+            if review.finish_interrupted_accept(series.patches_dir):
+                series = load_series(args.series)
             return _run(series, args, extra)
     except SeriesError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -379,10 +380,30 @@ def load_series(path: Path = SERIES_FILE) -> Series:
     )
     if not overlay_dirs:
         top.fail("overlays", "expected at least one overlay folder")
-    folder = path.resolve().parent
-    root = (folder / top.string("project", default="..")).resolve()
+    # The project is the checkout the series file sits in, found from the
+    # path as given: a symlinked folder on the way must not move it.
+    folder = Path(os.path.abspath(path)).parent
+    project = top.string("project", default="..")
+    root = Path(os.path.normpath(folder / project))
     if not folder.is_relative_to(root):
         top.fail("project", f"{root} does not contain the series file")
+    checkout = next(
+        (p for p in (folder, *folder.parents) if (p / ".git").exists()), None
+    )
+    if checkout is not None and root != checkout:
+        top.fail(
+            "project",
+            f"{project!r} is {root}, not the checkout the series file is in "
+            f"({checkout})",
+        )
+    root = root.resolve()
+    if not folder.resolve().is_relative_to(root):
+        top.fail(
+            "project",
+            f"the series folder {folder} leads outside the project ({root}) "
+            "through a symlink",
+        )
+    folder = folder.resolve()
     for overlays in overlay_dirs:
         if not (folder / overlays).resolve().is_relative_to(root):
             top.fail("overlays", f"{overlays!r} is outside the project ({root})")

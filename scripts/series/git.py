@@ -113,8 +113,20 @@ def changed_files(repo: Path) -> list[str]:
 
 
 def rev_parse(repo: Path, ref: str) -> str | None:
+    """The commit ``ref`` names, or None if it names none."""
+    return _peeled(repo, ref, "commit")
+
+
+def tree_id(repo: Path, ref: str) -> str | None:
+    """The tree of the commit ``ref`` names, or None if it names none."""
+    return _peeled(repo, ref, "tree")
+
+
+def _peeled(repo: Path, ref: str, kind: str) -> str | None:
+    if "^{" in ref:
+        raise ValueError(f"{ref!r}: name the ref, not an object type")
     result = git(
-        repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False
+        repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{{kind}}}", check=False
     )
     return result.stdout.decode().strip() or None
 

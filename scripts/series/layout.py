@@ -17,6 +17,10 @@ RESOLUTIONS = "resolutions"  # git rerere's rr-cache, kept in patches/
 # In a work repo (build/<base label>/).
 BASE_TAG = "base"
 SERIES_BRANCH = "series"
+# Refs are read by their full names: a user's tag named "series" (or a
+# branch named like a stage tag) must not stand in for the tool's own.
+SERIES_REF = f"refs/heads/{SERIES_BRANCH}"
+BASE_REF = f"refs/tags/{BASE_TAG}"
 REBASED_BRANCH = "rebased"
 REFRESH_BACKUP_REF = "refs/dsa-series/before-refresh"
 REBASE_OLD_REF = "refs/dsa-rebase/old"
@@ -27,6 +31,10 @@ REFRESH_JOURNAL_FILE = "dsa-series-refreshing.json"  # under .git/, while refres
 
 def stage_tag(stage_id: str) -> str:
     return f"stage/{stage_id}"
+
+
+def stage_tag_ref(stage_id: str) -> str:
+    return f"refs/tags/{stage_tag(stage_id)}"
 
 
 def pr_branch(stage_id: str) -> str:

@@ -21,7 +21,13 @@ from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, SdistBase, Series
 from scripts.series.fetch import fetch_sdist
 from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out, is_repo
-from scripts.series.layout import BASE_TAG, SERIES_BRANCH, staging_dir, workdir
+from scripts.series.layout import (
+    BASE_REF,
+    BASE_TAG,
+    SERIES_BRANCH,
+    staging_dir,
+    workdir,
+)
 
 BASE_DATE = "2000-01-01T00:00:00+00:00"
 
@@ -130,7 +136,7 @@ def _base_message(base: Base) -> str:
 def recorded_base_id(repo: Path) -> str | None:
     if not is_repo(repo):
         return None
-    result = git(repo, "log", "-1", "--format=%B", BASE_TAG, check=False)
+    result = git(repo, "log", "-1", "--format=%B", BASE_REF, check=False)
     if result.returncode != 0:
         return None
     for line in result.stdout.decode().splitlines():
@@ -196,7 +202,7 @@ def _make_base(series: Series, staging: Path, *, offline: bool, quiet: bool) -> 
     )
     git(staging, "tag", BASE_TAG)
     if not quiet:
-        commit = git_out(staging, "rev-parse", "--short=12", BASE_TAG)
+        commit = git_out(staging, "rev-parse", "--short=12", BASE_REF)
         print(
             f"prepared the base {commit} (extract {extracted - started:.1f} s, "
             f"base commit {time.monotonic() - extracted:.1f} s)"

@@ -44,7 +44,7 @@ from scripts.series.apply import apply
 from scripts.series.config import Base, GitBase, Series, Stage
 from scripts.series.git import commit_verbatim, git, git_out
 from scripts.series.layout import (
-    BASE_TAG,
+    BASE_REF,
     REBASE_OLD_REF,
     REBASED_BRANCH,
     rebase_dir,
@@ -97,7 +97,7 @@ def start(
     work.parent.mkdir(parents=True)
     prepare(replace(series, base=target), repo=work, quiet=True)
     git(work, "fetch", "-q", str(workdir(series)), f"+{old_tip}:{REBASE_OLD_REF}")
-    git(work, "checkout", "-q", "-b", REBASED_BRANCH, BASE_TAG)
+    git(work, "checkout", "-q", "-b", REBASED_BRANCH, BASE_REF)
     git(work, "config", "rerere.enabled", "true")
     git(work, "config", "rerere.autoUpdate", "true")
     _offer_recorded_resolutions(series, work)
@@ -170,7 +170,7 @@ def resume(
             for s in series.stages[: state.next]
             if s.id in state.commits
         ]
-        git(repo, "reset", "-q", "--hard", done[-1] if done else BASE_TAG)
+        git(repo, "reset", "-q", "--hard", done[-1] if done else BASE_REF)
         return _run(series, state, tester)
     stage = series.stages[state.next]
     report = state.reports[-1]
@@ -505,7 +505,7 @@ def _moved_on_target(repo: Path, stages: int) -> dict[str, str | None]:
     the pinned base (the root of the series' old commits)."""
     old_base = f"{REBASE_OLD_REF}~{stages}"
     out = git_out(
-        repo, "diff", "-M", "--name-status", "--diff-filter=RD", old_base, BASE_TAG
+        repo, "diff", "-M", "--name-status", "--diff-filter=RD", old_base, BASE_REF
     )
     moved: dict[str, str | None] = {}
     for line in out.splitlines():

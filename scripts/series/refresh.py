@@ -17,13 +17,14 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
-from scripts.series.git import changed_files, git, rev_parse
+from scripts.series.git import changed_files, git, rev_parse, tree_id
 from scripts.series.layout import (
     REFRESH_BACKUP_REF,
     REFRESH_JOURNAL_FILE,
     SERIES_BRANCH,
     git_file,
     stage_tag,
+    stage_tag_ref,
     workdir,
 )
 from scripts.series.patchfile import read_patch
@@ -223,7 +224,8 @@ def _refresh(
         commits[-1] = (commits[-1][0], folded)
         journal.folded(repo, folded)
     git(repo, "update-ref", REFRESH_BACKUP_REF, "HEAD")
-    exported_tree = rev_parse(repo, "HEAD^{tree}")
+    exported_tree = tree_id(repo, "HEAD")
+    assert exported_tree is not None  # HEAD is the commit just folded or kept
 
     final = commits[-1][1]
     changed = [s for s, c in commits if _write_stage(series, repo, s, c, final)]
@@ -236,14 +238,16 @@ def _refresh(
     save_state(repo, state)
     git(repo, "checkout", "-q", "-B", SERIES_BRANCH, chain.base)
     apply(series, commits[-1][0].id, quiet=True)
-    if rev_parse(repo, "HEAD^{tree}") != exported_tree:
-        diff = git(
-            repo, "diff", "--name-only", REFRESH_BACKUP_REF, "HEAD"
-        ).stdout.decode()
+    if tree_id(repo, "HEAD") != exported_tree:
+        # What the series files cannot carry: an overlay's file mode, a
+        # symlink (written as a file holding its target).
+        diff = git(repo, "diff", "--raw", REFRESH_BACKUP_REF, "HEAD").stdout.decode()
+        differences = [line.split(maxsplit=5)[-1] for line in diff.splitlines()]
         raise SeriesError(
-            "the re-applied stages differ from the tree that was exported in: "
-            f"{diff.split()}; refresh was undone (your edits are in the tree "
-            f"again, and at {REFRESH_BACKUP_REF})"
+            "the re-applied stages differ from the tree that was exported in "
+            f"{', '.join(differences)} (the series keeps an overlay as a plain "
+            "file: no mode change, no symlink); refresh was undone (your edits "
+            f"are in the tree again, and at {REFRESH_BACKUP_REF})"
         )
     return changed
 
@@ -276,7 +280,7 @@ class _Journal:
             head=head,
             branch=branch.stdout.decode().strip() or None,
             state=load_state(repo),
-            tags={s.id: rev_parse(repo, stage_tag(s.id)) for s in series.stages},
+            tags={s.id: rev_parse(repo, stage_tag_ref(s.id)) for s in series.stages},
             had_edits=bool(changed_files(repo)),
             files={
                 str(p): base64.b64encode(p.read_bytes()).decode()

@@ -5,11 +5,13 @@ checking that it is still made from the committed series, and adopting it
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 import shutil
 import tomllib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from scripts.series import SeriesError
@@ -132,31 +134,37 @@ def accept(series: Series, label: str | None = None) -> None:
             "to overwrite them (rebase again from the current series)"
         )
     new = load_review(review)
-    # Read everything first: the review reads unchanged overlays from the
-    # very files about to be replaced.
+    # Everything the accept writes is worked out before anything changes
+    # (the review reads unchanged overlays from the very files about to be
+    # replaced; the series file needs tomlkit), then done as one journaled
+    # step that a killed run finishes on the next command.
     files = {series.patch_file(s): (review / s.patch).read_bytes() for s in new.stages}
     for stage in new.stages:
         for overlay in stage.overlays:
             files[series.overlay_file(overlay)] = new.overlay_file(overlay).read_bytes()
-    for stage in series.stages:
-        (series.patch_file(stage)).unlink(missing_ok=True)
-        for overlay in stage.overlays:
-            series.overlay_file(overlay).unlink(missing_ok=True)
-    for path, data in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
     series_file = series.patches_dir / "series.toml"
     text = series_file.read_text(encoding="utf-8")
-    series_file.write_text(
-        updated_series_file(text, new, series.patches_dir), encoding="utf-8"
-    )
+    files[series_file] = updated_series_file(text, new, series.patches_dir).encode()
     if (review / RESOLUTIONS).is_dir():
-        shutil.copytree(
-            review / RESOLUTIONS, series.patches_dir / RESOLUTIONS, dirs_exist_ok=True
-        )
-    shutil.rmtree(review)
-    if not any((series.patches_dir / NEXT_DIR).iterdir()):
-        (series.patches_dir / NEXT_DIR).rmdir()
+        for path in sorted((review / RESOLUTIONS).rglob("*")):
+            if path.is_file():
+                kept = (
+                    series.patches_dir
+                    / RESOLUTIONS
+                    / path.relative_to(review / RESOLUTIONS)
+                )
+                files[kept] = path.read_bytes()
+    old_files = [series.patch_file(stage) for stage in series.stages] + [
+        series.overlay_file(o) for stage in series.stages for o in stage.overlays
+    ]
+    journal = AcceptJournal(
+        series.patches_dir,
+        writes={path: data for path, data in files.items()},
+        deletes=[path for path in old_files if path not in files],
+        review=review,
+    )
+    journal.start()
+    journal.finish()
     print(
         f"the series is now on {new.base.label}; run apply to build its tree "
         f"(the old tree {workdir(series)} is left as it was); its conflict "
@@ -169,6 +177,81 @@ def accept(series: Series, label: str | None = None) -> None:
                 f"{other.parent} was rebased from the series before this one: "
                 "rebase it again (its resolutions are replayed)"
             )
+
+
+ACCEPT_JOURNAL = ".dsa-accept-journal.json"
+
+
+@dataclass
+class AcceptJournal:
+    """An accept's changes to the project, written down before the first
+    one is made: the files to write (with their bytes), the files to
+    delete, and the review folder to remove last. ``finish`` is idempotent,
+    so a run killed part-way is finished by the next command."""
+
+    patches_dir: Path
+    writes: dict[Path, bytes]
+    deletes: list[Path]
+    review: Path
+
+    @property
+    def path(self) -> Path:
+        return self.patches_dir / ACCEPT_JOURNAL
+
+    def start(self) -> None:
+        record = {
+            "writes": {
+                str(p): base64.b64encode(d).decode() for p, d in self.writes.items()
+            },
+            "deletes": [str(p) for p in self.deletes],
+            "review": str(self.review),
+        }
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(record))
+        os.replace(partial, self.path)  # the journal exists whole or not at all
+
+    def finish(self) -> None:
+        for path in self.deletes:
+            path.unlink(missing_ok=True)
+        for path, data in self.writes.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ".dsa-partial")
+            partial.write_bytes(data)
+            os.replace(partial, path)
+        shutil.rmtree(self.review, ignore_errors=True)
+        next_dir = self.patches_dir / NEXT_DIR
+        if next_dir.is_dir() and not any(next_dir.iterdir()):
+            next_dir.rmdir()
+        self.path.unlink()
+
+    @classmethod
+    def pending(cls, patches_dir: Path) -> AcceptJournal | None:
+        path = patches_dir / ACCEPT_JOURNAL
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError as error:
+            raise SeriesError(
+                f"{path}: an interrupted `rebase --accept` left a journal that "
+                f"cannot be read ({error}); `git status` shows what it changed"
+            ) from error
+        return cls(
+            patches_dir,
+            writes={Path(p): base64.b64decode(d) for p, d in record["writes"].items()},
+            deletes=[Path(p) for p in record["deletes"]],
+            review=Path(record["review"]),
+        )
+
+
+def finish_interrupted_accept(patches_dir: Path) -> bool:
+    """Finish an accept that was killed part-way; whether there was one."""
+    journal = AcceptJournal.pending(patches_dir)
+    if journal is None:
+        return False
+    journal.finish()
+    print(f"finished an interrupted `rebase --accept` ({journal.review.name})")
+    return True
 
 
 def review_is_current(series: Series, review: Path) -> bool:

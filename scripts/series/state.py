@@ -19,10 +19,10 @@ from scripts.series.config import Series, Stage
 from scripts.series.git import git, rev_parse
 from scripts.series.layout import (
     APPLYING_FILE,
-    BASE_TAG,
+    BASE_REF,
     STATE_FILE,
     git_file,
-    stage_tag,
+    stage_tag_ref,
 )
 
 
@@ -94,7 +94,7 @@ class Chain:
 
 def read_chain(series: Series, repo: Path) -> Chain:
     """Follow the recorded stages from the base while each one's parent links."""
-    base = rev_parse(repo, BASE_TAG) if (repo / ".git").exists() else None
+    base = rev_parse(repo, BASE_REF) if (repo / ".git").exists() else None
     if base is None:
         raise SeriesError(f"{repo} is not prepared yet; run apply first")
     state = load_state(repo)
@@ -103,7 +103,7 @@ def read_chain(series: Series, repo: Path) -> Chain:
     parent = base
     for stage in series.stages:
         record = state.get(stage.id)
-        if not record or rev_parse(repo, stage_tag(stage.id)) != record["commit"]:
+        if not record or rev_parse(repo, stage_tag_ref(stage.id)) != record["commit"]:
             break
         if parent_of(repo, record["commit"]) != parent:
             break

@@ -322,6 +322,25 @@ def test_a_commit_on_the_series_branch_survives_a_detached_head(
     assert git_out(repo, "rev-parse", "series") == mine
 
 
+def test_a_users_tag_named_series_does_not_stand_in_for_the_branch(
+    two_stages: Project,
+):
+    """The same, with a tag called "series" at the stage tip: refs are read
+    by their full names, so the branch's commit is still seen and kept."""
+    from tests.tooling.conftest import sh
+
+    series = two_stages.series()
+    repo = apply(series)
+    sh(repo, "git", "tag", "series", "stage/0002")
+    (repo / "README.md").write_text("my work\n")
+    sh(repo, "git", "commit", "-qam", "my work")
+    mine = git_out(repo, "rev-parse", "refs/heads/series")
+    sh(repo, "git", "checkout", "-q", "--detach", "stage/0001")
+    with pytest.raises(SeriesError, match="branch holds commits that are not"):
+        apply(series)
+    assert git_out(repo, "rev-parse", "refs/heads/series") == mine
+
+
 def test_overlay_errors_are_clear(project: Project):
     project.add_stage(
         "0001",

@@ -121,3 +121,22 @@ def test_malformed_files_name_the_field(tmp_path, text, field):
 def test_a_missing_file_is_reported(tmp_path):
     with pytest.raises(SeriesFileError, match="series file not found"):
         load_series(tmp_path / "nope.toml")
+
+
+def test_the_project_is_the_checkout_the_series_file_is_in(tmp_path):
+    """``project`` may not reach above the checkout (build/ would be written
+    outside the clone), and a symlinked patches/ folder may not move the
+    project to where the link points."""
+    clone = tmp_path / "clone"
+    (clone / ".git").mkdir(parents=True)
+    assert _load(clone, BASE + STAGE).root == clone.resolve()
+    with pytest.raises(SeriesFileError, match="not the checkout the series file"):
+        _load(clone, 'project = "../.."\n' + BASE + STAGE)
+    elsewhere = tmp_path / "elsewhere" / "patches"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "series.toml").write_text(BASE + STAGE)
+    linked = tmp_path / "linked"
+    (linked / ".git").mkdir(parents=True)
+    (linked / "patches").symlink_to(elsewhere)
+    with pytest.raises(SeriesFileError, match="outside the project .* symlink"):
+        load_series(linked / "patches" / "series.toml")

@@ -277,6 +277,64 @@ def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
     assert (tree / "vllm/cp_indexer.py").read_text() == adapted
 
 
+def _project_files(project) -> dict[str, bytes]:
+    root = project.root
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for folder in ("patches", "vllm_overlay")
+        for p in sorted((root / folder).rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_accept_without_tomlkit_changes_nothing(two_stages, monkeypatch):
+    """Everything the accept needs is checked before it changes anything:
+    without tomlkit (outside nox) it stops with the project as it was."""
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    before = _project_files(two_stages)
+    monkeypatch.setitem(sys.modules, "tomlkit", None)  # import fails
+    with pytest.raises(SeriesError, match="tomlkit"):
+        accept(two_stages.series())
+    assert _project_files(two_stages) == before
+
+
+def test_a_killed_accept_is_finished_by_the_next_command(two_stages, monkeypatch):
+    """Killed after its journal and some of its writes, the accept is
+    finished by the next writing command: the project is the accepted
+    series, whole, and nothing of the review is left."""
+    import os
+
+    from scripts.series import cli
+    from scripts.series.review import ACCEPT_JOURNAL
+
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    real_replace, done = os.replace, []
+
+    def killed_after_three(src, dst):
+        if len(done) == 3:
+            raise KeyboardInterrupt
+        done.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        accept(two_stages.series())
+    monkeypatch.undo()
+    patches = two_stages.root / "patches"
+    assert (patches / ACCEPT_JOURNAL).exists()
+    assert cli.main(["--series", str(two_stages.series_file), "status"]) in (0, 1)
+    assert (patches / ACCEPT_JOURNAL).exists(), "a reader only says so"
+    assert cli.main(["--series", str(two_stages.series_file), "apply"]) == 0
+    assert not (patches / ACCEPT_JOURNAL).exists()
+    assert not (patches / "next").exists()
+    series = two_stages.series()
+    assert series.base == _pinned(target)
+    tree = apply(series, quiet=True)
+    assert "return 55" in (tree / "vllm/ops.py").read_text()
+
+
 def test_accept_refuses_when_the_series_changed(two_stages):
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target)

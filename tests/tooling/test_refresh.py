@@ -345,3 +345,46 @@ def test_a_refresh_that_fails_before_folding_keeps_the_edits(
     monkeypatch.undo()
     assert "return 77" in (repo / "vllm/ops.py").read_text()
     assert [s.id for s in refresh(series)] == ["0002"]
+
+
+def test_a_mode_change_the_series_cannot_carry_is_refused(two_stages: Project):
+    """An overlay is kept as a plain file: a mode change to it cannot be
+    carried, so refresh stops, naming the file, and undoes itself (the
+    re-applied tree is really compared with the user's)."""
+    import os
+    import stat
+
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    files = _series_files(two_stages)
+    overlay = repo / "vllm/cp_indexer.py"
+    overlay.chmod(overlay.stat().st_mode | stat.S_IXUSR)
+    with pytest.raises(SeriesError, match=r"vllm/cp_indexer\.py .*no mode change"):
+        refresh(series)
+    assert _series_files(two_stages) == files
+    assert os.access(overlay, os.X_OK), "the user's tree keeps the mode"
+
+
+def test_a_symlink_the_series_cannot_carry_is_refused(two_stages: Project):
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    files = _series_files(two_stages)
+    overlay = repo / "vllm/cp_indexer.py"
+    overlay.unlink()
+    overlay.symlink_to("ops.py")
+    with pytest.raises(SeriesError, match=r"vllm/cp_indexer\.py .*no symlink"):
+        refresh(series)
+    assert _series_files(two_stages) == files
+    assert overlay.is_symlink(), "the user's tree keeps the link"
+
+
+def test_refs_name_objects_not_object_types(two_stages: Project):
+    from scripts.series.git import rev_parse, tree_id
+
+    repo = apply(two_stages.series())
+    assert tree_id(repo, "HEAD") == git_out(repo, "rev-parse", "HEAD^{tree}")
+    assert rev_parse(repo, "HEAD") == git_out(repo, "rev-parse", "HEAD")
+    with pytest.raises(ValueError, match="name the ref"):
+        rev_parse(repo, "HEAD^{tree}")
