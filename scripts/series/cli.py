@@ -34,7 +34,11 @@ from scripts.series.lock import project_lock
 from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.pr_check import check_prs
 from scripts.series.prepare import prepare
-from scripts.series.refresh import recover_interrupted_refresh, refresh
+from scripts.series.refresh import (
+    recover_interrupted_refresh,
+    refresh,
+    refresh_is_pending,
+)
 from scripts.series.status import format_status, tree_status
 from scripts.series.testrun import (
     compile_summary,
@@ -265,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     "note: an interrupted `rebase --accept` is pending; the next "
                     "writing command finishes it",
+                    file=sys.stderr,
+                )
+            if is_repo(workdir(series)) and refresh_is_pending(workdir(series)):
+                print(
+                    "note: an interrupted refresh is pending; the next writing "
+                    "command undoes it (edits made since are kept, and it says "
+                    "where)",
                     file=sys.stderr,
                 )
             return _run(series, args, extra)

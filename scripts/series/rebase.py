@@ -42,7 +42,7 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.apply import apply
 from scripts.series.config import Base, GitBase, Series, Stage
-from scripts.series.git import commit_verbatim, git, git_out
+from scripts.series.git import commit_verbatim, git, git_out, rev_parse
 from scripts.series.layout import (
     BASE_REF,
     REBASE_OLD_REF,
@@ -154,6 +154,15 @@ def resume(
     rebase was in the middle of. Options given now join those it started
     with."""
     state = load_state(series)
+    if series_digest(series) != state.series_digest:
+        # The stage list and patches the rebase walks are the recorded ones.
+        raise SeriesError(
+            "patches/ or vllm_overlay/ changed while the rebase was stopped "
+            "(patches/series.toml, a patch or an overlay); the rebase goes on "
+            "with the series it started from: put them back (`git checkout -- "
+            "patches vllm_overlay`, or undo your edit) and continue, or abort "
+            "(`nox -s rebase -- --abort`) and rebase the edited series"
+        )
     for stage_id in drop:
         series.stage(stage_id)
     state.drop += [d for d in drop if d not in state.drop]
@@ -165,27 +174,23 @@ def resume(
         # since the last recorded stage, so go back to it (a commit made for
         # the stage since is dropped too) and redo the stage.
         _discard_merge(repo)
-        done = [
-            state.commits[s.id]
-            for s in series.stages[: state.next]
-            if s.id in state.commits
-        ]
-        git(repo, "reset", "-q", "--hard", done[-1] if done else BASE_REF)
+        git(repo, "reset", "-q", "--hard", _stage_start(series, state))
         return _run(series, state, tester)
     stage = series.stages[state.next]
     report = state.reports[-1]
+    before = _stage_start(series, state)
     if stage.id in state.drop:
         if report.outcome == CHECKS_FAILED:
-            git(repo, "reset", "-q", "--hard", "HEAD^")
             del state.commits[stage.id]
         _discard_merge(repo)
+        git(repo, "reset", "-q", "--hard", before)
         report.outcome = "dropped on request"
         report.evidence = "left out with --drop"
     elif report.outcome == CHECKS_FAILED:
         # Fixes made in the work repo join the stage's commit; check again.
         _refuse_conflict_markers(repo)
         git(repo, "add", "-A")
-        git(repo, "reset", "-q", "--soft", "HEAD^")
+        _take_commits_since(repo, before)
         _commit_stage(series, repo, stage, state)
         report.outcome = "merged, fixed by hand after its checks"
         report.evidence = ""
@@ -194,6 +199,9 @@ def resume(
         _refuse_conflict_markers(repo)
         _refuse_undecided_deletions(repo)
         git(repo, "add", "-A")
+        # A resolution the user (or git, before a kill) committed is still
+        # the resolution: its changes go into the stage's commit.
+        _take_commits_since(repo, before)
         for hunk in report.hunks:
             if hunk.outcome in ("conflicted", DELETED_ON_TARGET):
                 hunk.outcome = "conflicted, resolved by hand"
@@ -212,6 +220,33 @@ def resume(
 
 
 CHECKS_FAILED = "merged, but fails its checks"
+
+
+def _stage_start(series: Series, state: RebaseState) -> str:
+    """The commit the stage being rebased goes on: the last stage kept so
+    far, or the target's base."""
+    done = [
+        state.commits[s.id]
+        for s in series.stages[: state.next]
+        if s.id in state.commits
+    ]
+    return done[-1] if done else BASE_REF
+
+
+def _take_commits_since(repo: Path, start: str) -> None:
+    """Keep the changes of any commits on top of ``start`` (the user's, or
+    the tool's own from a run killed after it committed) staged on
+    ``start``, so that they become the stage's commit and are never read
+    as "nothing changed"."""
+    if rev_parse(repo, "HEAD") == rev_parse(repo, start):
+        return
+    if git(repo, "merge-base", "--is-ancestor", start, "HEAD", check=False).returncode:
+        raise SeriesError(
+            f"{repo}: HEAD is no longer on top of the last rebased stage "
+            f"({start}); put your resolution on it (`git -C {repo} reset "
+            f"--soft {start}` keeps your changes) and continue, or abort"
+        )
+    git(repo, "reset", "-q", "--soft", start)
 
 
 def _claimed(series: Series, state: RebaseState) -> list[str]:

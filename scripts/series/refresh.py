@@ -10,14 +10,15 @@ commit are byte-identical.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
-from scripts.series.git import changed_files, git, rev_parse, tree_id
+from scripts.series.git import changed_files, git, git_out, rev_parse, tree_id
 from scripts.series.layout import (
     REFRESH_BACKUP_REF,
     REFRESH_JOURNAL_FILE,
@@ -87,7 +88,12 @@ def _warn_new_files(stage: Stage, patch: Path) -> None:
 
 
 def _write_stage(
-    series: Series, repo: Path, stage: Stage, commit: str, overlays_from: str
+    series: Series,
+    repo: Path,
+    stage: Stage,
+    commit: str,
+    overlays_from: str,
+    journal: _Journal,
 ) -> bool:
     """Write a stage's patch (from its commit) and overlays (from the commit
     ``overlays_from``); return whether any file changed."""
@@ -102,6 +108,7 @@ def _write_stage(
     changed = False
     for path, data in outputs.items():
         if not path.exists() or path.read_bytes() != data:
+            journal.writing(repo, path, data)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
             changed = True
@@ -201,7 +208,7 @@ def refresh(series: Series) -> list[Stage]:
     try:
         changed = _refresh(series, repo, chain, commits, journal)
     except BaseException:
-        journal.roll_back(repo)
+        journal.roll_back(repo, keep=False)  # nobody else touched anything
         raise
     journal.end(repo)
     return changed
@@ -228,7 +235,9 @@ def _refresh(
     assert exported_tree is not None  # HEAD is the commit just folded or kept
 
     final = commits[-1][1]
-    changed = [s for s, c in commits if _write_stage(series, repo, s, c, final)]
+    changed = [
+        s for s, c in commits if _write_stage(series, repo, s, c, final, journal)
+    ]
 
     # Rebuild the stages from the files just written, as a fresh apply would.
     state = load_state(repo)
@@ -266,6 +275,7 @@ class _Journal:
     files: dict[str, str | None]  # path -> original bytes (base64), None: absent
     had_edits: bool  # uncommitted edits, which refresh folds into a commit
     folded_into: str | None = None
+    written: dict[str, str] = field(default_factory=dict)  # path -> sha256
 
     @classmethod
     def begin(
@@ -292,6 +302,12 @@ class _Journal:
         journal._save(repo)
         return journal
 
+    def writing(self, repo: Path, path: Path, data: bytes) -> None:
+        """Record what refresh is about to write to ``path``, so an undo
+        after a kill can tell its writes from the user's later edits."""
+        self.written[str(path)] = hashlib.sha256(data).hexdigest()
+        self._save(repo)
+
     def folded(self, repo: Path, commit: str) -> None:
         self.folded_into = commit
         self._save(repo)
@@ -305,13 +321,28 @@ class _Journal:
     def end(self, repo: Path) -> None:
         git_file(repo, REFRESH_JOURNAL_FILE).unlink()
 
-    def roll_back(self, repo: Path) -> None:
+    def roll_back(self, repo: Path, *, keep: bool = True) -> list[str]:
+        """Undo the refresh. After a kill (``keep``), edits made since to the
+        series files or the tree are kept first, and where is returned: an
+        undo never destroys what it did not write itself."""
+        kept = []
         for name, data in self.files.items():
             path = Path(name)
-            if data is None:
+            original = None if data is None else base64.b64decode(data)
+            if (
+                keep
+                and path.is_file()
+                and path.read_bytes() != original
+                and hashlib.sha256(path.read_bytes()).hexdigest()
+                != self.written.get(name)
+            ):
+                copy = path.with_name(path.name + KEPT_SUFFIX)
+                copy.write_bytes(path.read_bytes())
+                kept.append(str(copy))
+            if original is None:
                 path.unlink(missing_ok=True)
             else:
-                path.write_bytes(base64.b64decode(data))
+                path.write_bytes(original)
         save_state(repo, self.state)
         for stage_id, commit in self.tags.items():
             if commit:
@@ -326,15 +357,39 @@ class _Journal:
             if head == self.head:
                 # Never folded: HEAD and the edits are where they were.
                 self.end(repo)
-                return
+                return kept
             # Killed between the amend and its journal entry: HEAD is the fold.
             folded = head
+        if keep and changed_files(repo):
+            # Edits made since the kill: kept, before the tree is reset.
+            index = git_file(repo, "dsa-series-kept-index")
+            git(repo, "add", "-A", index_file=index)
+            tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
+            index.unlink()
+            commit = git_out(
+                repo, "commit-tree", tree, "-p", "HEAD", "-m", "the tree an "
+                "interrupted refresh was undone over",
+            )  # fmt: skip
+            git(repo, "update-ref", KEPT_TREE_REF, commit)
+            kept.append(f"{repo} at {KEPT_TREE_REF}")
         git(repo, "checkout", "-q", "-f", "--detach", folded or self.head)
         git(repo, "reset", "-q", "--soft", self.head)
         if self.branch:
             git(repo, "checkout", "-q", "-B", self.branch)
         git(repo, "reset", "-q")
         self.end(repo)
+        return kept
+
+
+# Where an undo keeps what it found changed: series files beside themselves,
+# the work tree as a commit.
+KEPT_SUFFIX = ".kept-by-undo"
+KEPT_TREE_REF = "refs/dsa-series/kept-by-undo"
+
+
+def refresh_is_pending(repo: Path) -> bool:
+    """Whether a killed refresh waits to be undone by a writing command."""
+    return git_file(repo, REFRESH_JOURNAL_FILE).exists()
 
 
 def recover_interrupted_refresh(repo: Path) -> None:
@@ -342,8 +397,10 @@ def recover_interrupted_refresh(repo: Path) -> None:
     path = git_file(repo, REFRESH_JOURNAL_FILE)
     if not path.exists():
         return
-    _Journal(**json.loads(path.read_text())).roll_back(repo)
+    kept = _Journal(**json.loads(path.read_text())).roll_back(repo)
     print(
         "an earlier refresh was interrupted and has been undone: the series "
         "files, the tree and its edits are as they were before it"
     )
+    if kept:
+        print("edits made after the kill were kept before the undo: " + "; ".join(kept))

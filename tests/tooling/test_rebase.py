@@ -335,6 +335,62 @@ def test_a_killed_accept_is_finished_by_the_next_command(two_stages, monkeypatch
     assert "return 55" in (tree / "vllm/ops.py").read_text()
 
 
+def test_a_resolution_the_user_committed_is_the_stages_resolution(two_stages):
+    """Resolving a conflict, then `git add -A && git commit` in the work repo
+    as git habit goes: --continue takes the commit as the resolution (it is
+    not read as "nothing changed", and the stage is kept)."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    work = _work_repo(two_stages)
+    (work / "vllm/envs.py").write_text(_envs("False"))
+    sh(work, "git", "add", "-A")
+    sh(
+        work,
+        "git",
+        "-c",
+        "user.name=u",
+        "-c",
+        "user.email=u@u",
+        "commit",
+        "-qm",
+        "mine",
+    )
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    (work / "vllm/envs.py").write_text(_envs("True"))
+    reports = rebase.resume(two_stages.series())
+    assert _outcomes(reports)["0001"] == "conflicted, resolved by hand"
+    folder = review_dir(two_stages.series(), target)
+    patch = (folder / two_stages.stages[0]["patch"]).read_text()
+    assert "Subject: Striped indexer" in patch, "kept under the stage's message"
+    assert "VAR_3 = 33" in patch
+
+
+def test_a_series_edited_while_the_rebase_is_stopped_is_refused(two_stages):
+    """Removing a stage from series.toml while a rebase is stopped (here the
+    one after the stopped stage): --continue says the series changed and
+    changes nothing; put back, it continues; --abort still works."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    original = two_stages.series_file.read_text()
+    first, _, rest = original.partition("[[stage]]")
+    two_stages.series_file.write_text(first + "[[stage]]" + rest.split("[[stage]]")[0])
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    with pytest.raises(SeriesError, match="changed while the rebase was stopped"):
+        rebase.resume(two_stages.series())
+    two_stages.series_file.write_text(original)
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    rebase.abort(two_stages.series())
+    assert not (two_stages.root / "patches" / "next").exists()
+
+
 def test_accept_refuses_when_the_series_changed(two_stages):
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target)

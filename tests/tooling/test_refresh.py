@@ -290,7 +290,9 @@ def test_a_killed_refresh_is_undone_by_the_next_run(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(apply_module, "apply", killed)
-    monkeypatch.setattr(refresh_module._Journal, "roll_back", lambda self, repo: None)
+    monkeypatch.setattr(
+        refresh_module._Journal, "roll_back", lambda self, repo, keep=True: None
+    )
     with pytest.raises(KeyboardInterrupt):
         refresh(series)
     assert _series_files(two_stages) != files, "the kill came after the writes"
@@ -303,6 +305,53 @@ def test_a_killed_refresh_is_undone_by_the_next_run(
     assert [s.id for s in refresh(series)] == ["0002"]
     assert stale_files(series) == []
     assert "return 77" in (repo / "vllm/ops.py").read_text()
+
+
+def test_the_undo_of_a_killed_refresh_keeps_edits_made_after_the_kill(
+    two_stages: Project, monkeypatch, capsys
+):
+    """After a kill, the user edits the tree and a patch file before the
+    next command: its undo keeps both (the tree at a ref, the patch beside
+    itself) instead of checking out over them; the refresh's own writes
+    are undone without a copy."""
+    import scripts.series.apply as apply_module
+    import scripts.series.refresh as refresh_module
+
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    _edit_tree(repo)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(apply_module, "apply", killed)
+    monkeypatch.setattr(
+        refresh_module._Journal, "roll_back", lambda self, repo, keep=True: None
+    )
+    with pytest.raises(KeyboardInterrupt):
+        refresh(series)
+    monkeypatch.undo()
+    (repo / "vllm/typed_after.py").write_text("x = 'typed after the kill'\n")
+    first = two_stages.root / "patches" / two_stages.stages[0]["patch"]
+    hand_edited = first.read_text() + "\n"
+    first.write_text(hand_edited)
+    from scripts.series import cli
+
+    capsys.readouterr()
+    cli.main(["--series", str(two_stages.series_file), "status"])
+    assert "an interrupted refresh is pending" in capsys.readouterr().err
+    refresh_module.recover_interrupted_refresh(repo)
+    out = capsys.readouterr().out
+    assert "edits made after the kill were kept" in out
+    kept_patch = first.with_name(first.name + refresh_module.KEPT_SUFFIX)
+    assert kept_patch.read_text() == hand_edited
+    second = two_stages.root / "patches" / two_stages.stages[1]["patch"]
+    assert not second.with_name(second.name + refresh_module.KEPT_SUFFIX).exists()
+    kept = refresh_module.KEPT_TREE_REF
+    assert "typed after the kill" in git_out(
+        repo, "show", f"{kept}:vllm/typed_after.py"
+    )
 
 
 def test_refresh_never_writes_through_a_symlink_out_of_the_project(
