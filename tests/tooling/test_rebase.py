@@ -369,6 +369,33 @@ def test_a_resolution_the_user_committed_is_the_stages_resolution(two_stages):
     assert "VAR_3 = 33" in patch
 
 
+def test_a_continue_killed_right_after_committing_the_resolution(
+    two_stages, monkeypatch
+):
+    """Killed after git committed the resolution but before the rebase
+    recorded it: the next --continue takes that commit as the resolution
+    and keeps the stage."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rebase, "_stop_unless_checked", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rebase.resume(two_stages.series())
+    monkeypatch.undo()
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
+    reports = rebase.resume(two_stages.series())
+    assert _outcomes(reports)["0001"] == "conflicted, resolved by hand"
+
+
 def test_a_series_edited_while_the_rebase_is_stopped_is_refused(two_stages):
     """Removing a stage from series.toml while a rebase is stopped (here the
     one after the stopped stage): --continue says the series changed and
