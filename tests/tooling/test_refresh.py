@@ -271,20 +271,11 @@ def test_a_refresh_that_fails_after_folding_the_edits_is_undone(two_stages: Proj
     assert stale_files(series) == []
 
 
-def test_a_killed_refresh_is_undone_by_the_next_run(
-    two_stages: Project, monkeypatch, capsys
-):
-    """Killed while re-applying the stages from the files it wrote (its own
-    undo never ran): the next refresh finds the journal, undoes the half
-    refresh, then refreshes from the user's edits as if nothing happened."""
+def _kill_refresh_while_reapplying(series, monkeypatch) -> None:
+    """A refresh killed while re-applying the stages from the files it
+    wrote, its own undo not run (as when the process is killed)."""
     import scripts.series.apply as apply_module
     import scripts.series.refresh as refresh_module
-
-    series = two_stages.series()
-    repo = apply(series)
-    refresh(series)
-    files, head = _series_files(two_stages), git_out(repo, "rev-parse", "HEAD")
-    _edit_tree(repo)
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
@@ -295,8 +286,25 @@ def test_a_killed_refresh_is_undone_by_the_next_run(
     )
     with pytest.raises(KeyboardInterrupt):
         refresh(series)
-    assert _series_files(two_stages) != files, "the kill came after the writes"
     monkeypatch.undo()
+
+
+def test_a_killed_refresh_is_undone_by_the_next_run(
+    two_stages: Project, monkeypatch, capsys
+):
+    """Killed while re-applying the stages from the files it wrote (its own
+    undo never ran): the next refresh finds the journal, undoes the half
+    refresh, then refreshes from the user's edits as if nothing happened."""
+    import scripts.series.refresh as refresh_module
+
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    files, head = _series_files(two_stages), git_out(repo, "rev-parse", "HEAD")
+    _edit_tree(repo)
+
+    _kill_refresh_while_reapplying(series, monkeypatch)
+    assert _series_files(two_stages) != files, "the kill came after the writes"
     refresh_module.recover_interrupted_refresh(repo)
     assert "has been undone" in capsys.readouterr().out
     assert _series_files(two_stages) == files
@@ -314,7 +322,6 @@ def test_the_undo_of_a_killed_refresh_keeps_edits_made_after_the_kill(
     next command: its undo keeps both (the tree at a ref, the patch beside
     itself) instead of checking out over them; the refresh's own writes
     are undone without a copy."""
-    import scripts.series.apply as apply_module
     import scripts.series.refresh as refresh_module
 
     series = two_stages.series()
@@ -322,16 +329,7 @@ def test_the_undo_of_a_killed_refresh_keeps_edits_made_after_the_kill(
     refresh(series)
     _edit_tree(repo)
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(apply_module, "apply", killed)
-    monkeypatch.setattr(
-        refresh_module._Journal, "roll_back", lambda self, repo, keep=True: None
-    )
-    with pytest.raises(KeyboardInterrupt):
-        refresh(series)
-    monkeypatch.undo()
+    _kill_refresh_while_reapplying(series, monkeypatch)
     (repo / "vllm/typed_after.py").write_text("x = 'typed after the kill'\n")
     first = two_stages.root / "patches" / two_stages.stages[0]["patch"]
     hand_edited = first.read_text() + "\n"
