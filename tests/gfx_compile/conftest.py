@@ -50,9 +50,12 @@ class CompileMatrix:
                 label for label in labels if label not in self.labels[key]
             ]
             if (error := self.results[key]) is not None:
+                where = "; ".join(labels[:3])
+                if len(labels) > 3:
+                    where += f" (and {len(labels) - 3} more layer kinds)"
                 failures.append(
-                    f"{variant.name} does not compile for {arch} in "
-                    f"{'; '.join(labels)} ({variant.describe()}):\n{error}"
+                    f"{variant.name} does not compile for {arch} in {where} "
+                    f"({variant.describe()}):\n{error}"
                 )
         return failures
 
