@@ -8,10 +8,11 @@ the attention kernel) cannot be built on a CPU without weights and a TP
 group, so the parent constructor sets only what the layer's own code reads,
 with the shapes of the published model: the indexer with its real ROCm K
 cache (sized by the layer's own ``k_cache_row_bytes``), the norms, the rotary
-tables, the MLA KV cache in the layer's shape. ``run_attention`` then
-runs the layer's real ``_fused_attention``: ``fused_norm_rope`` and
-``fused_q`` with the arguments the layer computes, up to the indexer call
-(recorded, not run) and the MLA kernel (not reached).
+tables, the MLA KV cache in the layer's shape, the projections (their
+outputs, random, in the model dtype). ``run_attention`` then runs the
+layer's real ``forward``: ``fused_norm_rope`` and ``fused_q`` with the
+arguments (views, strides, dtypes) the layer computes, up to the indexer
+call (recorded, not run) and the MLA kernel (not reached).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class DsaModel:
     index_n_heads: int
     index_head_dim: int
     indexer_rope_interleave: bool
+    # The dtype of the rotary tables the fused kernels read (see below).
+    rope_cache_dtype: torch.dtype = torch.float32
 
 
 # transformers 5.19.0, models/deepseek_v32/configuration_deepseek_v32.py
@@ -51,16 +54,24 @@ class DsaModel:
 # indexer_rope_interleave in its config); GLM-5.2 sets indexer_rope_interleave
 # (vLLM 0.32.0, deepseek_v32/common/kernels.py, "interleaved for GLM-5.2");
 # whether every GLM-5.x release does is an assumption, so both are covered.
+# Rotary tables: DeepSeek-V3.2's deepseek_yarn RoPE keeps an fp32 table
+# (vLLM 0.32.0, rotary_embedding/deepseek_scaling_rope.py line 242); a plain
+# RoPE casts its table to the model dtype (rotary_embedding/base.py line 61),
+# bf16. Which one a GLM-5.x checkpoint uses depends on its rope_parameters,
+# so the two GLM-5.x entries take one each.
 DEEPSEEK_V32 = DsaModel(
     "DeepSeek-V3.2", "deepseek_v32", "DeepseekV32ForCausalLM",
-    128, 1536, 512, 128, 64, 128, 64, 128, False,
+    128, 1536, 512, 128, 64, 128, 64, 128, False, torch.float32,
 )  # fmt: skip
 GLM5 = DsaModel(
     "GLM-5.x", "glm_moe_dsa", "GlmMoeDsaForCausalLM",
-    64, 2048, 512, 192, 64, 256, 32, 128, True,
+    64, 2048, 512, 192, 64, 256, 32, 128, True, torch.bfloat16,
 )  # fmt: skip
 GLM5_NEOX = replace(
-    GLM5, name="GLM-5.x (NeoX index RoPE)", indexer_rope_interleave=False
+    GLM5,
+    name="GLM-5.x (NeoX index RoPE, fp32 rotary table)",
+    indexer_rope_interleave=False,
+    rope_cache_dtype=torch.float32,
 )
 MODELS = (DEEPSEEK_V32, GLM5, GLM5_NEOX)
 
@@ -70,7 +81,9 @@ MODELS = (DEEPSEEK_V32, GLM5, GLM5_NEOX)
 # without an indexer; "mtp": an MTP draft layer scoring with its own
 # indexer; "mtp-reuse": an MTP draft layer reusing the target's top-k
 # (index_share_for_mtp_iteration: deepseek_v32/amd/mtp.py set_skip_topk),
-# which keeps its indexer but skips it.
+# which keeps its indexer but skips it. ("mtp" runs the same glue as
+# "target": an MTP layer always builds its indexer, attention.py line 194;
+# it is listed so that each layer kind a model serves is named.)
 LAYER_KINDS = ("target", "target-shared", "mtp", "mtp-reuse")
 LAYER = "model.layers.0.self_attn"
 MAX_POSITIONS = 4096
@@ -141,10 +154,13 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
             max_model_len=MAX_POSITIONS,
             max_total_seq_len=MAX_POSITIONS,
             softmax_scale=dim**-0.5,
+            # LayerNorm(head_dim, dtype=torch.float32): attention.py line 87.
             k_norm=SimpleNamespace(
                 weight=torch.ones(dim), bias=torch.zeros(dim), eps=1e-6
             ),
-            wq_b=lambda q_c: (torch.randn(q_c.shape[0], heads * dim),),
+            # The projections' outputs, in the model dtype (bf16).
+            wq_b=lambda q_c: (_bf16(q_c.shape[0], heads * dim),),
+            wk_weights_proj=lambda hidden: (_bf16(hidden.shape[0], dim + heads),),
         )
 
     def parent_init(self, *args, **kwargs):
@@ -157,21 +173,41 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
         layer = rocm.DeepseekV32MLAAttention(config, None, LAYER)
     local_heads = model.num_attention_heads // tp
     rope = model.qk_rope_head_dim
+    qk_head_dim = model.qk_nope_head_dim + rope
+    qkv_width = model.q_lora_rank + model.kv_lora_rank + rope
     # The fp8 MLA cache as the layer binds it: [blocks, page, latent + rope].
     mla_shape = (4, page, model.kv_lora_rank + rope)
+    tables = model.rope_cache_dtype
     for name, value in dict(
         layer_name=LAYER,
         skip_topk=kind == "mtp-reuse",
         num_local_heads=local_heads,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_nope_head_dim=model.qk_nope_head_dim,
+        qk_rope_head_dim=rope,
+        qk_head_dim=qk_head_dim,
+        v_head_dim=model.v_head_dim,
+        fused_qkv_a_proj=lambda hidden: (_bf16(hidden.shape[0], qkv_width),),
+        q_b_proj=lambda q_c: (_bf16(q_c.shape[0], local_heads * qk_head_dim),),
+        # torch.bmm's path (the seeds serve with VLLM_ROCM_USE_AITER_FP8BMM=0).
+        is_aiter_triton_fp4_bmm_enabled=False,
+        is_aiter_triton_fp8_bmm_enabled=False,
+        W_UK_T=_bf16(local_heads, model.qk_nope_head_dim, model.kv_lora_rank),
+        # RMSNorm weights are in the model dtype (layernorm.py line 61).
         q_a_layernorm=SimpleNamespace(
-            weight=torch.ones(model.q_lora_rank), variance_epsilon=1e-6
+            weight=torch.ones(model.q_lora_rank, dtype=torch.bfloat16),
+            variance_epsilon=1e-6,
         ),
         kv_a_layernorm=SimpleNamespace(
-            weight=torch.ones(model.kv_lora_rank), variance_epsilon=1e-6
+            weight=torch.ones(model.kv_lora_rank, dtype=torch.bfloat16),
+            variance_epsilon=1e-6,
         ),
-        rotary_emb=SimpleNamespace(cos_sin_cache=torch.randn(MAX_POSITIONS, rope)),
+        rotary_emb=SimpleNamespace(
+            cos_sin_cache=torch.randn(MAX_POSITIONS, rope).to(tables)
+        ),
         indexer_rope_emb=SimpleNamespace(
-            cos_sin_cache=torch.randn(MAX_POSITIONS, rope)
+            cos_sin_cache=torch.randn(MAX_POSITIONS, rope).to(tables)
         ),
         kv_cache=torch.zeros(mla_shape, dtype=torch.uint8),
         _k_scale=torch.ones(1),
@@ -185,13 +221,19 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
     return layer
 
 
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
 def run_attention(monkeypatch, layer, tokens: int) -> AttentionCall:
-    """The layer's real ``_fused_attention`` over ``tokens`` new tokens (a
-    step's decode or prefill rows, slots on the cache's pages), up to the
-    MLA kernel."""
+    """The layer's real ``forward`` over ``tokens`` new tokens (a step's
+    decode or prefill rows, slots on the cache's pages): its own splits of
+    the projections (so the fused kernels get the strided views a served
+    model gives them), ``_compute_ql_nope``, ``fused_norm_rope`` and
+    ``fused_q``, up to the indexer call (recorded) and the MLA kernel (not
+    reached)."""
     from vllm.models.deepseek_v32.amd import rocm
 
-    model: DsaModel = layer.dsa_model
     page = layer.kv_cache.shape[1]
     call = AttentionCall(torch.randperm(4 * page)[:tokens])
 
@@ -202,13 +244,6 @@ def run_attention(monkeypatch, layer, tokens: int) -> AttentionCall:
         call.mqa_q = mqa_q
         raise StopAttention
 
-    def compute_ql_nope(q_c):
-        heads = layer.num_local_heads
-        return (
-            torch.randn(q_c.shape[0], heads, model.kv_lora_rank).to(torch.bfloat16),
-            torch.randn(q_c.shape[0], heads, model.qk_rope_head_dim).to(torch.bfloat16),
-        )
-
     metadata = SimpleNamespace(num_actual_tokens=tokens)
     monkeypatch.setattr(
         rocm,
@@ -218,23 +253,8 @@ def run_attention(monkeypatch, layer, tokens: int) -> AttentionCall:
         ),
     )
     monkeypatch.setattr(layer, "_use_sparse_mha", lambda metadata: False)
-    monkeypatch.setattr(layer, "_compute_ql_nope", compute_ql_nope)
     monkeypatch.setattr(layer, "_run_indexer", run_indexer)
     monkeypatch.setattr(layer, "_build_q_for_attn", build_q_for_attn)
-    has_indexer = layer.indexer is not None and not layer.skip_topk
-    index_k = index_weights = None
-    if has_indexer:
-        index_k = torch.randn(tokens, model.index_head_dim).to(torch.bfloat16)
-        index_weights = torch.randn(tokens, model.index_n_heads).to(torch.bfloat16)
-    bf16 = torch.bfloat16
     with pytest.raises(StopAttention):
-        layer._fused_attention(
-            torch.randint(0, MAX_POSITIONS, (tokens,)),
-            torch.randn(tokens, model.q_lora_rank).to(bf16),
-            torch.randn(tokens, model.kv_lora_rank).to(bf16),
-            torch.randn(tokens, model.qk_rope_head_dim).to(bf16),
-            index_k,
-            index_weights,
-            torch.empty(tokens, layer.num_local_heads * model.v_head_dim, dtype=bf16),
-        )
+        layer.forward(torch.randint(0, MAX_POSITIONS, (tokens,)), _bf16(tokens, 8))
     return call

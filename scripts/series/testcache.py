@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from scripts.series import SeriesError
 from scripts.series.git import git
 
 # Set per shell or per nox invocation; no test reads them.
@@ -61,8 +62,14 @@ print(json.dumps([sys.executable, sys.version, sys.prefix, sorted(dists)]))
 def python_environment(python: str) -> str:
     """The interpreter and its installed distributions, hashed."""
     done = subprocess.run(
-        [python, "-c", _ENVIRONMENT], capture_output=True, text=True, check=True
+        [python, "-c", _ENVIRONMENT], capture_output=True, text=True, check=False
     )
+    if done.returncode:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise SeriesError(
+            f"{python} cannot list its installed packages: "
+            f"{lines[-1] if lines else done.returncode}"
+        )
     return hashlib.sha256(done.stdout.encode()).hexdigest()
 
 

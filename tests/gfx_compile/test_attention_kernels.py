@@ -6,11 +6,12 @@ query), compiled for the AMD targets in every layer kind a DSA model serves.
 Stage 0003 changes both kernels (the MXFP4 cache write and query). The
 specialisations come from the model's own glue: the ROCm attention layer
 (``deepseek_v32/amd/rocm.py``) is built with each published model's shapes
-and its ``_fused_attention`` runs with Triton's compile-only driver, so
-every launch is recorded with the arguments and constexprs the layer
-computes, then compiled. Per test: one model x layer kind x indexer cache x
-target, over 64- and 128-token pages, next_n 1, 2 and 4 (a decode step of
-two requests) and the TP sizes 1-8 (the layer's local head count)."""
+and dtypes and its ``forward`` runs with Triton's compile-only driver, so
+every launch is recorded with the arguments (views, strides, dtypes) and
+constexprs the layer computes, then compiled. Per test: one model x layer
+kind x indexer cache x target, over 64- and 128-token pages, next_n 1, 2
+and 4 (a decode step of two requests) and the TP sizes 1-8 (the layer's
+local head count)."""
 
 from __future__ import annotations
 

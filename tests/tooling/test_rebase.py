@@ -299,7 +299,9 @@ def test_accept_without_tomlkit_changes_nothing(two_stages, monkeypatch):
     assert _project_files(two_stages) == before
 
 
-def test_a_killed_accept_is_finished_by_the_next_command(two_stages, monkeypatch):
+def test_a_killed_accept_is_finished_by_the_next_command(
+    two_stages, monkeypatch, capsys
+):
     """Killed after its journal and some of its writes, the accept is
     finished by the next writing command: the project is the accepted
     series, whole, and nothing of the review is left."""
@@ -324,7 +326,9 @@ def test_a_killed_accept_is_finished_by_the_next_command(two_stages, monkeypatch
     monkeypatch.undo()
     patches = two_stages.root / "patches"
     assert (patches / ACCEPT_JOURNAL).exists()
+    capsys.readouterr()
     assert cli.main(["--series", str(two_stages.series_file), "status"]) in (0, 1)
+    assert "interrupted `rebase --accept` is pending" in capsys.readouterr().err
     assert (patches / ACCEPT_JOURNAL).exists(), "a reader only says so"
     assert cli.main(["--series", str(two_stages.series_file), "apply"]) == 0
     assert not (patches / ACCEPT_JOURNAL).exists()
