@@ -14,6 +14,8 @@ nox -s rebased            apply and test each rebased series under review
                           (patches/next/<target>/) on its target
 nox -s export [-- STAGE]  each stage as an upstream PR (build/export/<base>/)
 nox -s cost-model         stage 0001's row-assignment cost model (docs/)
+nox -s install -- --into SITE [--upto STAGE | --undo]   the stages written
+                          into an installed vLLM 0.32.0 (no rebuild)
 nox -s validate -- --stage 0001 [--dry-run]   the MI355X serving runs (README)
 """
 
@@ -205,6 +207,15 @@ def cost_model(session: nox.Session) -> None:
         str(tree),
         env={"CUDA_VISIBLE_DEVICES": ""},
     )
+
+
+@nox.session(venv_backend="none")
+def install(session: nox.Session) -> None:
+    """Write the stages into an installed vLLM of the pinned release, no
+    rebuild: -- --into SITE [--upto STAGE], or -- --into SITE --undo."""
+    if "--undo" not in session.posargs:
+        _series(session, "apply")
+    _series(session, "install", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -6,7 +6,9 @@ final usage chunk, ``[DONE]``), and prints the engine-config line the kit
 checks. Misbehaviour on demand, by environment: ``DIE_AFTER=n`` exits
 after n completions (a server that dies mid-sweep), ``TRUNCATE=n`` reports
 n prompt tokens fewer than it was sent (one whitespace-separated word is
-one token), as a server that did not take the whole prompt would."""
+one token), as a server that did not take the whole prompt would.
+``SERVED_FILE=path`` prints the sha256 of that file as the server starts
+(which code it serves)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ die_after = int(os.environ.get("DIE_AFTER", "0"))
 short = int(os.environ.get("TRUNCATE", "0"))
 served = []
 print("engine config: enable_prefix_caching=False", flush=True)
+if os.environ.get("SERVED_FILE"):
+    import hashlib
+    path = os.environ["SERVED_FILE"]
+    digest = "absent"
+    if os.path.exists(path):
+        digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    print(f"served {path}: {digest}", flush=True)
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def do_GET(self):

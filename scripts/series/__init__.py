@@ -3,7 +3,8 @@
 
 One module per job, named after its verb where it has one: fetch, prepare,
 apply, refresh, check, status, export (with pr_check, the maintainer's
-check of the exported PRs), overview, testrun (``test`` and the
+check of the exported PRs), install (the stages written into an installed
+vLLM), overview, testrun (``test`` and the
 rebase's probe), rebase (with rebase_state, its state and report, and review,
 the rebased series under review and ``--accept``); and what they share:
 config (reading series.toml) and series_toml (writing it), layout (every

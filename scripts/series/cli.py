@@ -29,7 +29,8 @@ from scripts.series.contract import tree_env
 from scripts.series.export import export_stages, exporter_identity
 from scripts.series.fetch import fetch_sdist
 from scripts.series.git import is_repo
-from scripts.series.layout import results_dir, workdir
+from scripts.series.install import install, stage_files
+from scripts.series.layout import INSTALL_RECORD_DIR, results_dir, workdir
 from scripts.series.lock import project_lock
 from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.pr_check import check_prs
@@ -50,6 +51,10 @@ from scripts.series.trees import copy_tree, stage_tree
 
 # Commands that only read; every other one holds the project lock.
 READ_ONLY = ("check", "status", "stages", "overview")
+# `install` writes only into the installed vLLM (it locks that itself) and
+# reads the stage commits, so a run of the validation kit can install while
+# another command holds the project (the tests, for one).
+LOCK_FREE = (*READ_ONLY, "install")
 
 
 def _positive_int(text: str) -> int:
@@ -111,6 +116,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     copy.add_argument("stage", help="'base' or a stage id (all up to it)")
     copy.add_argument("dest", type=Path, help="a new or empty folder")
+    inst = sub.add_parser(
+        "install",
+        help="write the stages' changes into an installed vLLM of the pinned "
+        "release (no rebuild), or --undo them",
+        description="Checks first that SITE holds the pinned vLLM and that each "
+        "file it changes is the release's own; records what it wrote in "
+        f"SITE/{INSTALL_RECORD_DIR}/; all or nothing. Files of the tree outside "
+        "the package (tests/, .buildkite/) are not written.",
+    )
+    inst.add_argument(
+        "--into",
+        type=Path,
+        required=True,
+        metavar="SITE",
+        help="the folder that holds vllm/ (a site-packages, or a source "
+        "checkout installed in develop mode)",
+    )
+    which = inst.add_mutually_exclusive_group()
+    which.add_argument(
+        "--upto", help="install the stages up to this one (default: all; 'base': none)"
+    )
+    which.add_argument(
+        "--undo", action="store_true", help="restore SITE as vLLM shipped it"
+    )
     env = sub.add_parser(
         "env", help="print the environment a stage's tests run with (shell exports)"
     )
@@ -264,20 +293,26 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"`{args.command}` takes no arguments after --")
     try:
         series = load_series(args.series)
-        if args.command in READ_ONLY:
+        if args.command in LOCK_FREE:
+            pending = []
             if review.AcceptJournal.pending(series.patches_dir):
-                print(
-                    "note: an interrupted `rebase --accept` is pending; the next "
-                    "writing command finishes it",
-                    file=sys.stderr,
+                pending.append(
+                    "an interrupted `rebase --accept` is pending; the next "
+                    "writing command finishes it"
                 )
             if is_repo(workdir(series)) and refresh_is_pending(workdir(series)):
-                print(
-                    "note: an interrupted refresh is pending; the next writing "
+                pending.append(
+                    "an interrupted refresh is pending; the next writing "
                     "command undoes it (edits made since are kept, and it says "
-                    "where)",
-                    file=sys.stderr,
+                    "where)"
                 )
+            if pending and args.command == "install":
+                raise SeriesError(
+                    f"{pending[0]}: run `python -m scripts.series apply` first, "
+                    "then install"
+                )
+            for note in pending:
+                print(f"note: {note}", file=sys.stderr)
             return _run(series, args, extra)
         with project_lock(series, " ".join(argv)):
             if review.finish_interrupted_accept(series.patches_dir):
@@ -302,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
-    if args.command not in READ_ONLY and is_repo(workdir(series)):
+    if args.command not in LOCK_FREE and is_repo(workdir(series)):
         recover_interrupted_refresh(workdir(series))
     if args.command in ("apply", "test"):
         review.check_review_is_current(series)
@@ -362,6 +397,15 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         print(stage_tree(series, args.stage))
     elif args.command == "copy-tree":
         print(copy_tree(series, args.stage, args.dest.resolve()))
+    elif args.command == "install":
+        want = None if args.undo else stage_files(series, args.upto)
+        outcome = install(args.into, want)
+        print(outcome.note)
+        if want is not None and want.outside and outcome.changed:
+            print(
+                "not written (outside the installed package): "
+                + ", ".join(want.outside)
+            )
     elif args.command == "env":
         print(_env(series, args.stage, args.tree, gpu=args.gpu))
     elif args.command == "test":

@@ -28,6 +28,13 @@ STATE_FILE = "dsa-series-state.json"  # under .git/
 APPLYING_FILE = "dsa-series-applying"  # under .git/, while apply runs
 REFRESH_JOURNAL_FILE = "dsa-series-refreshing.json"  # under .git/, while refresh runs
 
+# Beside an installed vLLM package (SITE/vllm/): what `install` wrote there.
+INSTALL_RECORD_DIR = ".dsa-series-install"
+INSTALL_RECORD = "record.json"  # what is installed, with the original hashes
+INSTALL_ORIGINALS = "originals"  # the package files it replaced
+INSTALL_STAGED = "staged"  # the new contents, while an install runs
+INSTALL_JOURNAL = "journal.json"  # while an install runs: its steps
+
 
 def stage_tag(stage_id: str) -> str:
     return f"stage/{stage_id}"

@@ -5,6 +5,8 @@ check every result the way the seeds did, and keep every raw file.
 
 ``python -m scripts.validate --stage 0001 [--dry-run]``; the matrix is
 ``seeds.toml`` (the seeds' models, flags, ISLs and concurrencies) unless
-``--config`` names another file of the same form. It needs the GPUs and the
-installed patched vLLM; nothing here runs a model on a CPU machine.
+``--config`` names another file of the same form. Each variant's code (the
+stages up to one, or none) is installed into the box's vLLM 0.32.0 before its
+server starts, with the series tool's ``install``. It needs the GPUs and that
+vLLM; nothing here runs a model on a CPU machine.
 """

@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``python -m scripts.validate --stage 0001 [--dry-run] [--config F] [--out D]``"""
+"""``python -m scripts.validate --stage 0001 [--dry-run] [--config F] [--out D]
+[--site SITE]``"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
+from scripts.series import SeriesError
+from scripts.series.install import check_site
 from scripts.validate.matrix import (
     SEEDS,
     Experiment,
@@ -16,23 +20,39 @@ from scripts.validate.matrix import (
     shell_line,
 )
 from scripts.validate.report import write_report
-from scripts.validate.runner import run_experiment
+from scripts.validate.runner import install_command, run_experiment
 
 
-def dry_run(stage: str, config: Path, out: Path) -> str:
+def dry_run(stage: str, config: Path, out: Path, site: Path | None = None) -> str:
     """Every command the run would make, in order, one per line."""
     experiment = load_experiment(stage, config)
+    where = site or "SITE"
     lines = []
     for variant in experiment.variants:
         folder = out / variant.name
         lines.append(f"# {variant.name}")
+        if variant.install:
+            command = install_command(where, variant.install)
+            lines.append(shell_line(["python", *command[1:]]))
         serve = experiment.serve_command(variant)
         lines.append(shell_line(serve, experiment.serve_env(variant)) + " &")
         lines += [
             shell_line(experiment.bench_command(p, folder)) for p in experiment.points
         ]
         lines += [shell_line(e) for e in experiment.eval_commands(folder)]
+    if any(v.install for v in experiment.variants):
+        lines.append(
+            "# then SITE is put back as the run found it (install --upto/--undo)"
+        )
     return "\n".join(lines)
+
+
+def default_site() -> Path | None:
+    """The folder that holds the vllm package this Python imports."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    return Path(spec.origin).resolve().parents[1]
 
 
 def _report(experiment: Experiment, out: Path) -> Path:
@@ -56,21 +76,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report", type=Path, metavar="OUT", help="redraw the report of a run"
     )
+    parser.add_argument(
+        "--site",
+        type=Path,
+        help="the box's vLLM, the folder that holds vllm/, where each variant's "
+        "code is installed (default: the vllm this Python imports)",
+    )
     args = parser.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = (args.out or Path("build") / "validate" / f"{args.stage}-{stamp}").resolve()
     try:
+        site = args.site or default_site()
         if args.dry_run:
-            print(dry_run(args.stage, args.config, out))
+            print(dry_run(args.stage, args.config, out, site))
             return 0
         experiment = load_experiment(args.stage, args.config)
         if args.report:
             print(_report(experiment, args.report.resolve()))
             return 0
+        if any(v.install for v in experiment.variants):
+            if site is None:
+                raise MatrixError(
+                    "the variants name the code they serve, and this Python has "
+                    "no vllm to install it into; give --site"
+                )
+            site = check_site(site)
         out.mkdir(parents=True, exist_ok=True)
-        outcomes = run_experiment(experiment, out)
+        outcomes = run_experiment(experiment, out, site)
         print(_report(experiment, out))
-    except MatrixError as exc:
+    except (MatrixError, SeriesError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

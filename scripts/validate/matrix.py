@@ -39,6 +39,9 @@ class Variant:
     name: str
     env: dict[str, str]
     serve: tuple[str, ...]
+    # The code it serves: the series installed up to this stage ("base": vLLM
+    # as shipped) into the box's vLLM before its server starts; None: as is.
+    install: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,12 @@ def _strings(raw: object, where: str) -> tuple[str, ...]:
     return tuple(raw)
 
 
+def _stage(raw: object, where: str) -> str | None:
+    if raw is None or (isinstance(raw, str) and re.fullmatch(r"base|\d{4}", raw)):
+        return raw
+    raise MatrixError(f"{where}: install must be 'base' or a stage id, got {raw!r}")
+
+
 def _env(raw: object, where: str) -> dict[str, str]:
     if not isinstance(raw, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
@@ -149,6 +158,7 @@ def load_experiment(stage: str, path: Path = SEEDS) -> Experiment:
             v["name"],
             _env(v.get("env", {}), f"{where}.variants"),
             _strings(v.get("serve", []), f"{where}.variants"),
+            _stage(v.get("install"), f"{where}.variants"),
         )
         for v in table.get("variants", [])
     )

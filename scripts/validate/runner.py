@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Run one stage's experiment: per variant, serve the model, wait for it,
+"""Run one stage's experiment: per variant, install the code it serves into
+the box's vLLM (the series tool's ``install``), serve the model, wait for it,
 run every benchmark point and the accuracy tasks, check each result, stop
-the server (also on Ctrl-C or a failure). Every raw file stays in the output
-folder: the server log, each result JSON, the evals' output, summary.json."""
+the server (also on Ctrl-C or a failure); at the end the install is put back
+as it was. Every raw file stays in the output folder: the install's output
+and record of the code served, the server log, each result JSON, the evals'
+output, summary.json."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,8 +21,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from scripts.series.install import installed_record
 from scripts.validate.checks import log_problems, result_problems
 from scripts.validate.matrix import Experiment, Point, Variant, shell_line
+
+PROJECT = Path(__file__).resolve().parents[2]  # where scripts.series runs
 
 POLL_S = 5.0  # between health checks while the server starts
 # How the server is stopped: each signal to its process group, then a wait.
@@ -119,22 +126,69 @@ class Outcome:
     conc: int | None = None
 
 
-def run_experiment(experiment: Experiment, out: Path) -> list[Outcome]:
-    """Every variant of ``experiment``; the outcomes, also in summary.json."""
+def install_command(site: Path | str, stage: str | None) -> list[str]:
+    """The series tool writing the stages up to ``stage`` (None: undo) into
+    the vLLM at ``site``."""
+    upto = ["--undo"] if stage is None else ["--upto", stage]
+    command = [sys.executable, "-m", "scripts.series", "install", "--into"]
+    return [*command, str(site), *upto]
+
+
+def run_experiment(
+    experiment: Experiment, out: Path, site: Path | None = None
+) -> list[Outcome]:
+    """Every variant of ``experiment``; the outcomes, also in summary.json.
+    ``site``: the box's vLLM (the folder that holds vllm/), where variants
+    that name the code they serve have it installed."""
     outcomes: list[Outcome] = []
+    before = installed_record(site) if site else None
     try:
         for variant in experiment.variants:
-            outcomes += _run_variant(experiment, variant, out)
+            outcomes += _run_variant(experiment, variant, out, site)
     finally:
         (out / "summary.json").write_text(
             json.dumps([asdict(o) for o in outcomes], indent=1) + "\n"
         )
+        if site and any(v.install for v in experiment.variants):
+            # Put the box's vLLM back as the run found it.
+            stage = before["stage"] if before else None
+            log = out / "install-restore.log"
+            for problem in _install(site, stage, log):
+                print(f"warning: {site} was not put back: {problem}", file=sys.stderr)
     return outcomes
 
 
-def _run_variant(experiment: Experiment, variant: Variant, out: Path) -> list[Outcome]:
+def _install(site: Path, stage: str | None, log: Path) -> list[str]:
+    """Run the install; what went wrong, if anything (its output in ``log``)."""
+    command = install_command(site, stage)
+    with log.open("wb") as handle:
+        done = subprocess.run(
+            command, cwd=PROJECT, stdout=handle, stderr=subprocess.STDOUT
+        )
+    if done.returncode == 0:
+        return []
+    last = (log.read_text(errors="replace").strip().splitlines() or [""])[-1]
+    return [f"`{shell_line(command[1:])}` exited {done.returncode}: {last}"]
+
+
+def _run_variant(
+    experiment: Experiment, variant: Variant, out: Path, site: Path | None
+) -> list[Outcome]:
     folder = out / variant.name
     folder.mkdir(parents=True, exist_ok=True)
+    if variant.install:
+        if site is None:
+            problem = "it names the code it serves, and no --site was given"
+            return [Outcome(variant.name, "install", None, [problem])]
+        problems = _install(site, variant.install, folder / "install.log")
+        if problems:  # never serve other code than the variant names
+            return [Outcome(variant.name, "install", "install.log", problems)]
+        served = {
+            "site": str(site),
+            "stage": variant.install,
+            "record": installed_record(site),  # None: vLLM as shipped
+        }
+        (folder / "served_code.json").write_text(json.dumps(served, indent=1) + "\n")
     log = folder / "server.log"
     command = experiment.serve_command(variant)
     (folder / "serve.sh").write_text(

@@ -1,17 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """Small synthetic series projects: a base, stages made by plain git, and the
-tooling pointed at them. Nothing here downloads anything."""
+tooling pointed at them; and a real vLLM 0.32.0 install (the one thing
+here that downloads: its wheel, once, into build/cache/)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from scripts.series.config import Series, load_series
+from scripts.series.config import REPO_ROOT, SERIES_FILE, Series, load_series
 from scripts.series.git import git_env
+from scripts.series.install import stage_files
 
 BASE_FILES = {
     "vllm/__init__.py": "",
@@ -178,3 +184,94 @@ def two_stages(project: Project) -> Project:
         depends_on=("0001",),
     )
     return project
+
+
+# vLLM 0.32.0 as pip installs it from the package index (a CUDA build: the
+# compiled parts do not matter, install changes only Python files).
+VLLM_WHEEL = "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+VLLM_WHEEL_SHA256 = "5e2ecdc5b0baf72921c288486417ca82778456a448e4fe60b62ee43c0dfc8611"
+WHEEL_CACHE = REPO_ROOT / "build" / "cache" / "vllm-0.32.0-wheel"
+
+
+def _unavailable(reason: str) -> None:
+    """Offline, say so and skip; in CI (which has the package index) fail."""
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def wheel_site() -> Path:
+    """vLLM 0.32.0's wheel installed with ``pip install --no-deps --target``,
+    kept under build/cache/ (326 MB download, 800 MB installed). Never
+    written to: tests take ``installed_vllm``, a copy."""
+    site = WHEEL_CACHE / "site"
+    if (site / "vllm" / "__init__.py").is_file():
+        return site
+    wheel = WHEEL_CACHE / VLLM_WHEEL
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    if not wheel.is_file():
+        fetched = subprocess.run(
+            [
+                *pip,
+                "download",
+                "vllm==0.32.0",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--platform",
+                "manylinux_2_28_x86_64",
+                "--python-version",
+                "3.11",
+                "-d",
+                str(WHEEL_CACHE),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if fetched.returncode or not wheel.is_file():
+            _unavailable(f"cannot download {VLLM_WHEEL}: {fetched.stderr[-500:]}")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest != VLLM_WHEEL_SHA256:
+        wheel.unlink()
+        pytest.fail(f"{VLLM_WHEEL} has sha256 {digest}, not {VLLM_WHEEL_SHA256}")
+    partial = WHEEL_CACHE / "site.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    installed = subprocess.run(
+        [
+            *pip,
+            "install",
+            "--no-deps",
+            "--no-compile",
+            "--target",
+            str(partial),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if installed.returncode:
+        _unavailable(f"pip cannot install {VLLM_WHEEL} here: {installed.stderr[-500:]}")
+    partial.rename(site)
+    return site
+
+
+def package_files(site: Path) -> list[str]:
+    """The files the stages change in the installed package, as git lists
+    them between the base and the last stage of the real series."""
+    series = load_series(SERIES_FILE)
+    return sorted(stage_files(series, None).files)
+
+
+@pytest.fixture
+def installed_vllm(wheel_site: Path, tmp_path: Path) -> Path:
+    """A private copy of the installed vLLM: hard links to the cache, except
+    the files the series changes (copied, so edits in place stay here)."""
+    site = tmp_path / "site"
+    shutil.copytree(wheel_site, site, copy_function=os.link, symlinks=True)
+    for rel in package_files(wheel_site):
+        if (site / rel).exists():
+            (site / rel).unlink()
+            shutil.copy2(wheel_site / rel, site / rel)
+    return site

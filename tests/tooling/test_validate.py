@@ -6,6 +6,7 @@ always stops the server."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import sys
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from scripts.harness import serving
+from scripts.series.config import SERIES_FILE, load_series
+from scripts.series.install import install, installed_record, stage_files
+from scripts.series.trees import stage_tree
 from scripts.validate import runner
 from scripts.validate.__main__ import dry_run
 from scripts.validate.checks import log_problems, result_problems
@@ -85,7 +89,16 @@ def test_the_dry_run_is_the_seeds_matrix_for_stage_0001(tmp_path):
     assert len(benches) == 36
     points = [(8192, c) for c in (4, 8, 16, 32, 64, 128, 256)]
     points += [(51200, c) for c in (4, 8, 16, 32, 64)]
-    evals = [line for line in lines[:17] if line[0] in ("lm_eval", "python3")]
+    # Each server serves the code its variant names: the seed's baseline ran
+    # without the stage.
+    installs = [
+        line
+        for line in lines
+        if line[:4] == ["python", "-m", "scripts.series", "install"]
+    ]
+    assert [line[-1] for line in installs] == ["base", "0001", "0001"]
+    assert lines[1] == installs[0] and lines[2] == serves[0]
+    evals = [line for line in lines[:18] if line[0] in ("lm_eval", "python3")]
     assert [
         line[line.index("--tasks") + 1] if "--tasks" in line else line[4]
         for line in evals
@@ -108,6 +121,9 @@ def test_the_dry_run_is_the_seeds_matrix_for_stage_0003(tmp_path):
         "&",
     ]
     assert "--attention-config" not in serves[0]
+    # The seed's baseline: the FP8 indexer with AITER top-k, without the stage.
+    installs = [line[-1] for line in lines if line[:2] == ["python", "-m"]]
+    assert installs == ["0002", "0003"]
     benches = [line for line in lines if line[:3] == ["vllm", "bench", "serve"]]
     first = _without(benches[0], "--save-result", "--result-dir", "--result-filename")
     # 128K/1K at c1: num-prompts max(C, 3)
@@ -302,3 +318,44 @@ def test_a_report_of_a_folder_without_a_run_is_one_line(tmp_path, capsys):
     assert (
         err.startswith("error: No such file or directory (") and "summary.json" in err
     )
+
+
+def test_each_variant_serves_the_code_it_names_and_the_box_is_put_back(
+    tmp_path, monkeypatch, installed_vllm
+):
+    """The seeds' baseline ran on code without the stage: the kit installs
+    each variant's code (the series tool's install) before its server starts,
+    records it, and leaves the box's vLLM as it found it."""
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
+    site, port = installed_vllm, serving.free_port()
+    series = load_series(SERIES_FILE)
+    probe = site / "vllm" / "v1" / "attention" / "ops" / "rocm_cp_indexer.py"
+    env = f'env = {{ SERVED_FILE = "{probe}" }}'
+    variants = (
+        f'[{{name = "baseline", install = "base", {env}}}, '
+        f'{{name = "split", install = "0001", {env}}}]'
+    )
+    experiment = load_experiment("0001", _stand_in_matrix(tmp_path, port, variants))
+    install(site, stage_files(series, "0003"))  # what the box held before
+    out = tmp_path / "out"
+    outcomes = runner.run_experiment(experiment, out, site)
+    assert {o.run for o in outcomes if o.problems} == {"isl999-osl8-c1"}
+    assert f"served {probe}: absent" in (out / "baseline" / "server.log").read_text()
+    tree_file = stage_tree(series, "0001") / probe.relative_to(site)
+    digest = hashlib.sha256(tree_file.read_bytes()).hexdigest()
+    assert f"served {probe}: {digest}" in (out / "split" / "server.log").read_text()
+    served = json.loads((out / "split" / "served_code.json").read_text())
+    assert served["stage"] == "0001" and served["record"]["stage"] == "0001"
+    baseline = json.loads((out / "baseline" / "served_code.json").read_text())
+    assert baseline["record"] is None  # vLLM as shipped
+    assert installed_record(site)["stage"] == "0003"
+    # An install that cannot be done: the variant is not served at all.
+    with (site / "vllm" / "envs.py").open("a") as handle:
+        handle.write("# a user's edit\n")
+    outcomes = runner.run_experiment(experiment, tmp_path / "again", site)
+    assert [(o.variant, o.run) for o in outcomes] == [
+        ("baseline", "install"),
+        ("split", "install"),
+    ]
+    assert "changed since the series was installed" in outcomes[0].problems[0]
+    assert not (tmp_path / "again" / "baseline" / "server.log").exists()

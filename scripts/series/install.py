@@ -1,0 +1,412 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``install``: the stages' changes written into an installed vLLM package
+(a site-packages, or a source checkout installed in develop mode), so that a
+host running vLLM's published image serves the series without rebuilding
+vLLM: every change the stages make to the package is Python, so the
+installed package's compiled extensions are the ones the series needs.
+
+Before it writes anything it checks that the install is the pinned vLLM and
+that each file it will change is byte-identical to the pinned base's (added
+files must be absent). What it changed it records next to the package, in
+``SITE/.dsa-series-install/`` (``record.json`` with the original and the
+installed hashes, ``originals/`` with the files it replaced), so ``--undo``
+restores the install exactly. All or nothing: the new contents are staged
+and a journal written before the first file of the package is touched; the
+next run finishes an interrupted one. Files of the tree outside the package
+(``tests/``, ``.buildkite/``) are not written.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import SdistBase, Series
+from scripts.series.git import git
+from scripts.series.layout import (
+    INSTALL_JOURNAL,
+    INSTALL_ORIGINALS,
+    INSTALL_RECORD,
+    INSTALL_RECORD_DIR,
+    INSTALL_STAGED,
+    workdir,
+)
+from scripts.series.state import read_chain
+
+PACKAGE = "vllm"
+_FORMAT = 1  # of record.json and journal.json
+
+
+@dataclass(frozen=True)
+class StageFiles:
+    """What installing the series up to ``stage`` means for the package."""
+
+    version: str  # the pinned vLLM release
+    stage: str  # "base" or a stage id: the last one installed
+    commits: dict[str, str]  # stage id: its commit in the work repo
+    # path under SITE: (the pinned base's sha256, None when the base has no
+    # such file; the stage's content, None when the stage deletes it)
+    files: dict[str, tuple[str | None, bytes | None]]
+    outside: tuple[str, ...]  # files the stages change outside the package
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def stage_files(series: Series, upto: str | None) -> StageFiles:
+    """The package files the stages up to ``upto`` (default: all) change,
+    read from the work repo's stage commits."""
+    if not isinstance(series.base, SdistBase):
+        raise SeriesError(
+            "install checks the installed vLLM against a release; this "
+            "series' base is a git checkout, not a release"
+        )
+    stage_id = upto or (series.stages[-1].id if series.stages else "base")
+    stages = [] if stage_id == "base" else series.stages_upto(stage_id)
+    repo = workdir(series)
+    chain = read_chain(series, repo)
+    commits = {s.id: chain.current_commit(s.id) for s in stages}
+    tip = commits[stages[-1].id] if stages else chain.base
+    raw = git(repo, "diff", "--raw", "--no-renames", "--no-abbrev", "-z", chain.base, tip)
+    fields = raw.stdout.decode().split("\0")
+    files: dict[str, tuple[str | None, bytes | None]] = {}
+    outside = []
+    for meta, path in zip(fields[0:-1:2], fields[1::2], strict=True):
+        old_mode, new_mode, old_blob, new_blob, _ = meta.lstrip(":").split(" ")
+        if not path.startswith(f"{PACKAGE}/"):
+            outside.append(path)
+            continue
+        if {old_mode, new_mode} - {"000000", "100644", "100755"}:
+            raise SeriesError(
+                f"{path}: the stages make it a link or a submodule; install "
+                "writes plain files only"
+            )
+        base_sha = None if set(old_blob) == {"0"} else sha256(_blob(repo, old_blob))
+        content = None if set(new_blob) == {"0"} else _blob(repo, new_blob)
+        files[path] = (base_sha, content)
+    return StageFiles(
+        series.base.version, stage_id, commits, files, tuple(sorted(outside))
+    )
+
+
+def _blob(repo: Path, blob: str) -> bytes:
+    return git(repo, "cat-file", "blob", blob).stdout
+
+
+def installed_version(site: Path) -> str:
+    """The version of the vLLM in ``site``: its dist-info (a pip install),
+    else its ``vllm/_version.py`` (a source checkout in develop mode)."""
+    metas = sorted(site.glob(f"{PACKAGE}-*.dist-info/METADATA"))
+    if len(metas) > 1:
+        names = ", ".join(m.parent.name for m in metas)
+        raise SeriesError(f"{site} holds several vLLM installs' metadata: {names}")
+    if metas:
+        for line in metas[0].read_text(encoding="utf-8").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    version_file = site / PACKAGE / "_version.py"
+    if version_file.is_file():
+        found = re.search(
+            r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]",
+            version_file.read_text(encoding="utf-8"),
+            re.MULTILINE,
+        )
+        if found:
+            return found.group(1)
+    raise SeriesError(
+        f"cannot tell which vLLM {site} holds (no {PACKAGE}-*.dist-info/METADATA, "
+        f"no version in {version_file})"
+    )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    changed: tuple[str, ...]  # package files written or deleted
+    record: dict | None  # what is installed now (None: the install as shipped)
+    note: str  # what happened, in a line
+
+
+def install(site: Path, want: StageFiles | None) -> Outcome:
+    """Bring the package in ``site`` to ``want`` (None: undo, the package as
+    it was before the first install), all or nothing."""
+    site = check_site(site)
+    with _site_lock(site):
+        finished = _finish_interrupted(site)
+        record = _load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
+        recorded = record["files"] if record else {}
+        edited = [
+            p for p, f in recorded.items() if _file_sha(site / p) != f["installed"]
+        ]
+        if edited:
+            raise SeriesError(
+                "changed since the series was installed (by hand, or by "
+                "reinstalling vLLM), so they are left alone: "
+                + ", ".join(str(site / p) for p in edited)
+                + f". Restore them, or if vLLM was reinstalled delete "
+                f"{site / INSTALL_RECORD_DIR} (it describes the old install)"
+            )
+        if (want is None or not want.files) and record is None:
+            return Outcome((), None, finished + f"nothing is installed in {site}")
+        if want is not None:
+            _check_version(site, want.version)
+        wanted = want.files if want else {}
+        _check_pristine(site, wanted, recorded, want.version if want else "")
+        plan = _plan(site, wanted, recorded)
+        new_record = _record(want, recorded, site) if want and want.files else None
+        if not plan and new_record == record:
+            what = f"stage {want.stage}" if want else "nothing"
+            return Outcome((), record, finished + f"already installed: {what}")
+        _stage(site, plan, new_record, recorded)
+        changed = _roll_forward(site)
+        return Outcome(changed, new_record, finished + _summary(want, changed))
+
+
+def check_site(site: Path) -> Path:
+    site = site.resolve()
+    if not (site / PACKAGE / "__init__.py").is_file():
+        raise SeriesError(
+            f"{site} holds no {PACKAGE} package (no {PACKAGE}/__init__.py); give "
+            "the folder that holds vllm/: python -c \"import vllm, pathlib; "
+            'print(pathlib.Path(vllm.__file__).parents[1])"'
+        )
+    return site
+
+
+@contextmanager
+def _site_lock(site: Path) -> Iterator[None]:
+    """One install at a time per package (a lock on its folder: nothing is
+    left behind)."""
+    fd = os.open(site / PACKAGE, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another install into {site}...", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _file_sha(path: Path) -> str | None:
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() or not path.is_file():
+        raise SeriesError(f"{path} is not a plain file; install leaves it alone")
+    return sha256(path.read_bytes())
+
+
+def _check_version(site: Path, pinned: str) -> None:
+    version = installed_version(site)
+    # A local label (a ROCm build's "+rocm...") does not change the files.
+    if version.split("+", 1)[0] != pinned:
+        raise SeriesError(
+            f"{site} holds vLLM {version}; the series is pinned to vLLM {pinned}, "
+            "and installs only onto that release"
+        )
+
+
+def _pristine_sha(site: Path, path: str, recorded: dict) -> str | None:
+    """The file as shipped: its original from the record, else on disk."""
+    if path in recorded:
+        return recorded[path]["original"]
+    return _file_sha(site / path)
+
+
+def _check_pristine(
+    site: Path, wanted: dict, recorded: dict, version: str
+) -> None:
+    problems = []
+    for path, (base_sha, _) in wanted.items():
+        have = _pristine_sha(site, path, recorded)
+        if have == base_sha:
+            continue
+        if base_sha is None:
+            problems.append(f"{path} exists, though vLLM {version} has no such file")
+        elif have is None:
+            problems.append(f"{path} is missing")
+        else:
+            problems.append(f"{path} differs from vLLM {version}'s")
+    if problems:
+        raise SeriesError(
+            f"{site} is not vLLM {version} as released, so nothing was changed: "
+            + "; ".join(problems)
+        )
+    for path, (_, content) in wanted.items():
+        if content is not None and not (site / path).parent.is_dir():
+            raise SeriesError(
+                f"{site / path}: its folder does not exist, and install does "
+                "not create folders"
+            )
+
+
+def _original(site: Path, path: str, recorded: dict) -> bytes | None:
+    if path in recorded:
+        if recorded[path]["original"] is None:
+            return None
+        return (site / INSTALL_RECORD_DIR / INSTALL_ORIGINALS / path).read_bytes()
+    file = site / path
+    return file.read_bytes() if file.exists() else None
+
+
+def _plan(site: Path, wanted: dict, recorded: dict) -> list[dict]:
+    """Per file whose content changes: its hash now, its hash after, and the
+    content after (None: delete it)."""
+    plan = []
+    for path in sorted(set(wanted) | set(recorded)):
+        after = wanted[path][1] if path in wanted else _original(site, path, recorded)
+        before_sha = _file_sha(site / path)
+        after_sha = None if after is None else sha256(after)
+        if before_sha != after_sha:
+            plan.append({"path": path, "before": before_sha, "after": after_sha,
+                         "content": after})
+    return plan
+
+
+def _record(want: StageFiles, recorded: dict, site: Path) -> dict:
+    files = {
+        path: {
+            "original": _pristine_sha(site, path, recorded),
+            "installed": None if content is None else sha256(content),
+        }
+        for path, (_, content) in sorted(want.files.items())
+    }
+    return {
+        "format": _FORMAT,
+        "tool": "python -m scripts.series install (the DSA indexer series)",
+        "vllm": want.version,
+        "stage": want.stage,
+        "commits": want.commits,
+        "files": files,
+        "not_installed": list(want.outside),
+    }
+
+
+def _stage(site: Path, plan: list[dict], new_record: dict | None, recorded: dict) -> None:
+    """Everything the roll-forward needs, on disk, before the journal (the
+    point from which the install happens) is written."""
+    root = site / INSTALL_RECORD_DIR
+    staged = root / INSTALL_STAGED
+    shutil.rmtree(staged, ignore_errors=True)  # left by a run stopped before its journal
+    originals = root / INSTALL_ORIGINALS
+    for path in (new_record or {}).get("files", {}):
+        source = site / path
+        if path not in recorded and source.exists():
+            _write(originals / path, source.read_bytes(), source.stat().st_mode)
+    for entry in plan:
+        if entry["content"] is not None:
+            target = site / entry["path"]
+            mode = target.stat().st_mode if target.exists() else 0o644
+            _write(staged / entry["path"], entry["content"], mode)
+    journal = {
+        "format": _FORMAT,
+        "entries": [{k: e[k] for k in ("path", "before", "after")} for e in plan],
+        "record": new_record,
+    }
+    _write(root / INSTALL_JOURNAL, json.dumps(journal, indent=1).encode(), 0o644)
+
+
+def _finish_interrupted(site: Path) -> str:
+    root = site / INSTALL_RECORD_DIR
+    if not (root / INSTALL_JOURNAL).exists():
+        if root.exists() and not (root / INSTALL_RECORD).exists():
+            shutil.rmtree(root)  # a first install stopped before its journal
+        return ""
+    changed = _roll_forward(site)
+    return f"finished an interrupted install ({len(changed)} files); "
+
+
+def _roll_forward(site: Path) -> tuple[str, ...]:
+    """Carry out the journal; each step is skipped once done, so a run
+    stopped anywhere is finished by the next."""
+    root = site / INSTALL_RECORD_DIR
+    journal = _load(root / INSTALL_JOURNAL)
+    assert journal is not None
+    for entry in journal["entries"]:
+        target = site / entry["path"]
+        now = _file_sha(target)
+        if now == entry["after"]:
+            continue
+        if now != entry["before"]:
+            raise SeriesError(
+                f"{target} changed while an install was unfinished (neither its "
+                f"old nor its new content); restore it, then run install again "
+                f"to finish ({root / INSTALL_JOURNAL})"
+            )
+        if entry["after"] is None:
+            target.unlink()
+        else:
+            os.replace(root / INSTALL_STAGED / entry["path"], target)
+        _drop_bytecode(target)
+    record = journal["record"]
+    if record is None:
+        shutil.rmtree(root)  # undone: the install is as shipped again
+        return tuple(e["path"] for e in journal["entries"])
+    _write(root / INSTALL_RECORD, json.dumps(record, indent=1).encode(), 0o644)
+    # Deepest first, so a folder emptied of originals goes too.
+    for original in sorted((root / INSTALL_ORIGINALS).rglob("*"), reverse=True):
+        rel = original.relative_to(root / INSTALL_ORIGINALS).as_posix()
+        if original.is_file() and rel not in record["files"]:
+            original.unlink()
+        elif original.is_dir() and not any(original.iterdir()):
+            original.rmdir()
+    shutil.rmtree(root / INSTALL_STAGED, ignore_errors=True)
+    (root / INSTALL_JOURNAL).unlink()
+    return tuple(e["path"] for e in journal["entries"])
+
+
+def _drop_bytecode(source: Path) -> None:
+    """The replaced file's compiled bytecode: Python rebuilds it (a cache
+    checked by hash, or not checked at all, would keep the old code)."""
+    cache = source.parent / "__pycache__"
+    for pyc in cache.glob(f"{source.stem}.*.pyc"):
+        pyc.unlink(missing_ok=True)
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    """``path`` holds ``data`` or its old content, never a part (a temporary
+    file, flushed to disk, renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.partial")
+    with temp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.chmod(temp, mode & 0o7777)
+    os.replace(temp, path)
+
+
+def _load(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SeriesError(f"{path} cannot be read ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise SeriesError(f"{path} is not an install record this tool wrote")
+    return data
+
+
+def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:
+    if want is None or want.stage == "base":
+        return f"undone: {len(changed)} files restored as vLLM shipped them"
+    return (
+        f"installed up to stage {want.stage}: {len(changed)} files written "
+        f"({len(want.files)} of the package's files carry the series)"
+    )
+
+
+def installed_record(site: Path) -> dict | None:
+    """What ``install`` last wrote into ``site`` (None: nothing)."""
+    return _load(check_site(site) / INSTALL_RECORD_DIR / INSTALL_RECORD)

@@ -1,0 +1,281 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``install`` on a real vLLM 0.32.0 (pip's install of the wheel from the
+package index): it writes exactly the stage trees' package files, re-runs as
+a no-op, moves between stages, and undoes to the wheel's own bytes (checked
+against the wheel's RECORD); it refuses an edited file, an unexpected file
+and another vLLM version with nothing written; an install stopped at any
+step is finished, or undone, by the next run."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import functools
+import hashlib
+import os
+import py_compile
+from pathlib import Path
+
+import pytest
+
+from scripts.series import SeriesError
+from scripts.series import install as install_module
+from scripts.series.config import SERIES_FILE, load_series
+from scripts.series.install import install, installed_record, stage_files
+from scripts.series.layout import INSTALL_RECORD_DIR, workdir
+from scripts.series.state import read_chain
+from scripts.series.trees import stage_tree
+
+SERIES = load_series(SERIES_FILE)
+STAGES = ["base", *(s.id for s in SERIES.stages)]
+
+
+def _wheel_hashes(site: Path) -> dict[str, str]:
+    """{path: sha256 hex} from the wheel's RECORD (pip wrote it as installed)."""
+    (record,) = site.glob("vllm-*.dist-info/RECORD")
+    hashes = {}
+    with record.open(newline="") as handle:
+        for path, digest, _ in csv.reader(handle):
+            if digest and not path.startswith(".."):
+                raw = base64.urlsafe_b64decode(digest.split("=", 1)[1] + "==")
+                hashes[path] = raw.hex()
+    return hashes
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _not_as_shipped(site: Path, wheel_site: Path) -> dict[str, str | None]:
+    """{path: sha256 or None when missing} of the files under site/vllm/ that
+    are not the wheel's. A file still hard-linked to the cache is untouched."""
+    wheel = _wheel_hashes(wheel_site)
+    out: dict[str, str | None] = {}
+    for path in (site / "vllm").rglob("*"):
+        if path.is_dir():
+            continue
+        rel = path.relative_to(site).as_posix()
+        cached = wheel_site / rel
+        if cached.exists() and os.stat(cached).st_ino == os.stat(path).st_ino:
+            continue
+        if wheel.get(rel) != (digest := _sha(path)):
+            out[rel] = digest
+    for rel in wheel:
+        if rel.startswith("vllm/") and not (site / rel).exists():
+            out[rel] = None
+    return out
+
+
+@functools.cache
+def _tree_package(stage: str) -> dict[str, str | None]:
+    """{path: sha256, None when deleted} of the package files the stage tree
+    holds differently from the base tree: read from the trees themselves,
+    not from the git diff ``install`` reads."""
+    base, tree = stage_tree(SERIES, "base"), stage_tree(SERIES, stage)
+    out: dict[str, str | None] = {}
+    for root in (base, tree):
+        for path in (root / "vllm").rglob("*"):
+            rel = path.relative_to(root).as_posix()
+            if path.is_dir() or "__pycache__" in path.parts:
+                continue
+            old, new = base / rel, tree / rel
+            before = _sha(old) if old.exists() else None
+            after = _sha(new) if new.exists() else None
+            if before != after:
+                out[rel] = after
+    return out
+
+
+@pytest.fixture(scope="module")
+def wanted() -> dict[str, install_module.StageFiles]:
+    return {stage: stage_files(SERIES, stage) for stage in STAGES}
+
+
+def test_install_writes_each_stage_trees_package_and_undo_restores_the_wheel(
+    installed_vllm, wheel_site, wanted
+):
+    site = installed_vllm
+    chain = read_chain(SERIES, workdir(SERIES))
+    for stage in ("0001", "0003", "0002", "0003"):
+        outcome = install(site, wanted[stage])
+        assert outcome.changed, stage
+        assert _not_as_shipped(site, wheel_site) == _tree_package(stage), stage
+        record = installed_record(site)
+        assert record is not None and record["stage"] == stage
+        upto = [s.id for s in SERIES.stages_upto(stage)]
+        assert record["commits"] == {s: chain.current_commit(s) for s in upto}
+        wheel = _wheel_hashes(wheel_site)
+        for rel, hashes in record["files"].items():
+            assert hashes["original"] == wheel.get(rel), rel
+        # The tree's files outside the package are not written there.
+        assert not (site / "tests").exists() and not (site / ".buildkite").exists()
+        assert any(p.startswith("tests/") for p in wanted[stage].outside)
+    again = install(site, wanted["0003"])
+    assert again.changed == () and again.note == "already installed: stage 0003"
+    undone = install(site, None)
+    assert undone.note.startswith("undone:")
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert sorted(p.name for p in site.iterdir()) == sorted(
+        p.name for p in wheel_site.iterdir()
+    )
+    assert install(site, None).note == f"nothing is installed in {site}"
+    # "base" is vLLM as shipped: the same as an undo.
+    install(site, wanted["0001"])
+    assert install(site, wanted["base"]).note.startswith("undone:")
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert not (site / INSTALL_RECORD_DIR).exists()
+
+
+def test_the_bytecode_of_a_replaced_file_goes_with_it(installed_vllm, wanted):
+    """A .pyc that Python does not check against its source (unchecked-hash,
+    as some images compile theirs) would keep serving the old code."""
+    source = installed_vllm / "vllm" / "envs.py"
+
+    def compiled() -> Path:
+        return Path(
+            py_compile.compile(
+                str(source), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+            )
+        )
+
+    pyc = compiled()
+    install(installed_vllm, wanted["0001"])
+    assert not pyc.exists()
+    pyc = compiled()
+    install(installed_vllm, None)
+    assert not pyc.exists()
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a") as handle:  # in place, as an editor that keeps the inode
+        handle.write(text)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ("vllm/envs.py", r"vllm/envs.py differs from vLLM 0.32.0's"),
+        (
+            "vllm/v1/attention/ops/rocm_cp_indexer.py",
+            r"rocm_cp_indexer.py exists, though vLLM 0.32.0 has no such file",
+        ),
+    ],
+)
+def test_a_file_not_as_released_is_refused_and_nothing_is_written(
+    installed_vllm, wheel_site, wanted, edit, message
+):
+    site = installed_vllm
+    _append(site / edit, "# a user's edit\n")
+    before = _not_as_shipped(site, wheel_site)
+    with pytest.raises(SeriesError, match=message):
+        install(site, wanted["0003"])
+    assert _not_as_shipped(site, wheel_site) == before
+    assert not (site / INSTALL_RECORD_DIR).exists()
+
+
+def test_a_file_edited_after_the_install_is_left_alone(
+    installed_vllm, wheel_site, wanted
+):
+    site = installed_vllm
+    install(site, wanted["0003"])
+    _append(site / "vllm/envs.py", "# a user's edit\n")
+    before = _not_as_shipped(site, wheel_site)
+    for target in (None, wanted["0001"], wanted["0003"]):
+        with pytest.raises(SeriesError, match=r"changed since .*vllm/envs\.py"):
+            install(site, target)
+        assert _not_as_shipped(site, wheel_site) == before
+    assert installed_record(site)["stage"] == "0003"
+
+
+def _set_version(site: Path, wheel_site: Path, version: str) -> None:
+    (metadata,) = site.glob("vllm-*.dist-info/METADATA")
+    text = (wheel_site / metadata.relative_to(site)).read_text()
+    assert "\nVersion: 0.32.0\n" in text
+    metadata.unlink()  # a hard link to the cache: write a new file
+    metadata.write_text(text.replace("Version: 0.32.0", f"Version: {version}", 1))
+
+
+def test_another_vllm_is_refused(installed_vllm, wheel_site, wanted, tmp_path):
+    site = installed_vllm
+    _set_version(site, wheel_site, "0.33.0")
+    with pytest.raises(SeriesError, match=r"holds vLLM 0.33.0; .* pinned to vLLM 0.32.0"):
+        install(site, wanted["0003"])
+    assert _not_as_shipped(site, wheel_site) == {}
+    # A local build label (ROCm images add one) is the same release.
+    _set_version(site, wheel_site, "0.32.0+rocm700")
+    install(site, wanted["0003"])
+    assert installed_record(site)["stage"] == "0003"
+    with pytest.raises(SeriesError, match="holds no vllm package"):
+        install(tmp_path / "nowhere", wanted["0003"])
+
+
+def test_a_series_on_a_git_checkout_is_refused(project):
+    with pytest.raises(SeriesError, match="git checkout, not a release"):
+        stage_files(project.series(), None)
+
+
+class _Stop(BaseException):
+    """A kill at one step of the install (nothing after it runs)."""
+
+
+def test_an_install_stopped_at_any_step_is_finished_or_undone(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """Stop the install at each of its renames (every file it writes lands by
+    one), then run again: installing finishes it, undoing undoes it."""
+    site = installed_vllm
+    real_replace = os.replace
+    calls = []
+
+    def counting(src, dst):
+        calls.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(install_module.os, "replace", counting)
+    install(site, wanted["0001"])
+    first = len(calls)
+    install(site, wanted["0003"])  # a move: originals kept, more staged
+    move = len(calls) - first
+    install(site, None)
+    monkeypatch.setattr(install_module.os, "replace", real_replace)
+    assert first > 2 and move > 2
+    expected = {None: {}, "0001": _tree_package("0001"), "0003": _tree_package("0003")}
+    touched = sorted(set(_tree_package("0003")) | set(_tree_package("0001")))
+
+    def state() -> dict[str, str | None]:
+        """The files the series touches (a whole check ends the test)."""
+        return {
+            rel: _sha(site / rel)
+            for rel in touched
+            if (site / rel).exists() and _sha(site / rel) != wheel.get(rel)
+        } | {rel: None for rel in touched if rel in wheel and not (site / rel).exists()}
+
+    wheel = _wheel_hashes(wheel_site)
+    notes: list[str] = []
+    for start, target, count in (("0001", "0003", move), (None, "0001", first)):
+        for stop_at in range(count):
+            if start:
+                install(site, wanted[start])
+            done = []
+
+            def stopping(src, dst, done=done, stop_at=stop_at):
+                if len(done) == stop_at:
+                    raise _Stop
+                done.append(dst)
+                real_replace(src, dst)
+
+            monkeypatch.setattr(install_module.os, "replace", stopping)
+            with pytest.raises(_Stop):
+                install(site, wanted[target])
+            monkeypatch.setattr(install_module.os, "replace", real_replace)
+            # Finish it (an install of the same stage), or undo it.
+            final = target if stop_at % 2 == 0 else None
+            notes.append(install(site, wanted[final] if final else None).note)
+            assert state() == expected[final], (start, stop_at, final)
+            install(site, None)
+            assert state() == {}
+            assert not (site / INSTALL_RECORD_DIR).exists()
+    assert _not_as_shipped(site, wheel_site) == {}
+    # Stopped after its journal, a run was finished (or undone) from it.
+    finished = [n for n in notes if n.startswith("finished an interrupted install")]
+    assert len(finished) >= 4, notes
