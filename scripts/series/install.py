@@ -77,7 +77,9 @@ def stage_files(series: Series, upto: str | None) -> StageFiles:
     chain = read_chain(series, repo)
     commits = {s.id: chain.current_commit(s.id) for s in stages}
     tip = commits[stages[-1].id] if stages else chain.base
-    raw = git(repo, "diff", "--raw", "--no-renames", "--no-abbrev", "-z", chain.base, tip)
+    raw = git(
+        repo, "diff", "--raw", "--no-renames", "--no-abbrev", "-z", chain.base, tip
+    )
     fields = raw.stdout.decode().split("\0")
     files: dict[str, tuple[str | None, bytes | None]] = {}
     outside = []
@@ -176,7 +178,7 @@ def check_site(site: Path) -> Path:
     if not (site / PACKAGE / "__init__.py").is_file():
         raise SeriesError(
             f"{site} holds no {PACKAGE} package (no {PACKAGE}/__init__.py); give "
-            "the folder that holds vllm/: python -c \"import vllm, pathlib; "
+            'the folder that holds vllm/: python -c "import vllm, pathlib; '
             'print(pathlib.Path(vllm.__file__).parents[1])"'
         )
     return site
@@ -223,9 +225,7 @@ def _pristine_sha(site: Path, path: str, recorded: dict) -> str | None:
     return _file_sha(site / path)
 
 
-def _check_pristine(
-    site: Path, wanted: dict, recorded: dict, version: str
-) -> None:
+def _check_pristine(site: Path, wanted: dict, recorded: dict, version: str) -> None:
     problems = []
     for path, (base_sha, _) in wanted.items():
         have = _pristine_sha(site, path, recorded)
@@ -268,8 +268,14 @@ def _plan(site: Path, wanted: dict, recorded: dict) -> list[dict]:
         before_sha = _file_sha(site / path)
         after_sha = None if after is None else sha256(after)
         if before_sha != after_sha:
-            plan.append({"path": path, "before": before_sha, "after": after_sha,
-                         "content": after})
+            plan.append(
+                {
+                    "path": path,
+                    "before": before_sha,
+                    "after": after_sha,
+                    "content": after,
+                }
+            )
     return plan
 
 
@@ -292,12 +298,16 @@ def _record(want: StageFiles, recorded: dict, site: Path) -> dict:
     }
 
 
-def _stage(site: Path, plan: list[dict], new_record: dict | None, recorded: dict) -> None:
+def _stage(
+    site: Path, plan: list[dict], new_record: dict | None, recorded: dict
+) -> None:
     """Everything the roll-forward needs, on disk, before the journal (the
     point from which the install happens) is written."""
     root = site / INSTALL_RECORD_DIR
     staged = root / INSTALL_STAGED
-    shutil.rmtree(staged, ignore_errors=True)  # left by a run stopped before its journal
+    shutil.rmtree(
+        staged, ignore_errors=True
+    )  # left by a run stopped before its journal
     originals = root / INSTALL_ORIGINALS
     for path in (new_record or {}).get("files", {}):
         source = site / path

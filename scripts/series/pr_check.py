@@ -2,24 +2,48 @@
 """Check exported PRs as a vLLM maintainer would take them (``export
 --test-python``): each patch applied with plain ``git am`` onto a checkout of
 the base, after the patches of the PRs it needs; its title and sign-off as
-exported, and its message unchanged by an editor; the tests it adds to
-vLLM's tests/ passing there with plain pytest.
+exported, and its message unchanged by an editor; the target's own
+pre-commit on its files (``vllm_precommit``); its Buildkite wiring and
+import layering (``maintainer_checks``); the tests it adds to vLLM's tests/
+passing there with plain pytest. Each PR's items are written beside its
+patch (``<patch>.review.md``).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series
 from scripts.series.export import PullRequest
 from scripts.series.git import git, git_out
-from scripts.series.layout import workdir
+from scripts.series.layout import build_dir, workdir
 from scripts.series.state import read_chain
 from scripts.series.testrun import run_pr_tests
+from scripts.series.vllm_precommit import hook_python, hook_results, run_in_project
+
+
+def maintainer_checks(
+    cache: Path, tree: Path, files: list[str], python: str
+) -> list[dict]:
+    """``maintainer_checks`` (Buildkite wiring, layering) in the hooks'
+    virtualenv, which has PyYAML and the target's tools."""
+    py = hook_python(cache, tree, python)
+    out = git_out(tree, "rev-parse", "HEAD~1")
+    command = [
+        str(py),
+        "-m",
+        "scripts.series.maintainer_checks",
+        str(tree),
+        out,
+        *files,
+    ]
+    return json.loads(run_in_project(command, "run the maintainer's checks"))
 
 
 def _patches_in_order(pr: PullRequest, by_id: dict[str, PullRequest]) -> list[Path]:
@@ -28,64 +52,150 @@ def _patches_in_order(pr: PullRequest, by_id: dict[str, PullRequest]) -> list[Pa
     return [*needed, pr.patch]
 
 
+@dataclass(frozen=True)
+class Item:
+    """One line of a maintainer's first pass: what, whether it holds, why."""
+
+    check: str
+    ok: bool
+    detail: str
+
+
 def check_pr(
     series: Series, pr: PullRequest, by_id: dict[str, PullRequest], python: str
-) -> str | None:
-    """What a maintainer would find wrong with ``pr``, if anything."""
+) -> list[Item]:
+    """A maintainer's first pass over ``pr``, item by item; it stops at the
+    first item that leaves nothing to check after it (a patch that does not
+    apply, a title `git am` changes)."""
     repo = workdir(series)
     base = read_chain(series, repo).base
+    items: list[Item] = []
     with tempfile.TemporaryDirectory(prefix=f"pr-{pr.stage.id}-") as tmp:
         tree = Path(tmp) / "vllm"
         git(repo, "worktree", "prune")
         git(repo, "worktree", "add", "-q", "--detach", str(tree), base)
         try:
-            for patch in _patches_in_order(pr, by_id):
-                applied = git(tree, "am", "-q", str(patch), check=False)
-                if applied.returncode != 0:
-                    return (
-                        f"{patch.name} does not apply with `git am` on "
-                        f"{series.base.label}: "
-                        + applied.stderr.decode(errors="replace").strip()
-                    )
-            subject, author, message = (
-                git_out(tree, "log", "-1", f"--format={field}")
-                for field in ("%s", "%an <%ae>", "%B")
-            )
-            wanted = git_out(repo, "log", "-1", "--format=%s", pr.commit)
-            if subject != wanted:
-                return (
-                    f"`git am` changed its title to {subject!r} (exported: {wanted!r})"
-                )
-            if f"Signed-off-by: {author}" not in message:
-                return f"the applied commit is not signed off by its author, {author}"
-            # What an editor keeps of it (`git commit --amend`: comment lines
-            # and surplus blank lines go).
-            git(tree, "commit", "-q", "--amend", "--no-edit", "--cleanup=strip")
-            if git_out(tree, "log", "-1", "--format=%B") != message:
-                return "its commit message changes when edited (lines git strips)"
-            if not pr.stage.vllm_tests:
-                return None
-            tally = run_pr_tests(
-                python, tree, pr.stage.vllm_tests, Path(tmp) / "pr-tests.xml"
-            )
+            _first_pass(series, pr, by_id, python, repo, tree, items)
         finally:
             git(repo, "worktree", "remove", "--force", str(tree))
-    if tally.failed or not tally.passed:
-        failed = ", ".join(tally.failures[:5]) or "no test passed"
-        return f"its tests fail after `git am` ({tally.failed} failed: {failed})"
-    return None
+    return items
+
+
+def _first_pass(
+    series: Series,
+    pr: PullRequest,
+    by_id: dict[str, PullRequest],
+    python: str,
+    repo: Path,
+    tree: Path,
+    items: list[Item],
+) -> None:
+    for patch in _patches_in_order(pr, by_id):
+        applied = git(tree, "am", "-q", str(patch), check=False)
+        if applied.returncode != 0:
+            why = applied.stderr.decode(errors="replace").strip()
+            items.append(Item(f"`git am` of {patch.name}", False, why))
+            return
+    needs = f" after the PR of stage {pr.needs}" if pr.needs else ""
+    items.append(Item("`git am`", True, f"applies on {series.base.label}{needs}"))
+    subject, author, message = (
+        git_out(tree, "log", "-1", f"--format={field}")
+        for field in ("%s", "%an <%ae>", "%B")
+    )
+    wanted = git_out(repo, "log", "-1", "--format=%s", pr.commit)
+    if subject != wanted:
+        why = f"`git am` changed it to {subject!r} (exported: {wanted!r})"
+        items.append(Item("title", False, why))
+        return
+    signed = f"Signed-off-by: {author}" in message
+    items.append(
+        Item(
+            "title and sign-off",
+            signed,
+            f"{subject!r}, signed off by {author}"
+            if signed
+            else f"not signed off by its author, {author}",
+        )
+    )
+    # What an editor keeps of it (`git commit --amend`: comment lines and
+    # surplus blank lines go).
+    git(tree, "commit", "-q", "--amend", "--no-edit", "--cleanup=strip")
+    kept = git_out(tree, "log", "-1", "--format=%B") == message
+    items.append(
+        Item(
+            "message",
+            kept,
+            "unchanged by an editor"
+            if kept
+            else "changes when edited (lines git strips)",
+        )
+    )
+    files = git_out(tree, "diff", "--name-only", "--diff-filter=d", "HEAD~1", "HEAD")
+    names = files.splitlines()
+    cache = build_dir(series) / "cache" / "precommit"
+    if not (tree / ".pre-commit-config.yaml").is_file():
+        why = "not run: the target has no .pre-commit-config.yaml"
+        items.append(Item("vLLM's pre-commit", True, why))
+    else:
+        _precommit(cache, tree, names, python, items)
+    if pr.stage.vllm_tests:
+        tally = run_pr_tests(python, tree, pr.stage.vllm_tests, tree.parent / "pr.xml")
+        ok = bool(tally.passed) and not tally.failed
+        detail = (
+            f"{tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped"
+        )
+        if tally.failures:
+            detail += ": " + ", ".join(tally.failures[:5])
+        tests = ", ".join(pr.stage.vllm_tests)
+        items.append(Item(f"its tests with plain pytest ({tests})", ok, detail))
+
+
+def _precommit(
+    cache: Path, tree: Path, names: list[str], python: str, items: list[Item]
+) -> None:
+    for hook in hook_results(cache, tree, names, python):
+        if hook.status == "skipped":
+            continue
+        detail = f"{hook.files} files" if hook.status == "passed" else hook.output
+        items.append(Item(f"pre-commit `{hook.id}`", hook.status == "passed", detail))
+    for check in maintainer_checks(cache, tree, names, python):
+        items.append(Item(check["check"], check["ok"], check["detail"]))
+
+
+def format_review(pr: PullRequest, items: list[Item]) -> str:
+    lines = [
+        f"# A maintainer's first pass: {pr.branch}",
+        "",
+        "Written by `nox -s export`; each item as checked on this export.",
+        "",
+        "| check | result | detail |",
+        "|---|---|---|",
+    ]
+    for item in items:
+        detail = " ".join(item.detail.split())[:600].replace("|", "\\|")
+        lines.append(f"| {item.check} | {'ok' if item.ok else 'FAILED'} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def review_path(pr: PullRequest) -> Path:
+    return pr.patch.with_name(f"{pr.patch.stem}.review.md")
 
 
 def check_prs(series: Series, prs: Sequence[PullRequest], python: str) -> None:
-    """Raise SeriesError naming every PR that fails ``check_pr``."""
+    """Write each PR's first pass beside its patch; raise SeriesError naming
+    every item that fails."""
     if shutil.which(python) is None:
         raise SeriesError(f"--test-python {python}: no such Python")
     by_id = {pr.stage.id: pr for pr in prs}
-    problems = [
-        f"PR of stage {pr.stage.id}: {problem}"
-        for pr in prs
-        if (problem := check_pr(series, pr, by_id, python)) is not None
-    ]
+    problems = []
+    for pr in prs:
+        items = check_pr(series, pr, by_id, python)
+        review_path(pr).write_text(format_review(pr, items))
+        problems += [
+            f"PR of stage {pr.stage.id}: {item.check}: {item.detail}"
+            for item in items
+            if not item.ok
+        ]
     if problems:
         raise SeriesError(
             "exported PRs fail the maintainer's check:\n" + "\n".join(problems)

@@ -16,7 +16,7 @@ from scripts.series.apply import apply
 from scripts.series.config import load_series
 from scripts.series.export import export_stages
 from scripts.series.git import Identity, changed_files, git_out
-from scripts.series.pr_check import check_prs
+from scripts.series.pr_check import check_prs, review_path
 from tests.tooling.conftest import Project, sh, write_files
 
 EXPORTER = Identity("Eve Exporter", "eve@example.org", "")
@@ -282,7 +282,10 @@ def test_the_maintainers_check_names_a_failing_pr_test(project: Project):
     _stage_with_a_pr_test(project, "def test_off():\n    assert not envs.CP_INDEXER\n")
     apply(project.series())
     prs = export_stages(project.series(), EXPORTER)
-    with pytest.raises(SeriesError, match="PR of stage 0001: its tests fail after"):
+    with pytest.raises(
+        SeriesError,
+        match=r"its tests with plain pytest \(tests/test_envs.py\): 0 passed, 1 failed",
+    ):
         check_prs(project.series(), prs, sys.executable)
     with pytest.raises(SeriesError, match="no such Python"):
         check_prs(project.series(), prs, "/no/python")
@@ -297,5 +300,66 @@ def test_the_maintainers_check_names_a_message_an_editor_would_change(project):
     )
     apply(project.series())
     prs = export_stages(project.series(), EXPORTER)
-    with pytest.raises(SeriesError, match="message changes when edited"):
+    with pytest.raises(SeriesError, match="message: changes when edited"):
         check_prs(project.series(), prs, sys.executable)
+
+
+# A target's own hook, as vLLM's local hooks are declared (a Python script
+# of the tree's tools/pre_commit/, run by pre-commit on the matching files).
+PRECOMMIT_CONFIG = """\
+default_stages: [pre-commit, manual]
+repos:
+- repo: local
+  hooks:
+  - id: no-print
+    name: No print calls
+    entry: python tools/pre_commit/check_no_print.py
+    language: python
+    types: [python]
+  - id: commit-msg-only
+    name: Runs on commit messages, not files
+    entry: false
+    language: system
+    stages: [commit-msg]
+"""
+NO_PRINT = """\
+import sys
+
+found = [
+    f"{name}:{number}: print() call"
+    for name in sys.argv[1:]
+    for number, line in enumerate(open(name), 1)
+    if "print(" in line
+]
+print("\\n".join(found))
+sys.exit(1 if found else 0)
+"""
+
+
+def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(project):
+    write_files(
+        project.upstream,
+        {
+            ".pre-commit-config.yaml": PRECOMMIT_CONFIG,
+            "tools/pre_commit/check_no_print.py": NO_PRINT,
+        },
+    )
+    sh(project.upstream, "git", "add", "-A")
+    sh(project.upstream, "git", "commit", "-q", "-m", "hooks")
+    sh(project.upstream, "git", "tag", "-f", "v1")
+    sh(project.scratch, "git", "pull", "-q", "--tags", "--force")
+    project.add_stage(
+        "0001",
+        {"vllm/ops.py": ("    return 20\n", "    print(20)\n    return 20\n")},
+        title="[ROCm] Louder op",
+    )
+    apply(project.series())
+    prs = export_stages(project.series(), EXPORTER)
+    with pytest.raises(
+        SeriesError, match=r"pre-commit `no-print`: vllm/ops.py:\d+: print\(\) call"
+    ):
+        check_prs(project.series(), prs, sys.executable)
+    review = review_path(prs[0]).read_text()
+    assert "| pre-commit `no-print` | FAILED |" in review
+    assert "| `git am` | ok |" in review
+    assert "commit-msg-only" not in review  # not a hook of a commit's files

@@ -134,7 +134,8 @@ def test_the_bytecode_of_a_replaced_file_goes_with_it(installed_vllm, wanted):
     def compiled() -> Path:
         return Path(
             py_compile.compile(
-                str(source), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+                str(source),
+                invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
             )
         )
 
@@ -198,7 +199,9 @@ def _set_version(site: Path, wheel_site: Path, version: str) -> None:
 def test_another_vllm_is_refused(installed_vllm, wheel_site, wanted, tmp_path):
     site = installed_vllm
     _set_version(site, wheel_site, "0.33.0")
-    with pytest.raises(SeriesError, match=r"holds vLLM 0.33.0; .* pinned to vLLM 0.32.0"):
+    with pytest.raises(
+        SeriesError, match=r"holds vLLM 0.33.0; .* pinned to vLLM 0.32.0"
+    ):
         install(site, wanted["0003"])
     assert _not_as_shipped(site, wheel_site) == {}
     # A local build label (ROCm images add one) is the same release.

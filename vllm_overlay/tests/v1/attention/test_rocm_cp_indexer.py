@@ -246,7 +246,7 @@ def test_invalid_stripe_sizes_are_clear_errors_at_startup(cp_on, value):
 
 
 def test_a_bad_stripe_size_breaks_nothing_while_the_split_is_off(rocm_aiter):
-    """vLLM reads every env var after start-up (enable_envs_cache) and
+    """Every env var is read after start-up (vLLM's enable_envs_cache) and
     rocm_aiter_ops mirrors them at import: a bad value must not break vLLM
     with the feature off."""
     rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", "0")

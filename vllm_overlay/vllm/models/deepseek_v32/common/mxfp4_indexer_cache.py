@@ -26,15 +26,20 @@ from AITER's ``cache_format`` for the model's head count): a page's values,
 then its scales, both grouped in runs of ``n_per_tile`` tokens.
 """
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from vllm.triton_utils import tl, triton
-from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
-    MXFP4_BLOCK_SIZE,
-    RocmPagedMxfp4CacheLayout,
+from vllm.model_executor.layers.quantization.utils.ocp_mx_utils import (
+    OCP_MX_BLOCK_SIZE as MXFP4_BLOCK_SIZE,
 )
+from vllm.triton_utils import tl, triton
+
+if TYPE_CHECKING:
+    # ROCm's module: the NVIDIA model imports this one through kernels.py.
+    from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
+        RocmPagedMxfp4CacheLayout,
+    )
 
 
 def mxfp4_indexer_row_bytes(head_dim: int) -> int:
@@ -199,7 +204,7 @@ def mxfp4_index_q_store(index_q, values_ptr, scales_ptr, row, HEAD_DIM: tl.const
 
 
 def check_mxfp4_indexer_cache(
-    kv_cache: torch.Tensor, head_dim: int, layout: RocmPagedMxfp4CacheLayout
+    kv_cache: torch.Tensor, head_dim: int, layout: "RocmPagedMxfp4CacheLayout"
 ) -> None:
     """Raise ValueError unless ``kv_cache`` [pages, entries, row] can hold
     ``head_dim``-value MXFP4 keys in ``layout`` order."""

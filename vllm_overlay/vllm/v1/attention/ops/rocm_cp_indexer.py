@@ -82,7 +82,9 @@ def _check_ranks_agree(enabled: bool, stripe: int | str) -> None:
     torch.distributed.all_gather_object(
         settings, (enabled, stripe), group=group.cpu_group
     )
-    checked = [(ENABLE_ENV, [on for on, _ in settings])]
+    checked: list[tuple[str, list[bool | int | str]]] = [
+        (ENABLE_ENV, [on for on, _ in settings])
+    ]
     if all(on for on, _ in settings):
         checked.append((STRIPE_SIZE_ENV, [size for _, size in settings]))
     for name, values in checked:
