@@ -386,8 +386,9 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         if args.test_python:
             check_prs(series, prs, args.test_python)
             print(
-                f"each PR applies with `git am` on {series.base.label} and its "
-                "tests pass there with plain pytest"
+                f"each PR applies with `git am` on {series.base.label}, passes "
+                "its pre-commit and first-pass checks, and its tests pass there "
+                "with plain pytest (each PR's items: <patch>.review.md)"
             )
     elif args.command == "overview":
         print(stage_table(series))

@@ -12,6 +12,7 @@ patch (``<patch>.review.md``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -184,8 +185,10 @@ def review_path(pr: PullRequest) -> Path:
 def check_prs(series: Series, prs: Sequence[PullRequest], python: str) -> None:
     """Write each PR's first pass beside its patch; raise SeriesError naming
     every item that fails."""
-    if shutil.which(python) is None:
+    found = shutil.which(python)
+    if found is None:
         raise SeriesError(f"--test-python {python}: no such Python")
+    python = os.path.abspath(found)  # the checks run in other folders
     by_id = {pr.stage.id: pr for pr in prs}
     problems = []
     for pr in prs:
