@@ -104,10 +104,18 @@ def pr_description(
     subject, body, _ = _split_message(message)
     paragraphs = [p for p in body.split("\n\n") if p.strip()]
     overview = [paragraphs[0] if paragraphs else subject]
+    upstream = _upstream_line(stage)
+    if upstream:
+        overview.append(upstream)
     if needs is not None:
+        where = (
+            f"upstream as {needs.upstream_pr}"
+            if needs.upstream_status in ("open", "merged")
+            else "its PR is not opened yet"
+        )
         overview.append(
-            f"Depends on the PR of stage {needs.id} ({needs.title}; "
-            f"{needs.upstream_pr}), which must land first: this one applies on it."
+            f'Depends on "{needs.title}" ({where}), which must land first: '
+            "this change applies on it."
         )
     pinned = load_series(series.root / "patches" / "series.toml").base
     test_dir = series.tests_dir / stage.tests
@@ -127,7 +135,9 @@ def pr_description(
     sections = {
         "Overview": "\n\n".join(overview),
         "Claims": (
-            "Quoted from the PR texts this stage implements (MI355X, not "
+            claims
+            if claims and claims.startswith("Quoted from")
+            else "Quoted from the PR texts this change implements (MI355X, not "
             "measured here):\n\n" + claims
             if claims
             else "See Validation."
@@ -136,6 +146,22 @@ def pr_description(
         "Details": "\n\n".join(paragraphs[1:]) or "-",
     }
     return f"{subject}\n\n" + _fill_template(template or _FALLBACK_TEMPLATE, sections)
+
+
+def _upstream_line(stage: Stage) -> str | None:
+    """What upstream already has of this change, as series.toml records it."""
+    if stage.upstream_status == "merged":
+        return (
+            f"This is a backport: upstream merged this change as "
+            f"{stage.upstream_pr}. It is exported for a fork that stays on this "
+            "vLLM release, not to be opened upstream."
+        )
+    if stage.upstream_status == "open":
+        return (
+            f"Upstream PR {stage.upstream_pr} is open for the same feature; this "
+            "is the series' implementation of it on this release."
+        )
+    return None
 
 
 def _pr_tests_validation(series: Series, stage: Stage) -> str:

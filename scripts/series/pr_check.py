@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -178,6 +179,29 @@ def format_review(pr: PullRequest, items: list[Item]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_checks(description: str, base: str, items: list[Item]) -> str:
+    """The description with this export's own checks at the end of its
+    Validation: what a reviewer re-runs in a vLLM checkout, as it went."""
+    rows = "\n".join(
+        f"| {item.check} | {'passed' if item.ok else 'FAILED'} |" for item in items
+    )
+    block = (
+        f"Checked on a checkout of {base} as a maintainer takes the PR (`git am`, "
+        "then the tree's own pre-commit on the PR's files at the versions its "
+        "`.pre-commit-config.yaml` pins, the Buildkite steps that run its "
+        "tests, its imports, its tests with plain pytest):\n\n"
+        f"| check | result |\n|---|---|\n{rows}\n"
+    )
+    description = re.sub(
+        r"Not yet run on \S+ \(the DSA series' test command runs them on every "
+        r"stage tree\)\.",
+        "Run by this export's check, below.",
+        description,
+    )
+    head, marker, tail = description.partition("\n## Details")
+    return f"{head.rstrip()}\n\n{block}{marker}{tail}"
+
+
 def review_path(pr: PullRequest) -> Path:
     return pr.patch.with_name(f"{pr.patch.stem}.review.md")
 
@@ -194,6 +218,9 @@ def check_prs(series: Series, prs: Sequence[PullRequest], python: str) -> None:
     for pr in prs:
         items = check_pr(series, pr, by_id, python)
         review_path(pr).write_text(format_review(pr, items))
+        pr.description.write_text(
+            with_checks(pr.description.read_text(), series.base.label, items)
+        )
         problems += [
             f"PR of stage {pr.stage.id}: {item.check}: {item.detail}"
             for item in items

@@ -78,7 +78,7 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
     assert "<!-- Summarize. -->" not in text
     assert "on vllm-git-v1 (where each row" in text
     assert text.rstrip().endswith("<details>checklist</details>")
-    assert "Depends on the PR of stage 0001 (Striped indexer" in (
+    assert 'Depends on "Striped indexer" (its PR is not opened yet)' in (
         second.description.read_text()
     )
     repo = two_stages.root / "build" / "vllm-git-v1"
@@ -276,6 +276,11 @@ def test_the_maintainers_check_passes_a_good_pr(project: Project):
     assert (
         git_out(project.root / "build/vllm-git-v1", "worktree", "list").count("\n") == 0
     ), "the check's checkouts are removed"
+    # The description states this export's own checks, not "not yet run".
+    text = prs[0].description.read_text()
+    assert "Not yet run" not in text
+    assert "| its tests with plain pytest (tests/test_envs.py) | passed |" in text
+    assert text.index("| `git am` | passed |") < text.index("## Details")
 
 
 def test_the_maintainers_check_names_a_failing_pr_test(project: Project):
@@ -363,3 +368,25 @@ def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(project):
     assert "| pre-commit `no-print` | FAILED |" in review
     assert "| `git am` | ok |" in review
     assert "commit-msg-only" not in review  # not a hook of a commit's files
+
+
+def test_the_description_says_what_upstream_already_has(two_stages: Project):
+    """A merged change is exported as a backport (not to open upstream), an
+    open one names its upstream PR, and a dependency says where it stands."""
+    text = two_stages.series_file.read_text()
+    text = text.replace(
+        'tests = "stage_0001"\n',
+        'tests = "stage_0001"\nupstream = { pr = "org/vllm#7", status = "open" }\n',
+    ).replace(
+        'tests = "stage_0002"\n',
+        'tests = "stage_0002"\nupstream = { pr = "org/vllm#9", status = "merged" }\n',
+    )
+    two_stages.series_file.write_text(text)
+    apply(two_stages.series())
+    first, second = export_stages(two_stages.series(), EXPORTER)
+    one, two = first.description.read_text(), second.description.read_text()
+    assert "Upstream PR org/vllm#7 is open for the same feature" in one
+    assert "backport" not in one
+    assert "This is a backport: upstream merged this change as org/vllm#9" in two
+    assert "not to be opened upstream" in two
+    assert 'Depends on "Striped indexer" (upstream as org/vllm#7)' in two
