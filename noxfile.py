@@ -10,6 +10,8 @@ nox -s lint               pre-commit on every file
 nox -s check-patches      committed patches == a fresh export
 nox -s refresh | status   write patches/ from the tree | show the tree
 nox -s rebase -- TARGET   rebase the stages onto a newer vLLM (see README)
+nox -s refresh-reviews    rebase each review under patches/next/ again
+                          after a stage change
 nox -s rebased            apply and test each rebased series under review
                           (patches/next/<target>/) on its target
 nox -s export [-- STAGE]  each stage as an upstream PR (build/export/<base>/)
@@ -171,6 +173,16 @@ def rebase(session: nox.Session) -> None:
     _install_cpu_deps(session)
     python = str(Path(session.virtualenv.location) / "bin" / "python")
     _series(session, "rebase", "--test-python", python, *session.posargs)
+
+
+@nox.session(name="refresh-reviews")
+def refresh_reviews(session: nox.Session) -> None:
+    """After a stage change: rebase again onto each target under
+    patches/next/ whose review is older than patches/ (resolutions replay)."""
+    _series(session, "apply")
+    _install_cpu_deps(session)
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    _series(session, "rebase", "--refresh", "--test-python", python)
 
 
 @nox.session

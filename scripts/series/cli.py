@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,7 +31,13 @@ from scripts.series.export import export_stages, exporter_identity
 from scripts.series.fetch import fetch_sdist
 from scripts.series.git import is_repo
 from scripts.series.install import install, stage_files
-from scripts.series.layout import INSTALL_RECORD_DIR, results_dir, workdir
+from scripts.series.layout import (
+    INSTALL_RECORD_DIR,
+    NEXT_DIR,
+    results_dir,
+    review_dir,
+    workdir,
+)
 from scripts.series.lock import project_lock
 from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.pr_check import check_prs
@@ -177,11 +184,19 @@ def _parser() -> argparse.ArgumentParser:
         description="Targets: --version V --sha256 H (a release's PyPI sdist) or "
         "--git PATH --rev REV (a local checkout). Then --continue after "
         "resolving conflicts, --abort to drop it, --accept to adopt the "
-        "reviewed series.",
+        "reviewed series, --refresh to rebase each review again after a "
+        "stage change.",
     )
     action = reb.add_mutually_exclusive_group()
     action.add_argument("--continue", dest="resume", action="store_true")
     action.add_argument("--abort", action="store_true")
+    action.add_argument(
+        "--refresh",
+        action="store_true",
+        help="rebase again onto each target under patches/next/ whose review "
+        "is older than patches/ (after a stage change; recorded resolutions "
+        "replay)",
+    )
     action.add_argument(
         "--accept",
         nargs="?",
@@ -218,6 +233,8 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
         review.accept(series, args.accept or None)
     elif args.resume:
         rebase.resume(series, **options)
+    elif args.refresh:
+        _refresh_reviews(series, options)
     else:
         name = series.base.name
         target: Base
@@ -231,6 +248,28 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
             )
         rebase.start(series, target, **options)
     return 0
+
+
+def _refresh_reviews(series: Series, options: dict) -> None:
+    """Each review under patches/next/ made from an older patches/, rebased
+    again onto its own target; one that stops on a conflict stops here."""
+    folders = sorted(
+        p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
+    )
+    if not folders:
+        print("no rebased series under review (patches/next/)")
+    for folder in folders:
+        if review.review_is_current(series, folder):
+            print(f"{folder.name}: up to date with patches/")
+            continue
+        target = review.load_review(folder).base
+        print(f"{folder.name}: rebasing again onto {target.label}")
+        rebase.start(series, target, **options)
+        # A git target is recorded by its commit: keep the review's own name.
+        written = review_dir(series, target)
+        if written != folder:
+            shutil.rmtree(folder)
+            written.rename(folder)
 
 
 def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:

@@ -271,8 +271,9 @@ def check_review_is_current(series: Series) -> None:
     if not review_is_current(load_review(project_dir), series.patches_dir):
         raise SeriesError(
             f"{series.patches_dir} was rebased from an older version of "
-            "patches/; rebase again (nox -s rebase -- ...): the recorded "
-            "conflict resolutions are replayed"
+            "patches/; rebase it again with `nox -s refresh-reviews` (every "
+            "review under patches/next/; the recorded conflict resolutions "
+            "replay)"
         )
 
 

@@ -177,7 +177,17 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
         stale = _cli(two_stages, "--series", str(review), verb)
         assert stale.returncode == 1
         assert "was rebased from an older version of patches/" in stale.stderr
+        assert "nox -s refresh-reviews" in stale.stderr
+    # One command brings every review up to date, onto its own target.
+    refreshed = _cli(two_stages, "rebase", "--refresh")
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert "vllm-git-main: rebasing again onto" in refreshed.stdout, refreshed.stdout
+    assert [p.name for p in review.parent.parent.iterdir()] == ["vllm-git-main"]
+    assert _cli(two_stages, "--series", str(review), "apply").returncode == 0
+    again = _cli(two_stages, "rebase", "--refresh")
+    assert "vllm-git-main: up to date with patches/" in again.stdout
     two_stages.series_file.write_text(series_text)
+    assert _cli(two_stages, "rebase", "--refresh").returncode == 0
     assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
     accepted = _cli(two_stages, "rebase", "--accept")
     assert accepted.returncode == 0, accepted.stderr
