@@ -410,10 +410,10 @@ def _load(path: Path) -> dict | None:
 
 def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:
     if want is None or want.stage == "base":
-        return f"undone: {len(changed)} files restored as vLLM shipped them"
+        return f"undone: {len(changed)} files back as vLLM shipped them"
     return (
-        f"installed up to stage {want.stage}: {len(changed)} files written "
-        f"({len(want.files)} of the package's files carry the series)"
+        f"installed up to stage {want.stage}: {len(changed)} files changed; "
+        f"{len(want.files)} of the package's files now carry the series"
     )
 
 
