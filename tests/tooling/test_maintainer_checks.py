@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The layering check of a maintainer's first pass: a module-level import of a
+ROCm-only module that a PR adds to a platform-neutral file is reported; the
+same import inside a function or under TYPE_CHECKING, one the base already
+had, and one in a ROCm file are not; vllm/config/ may not gain vllm.v1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scripts.series.maintainer_checks import layering
+from tests.tooling.conftest import sh, write_files
+
+BASE = {
+    "vllm/v1/indexer.py": "import torch\nfrom vllm.v1.attention.ops.rocm_old import a\n",
+    "vllm/config/vllm.py": "import os\n",
+    "vllm/v1/ops/rocm_new.py": "import os\n",
+}
+
+
+def _tree(tmp_path: Path, changed: dict[str, str]) -> tuple[Path, list[str]]:
+    write_files(tmp_path, BASE)
+    sh(tmp_path, "git", "init", "-q")
+    sh(tmp_path, "git", "add", "-A")
+    sh(tmp_path, "git", "commit", "-q", "-m", "base")
+    write_files(tmp_path, changed)
+    return tmp_path, sorted(changed)
+
+
+def test_an_added_module_level_rocm_import_is_reported(tmp_path):
+    tree, files = _tree(
+        tmp_path,
+        {
+            "vllm/v1/indexer.py": BASE["vllm/v1/indexer.py"]
+            + "from vllm.v1.attention.ops.rocm_cp import plan\n"
+            + "from vllm.v1.attention.ops.sparse_utils import bounds\n",
+            "vllm/config/vllm.py": "import os\nfrom vllm.v1.attention.backends import x\n",
+        },
+    )
+    results = {r["check"]: r for r in layering(tree, "HEAD", files)}
+    indexer = results["imports of vllm/v1/indexer.py"]
+    assert not indexer["ok"]
+    assert indexer["detail"].endswith("vllm.v1.attention.ops.rocm_cp.plan")
+    assert "rocm_old" not in indexer["detail"]  # the base had it
+    assert "sparse_utils" not in indexer["detail"]
+    assert (
+        "vllm.v1.attention.backends.x"
+        in results["imports of vllm/config/vllm.py"]["detail"]
+    )
+
+
+def test_lazy_imports_and_rocm_files_pass(tmp_path):
+    tree, files = _tree(
+        tmp_path,
+        {
+            "vllm/v1/indexer.py": BASE["vllm/v1/indexer.py"]
+            + "from typing import TYPE_CHECKING\n"
+            + "if TYPE_CHECKING:\n    from vllm.v1.attention.ops.rocm_cp import Split\n"
+            + "def build():\n    from vllm.v1.attention.ops.rocm_cp import plan\n"
+            + "    return plan\n",
+            "vllm/v1/ops/rocm_new.py": "import aiter\n",
+        },
+    )
+    assert [r["ok"] for r in layering(tree, "HEAD", files)] == [True]
