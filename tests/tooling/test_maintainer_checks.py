@@ -12,7 +12,7 @@ from scripts.series.maintainer_checks import layering
 from tests.tooling.conftest import sh, write_files
 
 BASE = {
-    "vllm/v1/indexer.py": "import torch\nfrom vllm.v1.attention.ops.rocm_old import a\n",
+    "vllm/v1/indexer.py": "import torch\nfrom vllm.v1.ops.rocm_old import a\n",
     "vllm/config/vllm.py": "import os\n",
     "vllm/v1/ops/rocm_new.py": "import os\n",
 }
@@ -32,21 +32,18 @@ def test_an_added_module_level_rocm_import_is_reported(tmp_path):
         tmp_path,
         {
             "vllm/v1/indexer.py": BASE["vllm/v1/indexer.py"]
-            + "from vllm.v1.attention.ops.rocm_cp import plan\n"
-            + "from vllm.v1.attention.ops.sparse_utils import bounds\n",
-            "vllm/config/vllm.py": "import os\nfrom vllm.v1.attention.backends import x\n",
+            + "from vllm.v1.ops.rocm_cp import plan\n"
+            + "from vllm.v1.ops.sparse_utils import bounds\n",
+            "vllm/config/vllm.py": "import os\nfrom vllm.v1.backends import x\n",
         },
     )
     results = {r["check"]: r for r in layering(tree, "HEAD", files)}
     indexer = results["imports of vllm/v1/indexer.py"]
     assert not indexer["ok"]
-    assert indexer["detail"].endswith("vllm.v1.attention.ops.rocm_cp.plan")
+    assert indexer["detail"].endswith("vllm.v1.ops.rocm_cp.plan")
     assert "rocm_old" not in indexer["detail"]  # the base had it
     assert "sparse_utils" not in indexer["detail"]
-    assert (
-        "vllm.v1.attention.backends.x"
-        in results["imports of vllm/config/vllm.py"]["detail"]
-    )
+    assert "vllm.v1.backends.x" in results["imports of vllm/config/vllm.py"]["detail"]
 
 
 def test_lazy_imports_and_rocm_files_pass(tmp_path):
@@ -55,8 +52,8 @@ def test_lazy_imports_and_rocm_files_pass(tmp_path):
         {
             "vllm/v1/indexer.py": BASE["vllm/v1/indexer.py"]
             + "from typing import TYPE_CHECKING\n"
-            + "if TYPE_CHECKING:\n    from vllm.v1.attention.ops.rocm_cp import Split\n"
-            + "def build():\n    from vllm.v1.attention.ops.rocm_cp import plan\n"
+            + "if TYPE_CHECKING:\n    from vllm.v1.ops.rocm_cp import Split\n"
+            + "def build():\n    from vllm.v1.ops.rocm_cp import plan\n"
             + "    return plan\n",
             "vllm/v1/ops/rocm_new.py": "import aiter\n",
         },
