@@ -69,21 +69,42 @@ _SERIES_ONLY = re.compile(
 
 
 def _doc_section(series: Series, stage: Stage, heading: str) -> str | None:
-    """A ``## <heading>...`` section of docs/stage_<id>.md, if it has one."""
+    """A ``## <heading>...`` section of docs/stage_<id>.md, as a reader of
+    the PR sees it: links between the series' docs (which do not resolve in
+    a PR) become their text, and the series' own paths and commands plain
+    text (they do not work in a vLLM checkout)."""
     doc = series.root / "docs" / f"stage_{stage.id}.md"
     if not doc.exists():
         return None
-    # Links between the series' docs do not resolve in a PR: name the file.
-    text = re.sub(
-        r"\[([^\]]+)\]\(([^)\s]+\.md)\)",
-        r"\1 (docs/\2 in the DSA series repository)",
-        doc.read_text(encoding="utf-8"),
-    )
-    # Commands in a PR must work in a vLLM checkout: the series' own paths
-    # and commands stay as plain text, named as the series'.
-    text = _SERIES_ONLY.sub(r"\1 (DSA series)", text)
+    text = re.sub(r"\[([^\]]+)\]\(([^)\s]+\.md)\)", r"\1", doc.read_text("utf-8"))
     found = re.search(rf"^## {heading}[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    return found.group(1).strip() if found else None
+    if not found:
+        return None
+    return _SERIES_ONLY.sub(r"\1", _without_where(found.group(1), stage)).strip()
+
+
+def _without_where(section: str, stage: Stage) -> str:
+    """``section`` with its tables' ``where`` column dropped (it names the
+    series' test files and scripts); a row whose ``where`` names one of the
+    PR's own test files says so in its first cell."""
+    lines, where = [], None
+    for line in section.splitlines():
+        cells = line.strip().strip("|").split("|") if line.startswith("|") else None
+        if cells is None:
+            where = None
+        elif where is None:
+            names = [cell.strip() for cell in cells]
+            where = names.index("where") if "where" in names else -1
+        if cells is None or where < 0 or where >= len(cells):
+            lines.append(line)
+            continue
+        cells = [cell.strip() for cell in cells]
+        place = cells.pop(where)
+        own = [path for path in stage.vllm_tests if path in place]
+        if own:
+            cells[0] += " (this PR's " + ", ".join(f"`{p}`" for p in own) + ")"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # The sections vLLM's template has asked for since 0.32.0; used as they are
@@ -118,18 +139,12 @@ def pr_description(
             "this change applies on it."
         )
     pinned = load_series(series.root / "patches" / "series.toml").base
-    test_dir = series.tests_dir / stage.tests
-    tests = (
-        sorted(p.name for p in test_dir.glob("test_*.py")) if test_dir.is_dir() else []
-    )
     validation = [
         _pr_tests_validation(series, stage),
-        f"Measured with the DSA patch series on {pinned.label} (where each row "
-        "says: CPU, NVIDIA H200); nothing here ran on AMD hardware.",
+        "Beyond this PR's tests: measured outside vLLM's tree on "
+        f"{pinned.label}, with the test harnesses and benchmarks of the patch "
+        f"series this change comes from (validated on: {stage.validated_on}).",
         _doc_section(series, stage, "Results") or "No recorded results yet.",
-        f"The series' tests of this change (tests/{stage.tests}/ in the DSA series "
-        "repository, not part of this PR; they drive the stages together, "
-        "across ranks and on GPUs): " + (", ".join(tests) or "none"),
     ]
     claims = _doc_section(series, stage, "Figures from")
     sections = {

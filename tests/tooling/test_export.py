@@ -67,16 +67,17 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
     first, second = export_stages(two_stages.series(), EXPORTER)
     text = first.description.read_text()
     assert text.startswith("Striped indexer\n\n<!-- markdownlint-disable -->")
-    # Commands work in a vLLM checkout: the series' own stay plain text.
-    assert "| tests/stage_0001/t.py (DSA series), nox -s apply-and-test (DSA" in text
-    assert "`tests/v1/test_x.py`" in text
-    assert "the bench (docs/bench.md in the DSA series repository)" in text
+    # A reader of the PR gets what was checked and how it went; the series'
+    # own files and commands (the `where` column) and links stay out.
+    assert "| what |\n| --- |\n| gloo |\n| kernel |\n\nSee the bench." in text
+    assert "tests/stage_0001" not in text and "DSA series" not in text
+    assert "bench.md" not in text
     assert "not in the PR" not in text
     assert "This PR adds no tests to vLLM's tests/." in text
     assert "`nox" not in text and "`tests/stage" not in text
     assert "## Overview\n\nWhy this stage exists.\n\n## Claims" in text
     assert "<!-- Summarize. -->" not in text
-    assert "on vllm-git-v1 (where each row" in text
+    assert "measured outside vLLM's tree on vllm-git-v1" in text
     assert text.rstrip().endswith("<details>checklist</details>")
     assert 'Depends on "Striped indexer" (its PR is not opened yet)' in (
         second.description.read_text()
@@ -95,6 +96,24 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
     patch = first.patch.read_text()
     assert "Subject: Striped indexer" in patch
     assert "vllm/cp_indexer.py" in patch  # folded in, unlike patches/
+
+
+def test_a_results_row_names_the_prs_own_test_instead_of_the_series_files():
+    from types import SimpleNamespace
+
+    from scripts.series.export import _without_where
+
+    stage = SimpleNamespace(vllm_tests=["tests/v1/test_x.py"])
+    section = (
+        "Intro.\n\n| what | where | result |\n|---|---|---|\n"
+        "| merge | `tests/v1/test_x.py` (this stage's PR test) | passes |\n"
+        "| gloo | `tests/stage_0001/` | all pass |\n\nAfter."
+    )
+    assert _without_where(section, stage) == (
+        "Intro.\n\n| what | result |\n| --- | --- |\n"
+        "| merge (this PR's `tests/v1/test_x.py`) | passes |\n"
+        "| gloo | all pass |\n\nAfter."
+    )
 
 
 def test_a_stage_without_dependencies_applies_alone(project: Project):

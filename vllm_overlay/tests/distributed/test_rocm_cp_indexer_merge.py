@@ -1,102 +1,303 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The merge of the context-parallel ROCm DSA indexer prefill: each TP rank
-scores only its own prefill rows, and one all_reduce(MAX) over the TP group
-gives every rank every row. Runs with gloo ranks on any machine, and over
-two GPUs on ROCm."""
+"""The context-parallel ROCm DSA indexer prefill, end to end: vLLM's indexer
+metadata builder plans the step, ``rocm_aiter_sparse_attn_indexer`` scores
+it on every TP rank, and with VLLM_ROCM_USE_AITER_CP_INDEXER=1 each rank
+scores only its own prefill rows and the merge gives every rank every row:
+the same top-k set per row as with the flag off.
 
+Runs on gloo ranks on a CPU (the Triton kernels through TRITON_INTERPRET=1)
+and over two GPUs on ROCm with AITER. On a CPU, what it lacks is stood in:
+the ROCm platform check, AITER's prefill logits kernel (by vLLM's own torch
+reference, ``fp8_mqa_logits_torch``) and ``_C.top_k_per_row_prefill`` (a
+torch top-k with the kernel's contract: indices relative to the row's start,
+-1 past a short row, output order unspecified, here shuffled differently on
+each rank and call, so that a row merged from two ranks' copies shows up).
+"""
+
+import os
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import (
-    destroy_distributed_environment,
-    destroy_model_parallel,
-    ensure_model_parallel_initialized,
-    init_distributed_environment,
-)
 from vllm.platforms import current_platform
-from vllm.v1.attention.ops.rocm_cp_indexer import (
-    CPIndexerPrefill,
-    plan_cp_indexer_split,
-)
 
 TOPK = 16
-# Decode rows first, then prefill chunks (rows each): a short chunk between
-# long ones, and a 1-row tail, as the chunker makes them.
-DECODE_ROWS, CHUNK_ROWS, PADDING_ROWS = 3, [40, 2, 57, 1], 4
+HEADS, HEAD_DIM, PAGE = 4, 128, 64
+MAX_MODEL_LEN = 1024
+LAYER = "model.layers.0.self_attn.indexer.k_cache"
+# Prefill requests as (cached tokens, new tokens): fresh prompts, new turns
+# over cached prefixes, a request shorter than TOPK; then CUDA-graph padding.
+REQUESTS = [(0, 40), (25, 20), (9, 3), (60, 30)]
+PADDING_ROWS = 5
+STRIPE = 4
+# Logits per prefill chunk, so that this batch makes several chunks.
+CHUNK_LOGITS = 2048
 
 
-def _merge_worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
-    """One TP rank: score only its own rows of each chunk, then merge. Each
-    rank writes its rows' top-k in its own order (the kernels emit in atomic
-    order), so the merge is only right if every row has one writer."""
+def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    """The ROCm platform with AITER, on a CPU."""
+    import vllm._aiter_ops as aiter_ops
+    import vllm.v1.attention.backends.mla.indexer as indexer
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+
+    monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
+    monkeypatch.setattr(aiter_ops, "is_aiter_found_and_supported", lambda: True)
+    monkeypatch.setattr(indexer, "num_compute_units", lambda device_index: 256)
+    monkeypatch.setattr(op, "rocm_fp8_mqa_logits", op.fp8_mqa_logits_torch)
+    # The workspace frees the accelerator's cache when it grows; a CPU has none.
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    calls = iter(range(1 << 30))
+
+    def top_k_per_row_prefill(logits, starts, ends, out, rows, s0, s1, k):
+        cols = torch.arange(logits.shape[1])
+        valid = (cols >= starts[:rows, None]) & (cols < ends[:rows, None])
+        keyed = logits[:rows].double().masked_fill(~valid, float("-inf"))
+        top = keyed.topk(min(k, keyed.shape[1]), dim=1)
+        picked = torch.where(top.values > float("-inf"), top.indices, -1)
+        gen = torch.Generator().manual_seed(1000 * rank + next(calls))
+        order = torch.rand(picked.shape, generator=gen).argsort(dim=1)
+        shuffled = picked.gather(1, order)
+        # Valid indices first, relative to the row's start; then -1.
+        shuffled = shuffled.gather(1, (shuffled < 0).int().argsort(dim=1, stable=True))
+        relative = torch.where(shuffled >= 0, shuffled - starts[:rows, None], -1)
+        out[:rows].fill_(-1)
+        out[:rows, : relative.shape[1]] = relative.int()
+
+    if not hasattr(torch.ops._C, "top_k_per_row_prefill"):
+        library = torch.library.Library("_C", "FRAGMENT")
+        library.define(
+            "top_k_per_row_prefill(Tensor logits, Tensor rowStarts, Tensor rowEnds, "
+            "Tensor! indices, int numRows, int stride0, int stride1, int topK) -> ()"
+        )
+        library.impl("top_k_per_row_prefill", top_k_per_row_prefill, "CPU")
+        _LIBRARIES.append(library)
+
+
+_LIBRARIES: list = []
+
+
+def _vllm_config(world_size: int, device: torch.device):
+    from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
+    config = VllmConfig(
+        device_config=DeviceConfig(device=device.type),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=512,
+            max_num_seqs=8,
+            max_model_len=MAX_MODEL_LEN,
+            is_encoder_decoder=False,
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=world_size),
+    )
+    return config
+
+
+def _batch(device: torch.device):
+    """The step's inputs, the same on every rank: a paged FP8 K cache holding
+    each request's cached tokens, the new tokens' keys, queries and weights,
+    and vLLM's CommonAttentionMetadata for it."""
+    from vllm.v1.attention.backends.utils import CommonAttentionMetadata
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
+        FP8_DTYPE,
+        indexer_k_quant_and_cache_triton,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    pages = [-(-(c + q) // PAGE) for c, q in REQUESTS]
+    kv_cache = torch.zeros(sum(pages), PAGE, HEAD_DIM + 4, dtype=torch.uint8)
+    kv_cache = kv_cache.to(device)
+    block_table = torch.zeros(len(REQUESTS), MAX_MODEL_LEN // PAGE, dtype=torch.int32)
+    for req, first in enumerate(torch.tensor([0, *pages]).cumsum(0)[:-1].tolist()):
+        block_table[req, : pages[req]] = torch.arange(first, first + pages[req])
+
+    def slots(req: int, positions: torch.Tensor) -> torch.Tensor:
+        return block_table[req, positions // PAGE].long() * PAGE + positions % PAGE
+
+    new_slots = []
+    for req, (cached, new) in enumerate(REQUESTS):
+        if cached:
+            keys = torch.randn(cached, HEAD_DIM, generator=gen).bfloat16()
+            indexer_k_quant_and_cache_triton(
+                keys.to(device),
+                kv_cache,
+                slots(req, torch.arange(cached)).to(device),
+                128,
+                "ue8m0",
+            )
+        new_slots.append(slots(req, torch.arange(cached, cached + new)))
+    tokens = sum(new for _, new in REQUESTS)
+    rows = tokens + PADDING_ROWS
+    query_lens = torch.tensor([new for _, new in REQUESTS], dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in REQUESTS], dtype=torch.int32)
+    query_start = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)).int()
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start.to(device),
+        query_start_loc_cpu=query_start,
+        seq_lens=seq_lens.to(device),
+        num_reqs=len(REQUESTS),
+        num_actual_tokens=tokens,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table.to(device),
+        slot_mapping=torch.cat(new_slots).to(device),
+        seq_lens_cpu_upper_bound=seq_lens,
+    )
+    inputs = SimpleNamespace(
+        kv_cache=kv_cache,
+        q_fp8=torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(FP8_DTYPE),
+        k=torch.randn(rows, HEAD_DIM, generator=gen).bfloat16(),
+        weights=torch.randn(rows, HEADS, generator=gen),
+    )
+    for name, value in vars(inputs).items():
+        setattr(inputs, name, value.to(device))
+    return common, inputs, tokens
+
+
+def _run_step(config, device, common, inputs, cp: bool) -> tuple[torch.Tensor, int]:
+    """Build the step's metadata with the flag ``cp`` and run the real op;
+    the top-k buffer, and how many rows this rank scored."""
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerMetadataBuilder,
+        get_max_prefill_buffer_size,
+    )
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER"] = "1" if cp else "0"
+    rocm_aiter_ops.refresh_env_variables()
+    spec = MLAAttentionSpec(
+        block_size=PAGE, num_kv_heads=1, head_size=HEAD_DIM + 4, dtype=torch.uint8
+    )
+    with set_current_vllm_config(config):
+        builder = DeepseekV32IndexerMetadataBuilder(
+            spec, [LAYER], config, device, block_table_width=MAX_MODEL_LEN // PAGE
+        )
+    metadata = builder.build(0, common)
+    assert len(metadata.prefill.chunks) >= 3, "the batch should make several chunks"
+
+    scored = []
+    logits = op.rocm_fp8_mqa_logits
+
+    def counting_logits(q, *args):
+        scored.append(q.shape[0])
+        return logits(q, *args)
+
+    rows = inputs.q_fp8.shape[0]
+    buffer = torch.full((rows, TOPK), 7777, dtype=torch.int32, device=device)
+    context = create_forward_context({LAYER: metadata}, config)
+    with override_forward_context(context), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(op, "rocm_fp8_mqa_logits", counting_logits)
+        op.rocm_aiter_sparse_attn_indexer(
+            torch.zeros(rows, 8, device=device),
+            LAYER,
+            inputs.kv_cache.clone(),
+            inputs.q_fp8,
+            inputs.k,
+            inputs.weights,
+            128,
+            "ue8m0",
+            TOPK,
+            HEAD_DIM,
+            MAX_MODEL_LEN,
+            get_max_prefill_buffer_size(config),
+            buffer,
+        )
+    return buffer.cpu(), sum(scored)
+
+
+def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
+    import vllm.envs as envs
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+    from vllm.v1.worker import workspace
+
     device = torch.device(device_kind, rank if device_kind != "cpu" else None)
-    if device.type != "cpu":
+    monkeypatch = pytest.MonkeyPatch()
+    if device.type == "cpu":
+        _stand_in_for_rocm(monkeypatch, rank)
+    else:
         torch.accelerator.set_device_index(device)
-    # On the CPU, whatever platform vLLM was built for: gloo.
+    os.environ["VLLM_ROCM_USE_AITER"] = "1"
+    os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"] = str(STRIPE)
+    # Chunk prefills at CHUNK_LOGITS fp32 logits (vLLM counts MiB).
+    monkeypatch.setattr(
+        envs,
+        "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB",
+        Fraction(4 * CHUNK_LOGITS, 1 << 20),
+        raising=False,
+    )
     backend = "gloo" if device.type == "cpu" else current_platform.dist_backend
-    config = VllmConfig(device_config=DeviceConfig(device=device.type))
+    config = _vllm_config(world_size, device)
     with set_current_vllm_config(config):
         init_distributed_environment(
             world_size, rank, f"tcp://localhost:{port}", rank, backend=backend
         )
         ensure_model_parallel_initialized(world_size, 1)
-    prefill_rows = sum(CHUNK_ROWS)
-    split = plan_cp_indexer_split(4, world_size, DECODE_ROWS, prefill_rows, CHUNK_ROWS)
-    assert split is not None
-    total = DECODE_ROWS + prefill_rows + PADDING_ROWS
-    # Every rank holds the same logits (same seed), as in the indexer.
-    logits = torch.randn(total, 64, generator=torch.Generator().manual_seed(0))
-    expected = logits.topk(TOPK, dim=1).indices.sort(dim=1).values.int()
-    buffer = torch.full((total, TOPK), -1, dtype=torch.int32)
-    buffer[:DECODE_ROWS] = expected[:DECODE_ROWS]  # decode: replicated
-    buffer = buffer.to(device)
-    prefill = CPIndexerPrefill(split, has_candidate_blocks=False)
-    start = DECODE_ROWS
-    for rows in CHUNK_ROWS:
-        chunk = SimpleNamespace(token_start=start, token_end=start + rows)
-        mine = prefill.rows(chunk)
-        if not mine.empty:
-            scored = mine.of_batch(logits).topk(TOPK, dim=1).indices.int()
-            order = torch.randperm(TOPK, generator=torch.Generator().manual_seed(rank))
-            out = mine.topk_out(buffer, TOPK)
-            out.copy_(scored[:, order].to(device))
-            mine.store(buffer, out)
-        start += rows
-    prefill.merge(buffer)
-    merged = buffer.cpu()
+    # The builder reads only max_model_len from the model config; a real
+    # ModelConfig needs a checkpoint.
+    model = SimpleNamespace(max_model_len=MAX_MODEL_LEN)
+    object.__setattr__(config, "model_config", model)
+    # What VllmConfig sets for a sparse MLA model.
+    config.attention_config.sparse_mla_prefill_workspace_factor = 5
+    workspace.init_workspace_manager(device)
+    common, inputs, tokens = _batch(device)
+
+    replicated, all_rows = _run_step(config, device, common, inputs, cp=False)
+    split, own_rows = _run_step(config, device, common, inputs, cp=True)
+    counts = [0] * world_size
+    torch.distributed.all_gather_object(counts, own_rows)
     destroy_model_parallel()
     destroy_distributed_environment()
-    stop = DECODE_ROWS + prefill_rows
-    assert torch.equal(merged[:stop].sort(dim=1).values, expected[:stop]), rank
-    assert merged[stop:].eq(-1).all(), "padding rows are left alone"
+    monkeypatch.undo()
+
+    assert all_rows == tokens, "with the flag off every rank scores every row"
+    assert sum(counts) == tokens and max(counts) < tokens, (
+        f"rows scored per rank: {counts}; each row once, by one rank"
+    )
+    # The same top-k set per row; each index once (a row merged from two
+    # ranks' copies would hold duplicates, or the MAX of two orders).
+    for row in range(tokens):
+        want = replicated[row][replicated[row] >= 0]
+        got = split[row][split[row] >= 0]
+        assert got.numel() == got.unique().numel(), f"rank {rank} row {row}"
+        assert torch.equal(got.sort().values, want.sort().values), (
+            f"rank {rank} row {row}: {got.sort().values} != {want.sort().values}"
+        )
+    assert torch.equal(split[tokens:], replicated[tokens:]), "padding rows"
 
 
-def _run_merge(world_size: int, device_kind: str) -> None:
+def _run(world_size: int, device_kind: str) -> None:
     from vllm.utils.network_utils import get_open_port
 
     torch.multiprocessing.spawn(
-        _merge_worker,
-        args=(world_size, get_open_port(), device_kind),
-        nprocs=world_size,
+        _worker, args=(world_size, get_open_port(), device_kind), nprocs=world_size
     )
 
 
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
-@pytest.mark.parametrize("world_size", [3])
-def test_the_merge_gives_every_rank_every_row_on_cpu(world_size):
-    """all_reduce(MAX) over the TP group (gloo on the CPU platform)."""
-    _run_merge(world_size, "cpu")
+def test_split_prefill_equals_the_replicated_one_on_cpu(monkeypatch):
+    """Three gloo ranks (an odd count: stripes do not divide evenly)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs vLLM's Triton kernels on a CPU: needs TRITON_INTERPRET=1")
+    _run(3, "cpu")
 
 
 @pytest.mark.skipif(
     not current_platform.is_rocm() or torch.accelerator.device_count() < 2,
     reason="ROCm-only, needs 2 GPUs",
 )
-def test_the_merge_gives_every_rank_every_row_on_gpus():
-    """The same over the TP device group of two GPUs (RCCL)."""
-    _run_merge(2, "cuda")
+def test_split_prefill_equals_the_replicated_one_on_gpus():
+    """The same over the TP device group of two GPUs (RCCL), with AITER."""
+    _run(2, "cuda")

@@ -5,8 +5,8 @@ scores each prefill row, when a batch splits, and the start-up settings.
 
 The split is host-side planning, so these run on any machine; the ROCm
 platform and AITER switches are patched the way vLLM's other ROCm policy
-tests patch them. The merge over a TP group is tested in
-tests/distributed/test_rocm_cp_indexer_merge.py.
+tests patch them. The real op over a TP group, split and merged against the
+flag off, is tested in tests/distributed/test_rocm_cp_indexer_merge.py.
 """
 
 from types import SimpleNamespace

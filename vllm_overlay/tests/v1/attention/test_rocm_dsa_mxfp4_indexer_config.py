@@ -21,11 +21,13 @@ import vllm._aiter_ops as aiter_ops
 from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import AttentionConfig
 from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
+    LayerMxfp4CacheLayout,
     check_mxfp4_indexer_cache,
     mxfp4_indexer_row_bytes,
 )
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+from vllm.v1.attention.ops import rocm_paged_mxfp4_indexer
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import RocmPagedMxfp4CacheLayout
 
 HEAD_DIM = 128
@@ -183,6 +185,30 @@ def test_head_dim_errors():
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         check_mxfp4_indexer_cache(torch.zeros(1, 64, 51, dtype=torch.uint8), 96, LAYOUT)
     check_mxfp4_indexer_cache(torch.zeros(1, 64, 68, dtype=torch.uint8), 128, LAYOUT)
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+def test_a_layer_looks_up_and_checks_its_cache_layout_once_per_cache(monkeypatch):
+    """The layer asks aiter's cache_format (stood in here) and checks the
+    cache on its first forward, then again only for another cache tensor."""
+    lookups = []
+
+    def cache_layout(num_heads, head_dim, page_entries):
+        lookups.append((num_heads, head_dim, page_entries))
+        return LAYOUT
+
+    monkeypatch.setattr(
+        rocm_paged_mxfp4_indexer, "rocm_paged_mxfp4_cache_layout", cache_layout
+    )
+    layer = LayerMxfp4CacheLayout(32, HEAD_DIM)
+    cache = torch.zeros(2, 64, 68, dtype=torch.uint8)
+    assert layer.of(cache) == LAYOUT and layer.of(cache) == LAYOUT
+    assert lookups == [(32, HEAD_DIM, 64)]
+    assert layer.of(torch.zeros(3, 128, 68, dtype=torch.uint8)) == LAYOUT
+    assert lookups[1:] == [(32, HEAD_DIM, 128)]
+    with pytest.raises(ValueError, match="uint8 \\[pages, entries, 68\\]"):
+        layer.of(torch.zeros(2, 64, 132, dtype=torch.uint8))
 
 
 @pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm-only")

@@ -26,6 +26,7 @@ from AITER's ``cache_format`` for the model's head count): a page's values,
 then its scales, both grouped in runs of ``n_per_tile`` tokens.
 """
 
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -235,3 +236,30 @@ def check_mxfp4_indexer_cache(
             f"{layout} does not tile {kv_cache.shape[1]}-entry pages of "
             f"{head_dim}-value keys"
         )
+
+
+class LayerMxfp4CacheLayout:
+    """One attention layer's MXFP4 indexer cache layout, from aiter's
+    ``cache_format`` for the layer's head count, looked up and checked
+    against the cache once per cache tensor instead of on every forward."""
+
+    def __init__(self, num_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self._cache: weakref.ref[torch.Tensor] | None = None
+        self._layout: RocmPagedMxfp4CacheLayout | None = None
+
+    def of(self, kv_cache: torch.Tensor) -> "RocmPagedMxfp4CacheLayout":
+        """The page layout for ``kv_cache`` (ValueError if it cannot hold it)."""
+        if self._layout is None or self._cache is None or self._cache() is not kv_cache:
+            # Imported here: the NVIDIA model imports this module too.
+            from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
+                rocm_paged_mxfp4_cache_layout,
+            )
+
+            layout = rocm_paged_mxfp4_cache_layout(
+                self.num_heads, self.head_dim, kv_cache.shape[1]
+            )
+            check_mxfp4_indexer_cache(kv_cache, self.head_dim, layout)
+            self._cache, self._layout = weakref.ref(kv_cache), layout
+        return self._layout
