@@ -45,6 +45,11 @@ def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
 
     monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
     monkeypatch.setattr(aiter_ops, "is_aiter_found_and_supported", lambda: True)
+    # AITER's own top-k is not here either (it asks the GPU's arch): vLLM's
+    # _C kernel, stood in below, scores the rows.
+    monkeypatch.setattr(
+        aiter_ops.rocm_aiter_ops, "is_indexer_top_k_enabled", lambda: False
+    )
     monkeypatch.setattr(indexer, "num_compute_units", lambda device_index: 256)
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", op.fp8_mqa_logits_torch)
     # The workspace frees the accelerator's cache when it grows; a CPU has none.
