@@ -87,18 +87,21 @@ def _without_where(section: str, stage: Stage) -> str:
     """``section`` with its tables' ``where`` column dropped (it names the
     series' test files and scripts); a row whose ``where`` names one of the
     PR's own test files says so in its first cell."""
-    lines, where = [], None
+    lines: list[str] = []
+    where = -1  # the column of the table being read, or -1
+    in_table = False
     for line in section.splitlines():
-        cells = line.strip().strip("|").split("|") if line.startswith("|") else None
-        if cells is None:
-            where = None
-        elif where is None:
-            names = [cell.strip() for cell in cells]
-            where = names.index("where") if "where" in names else -1
-        if cells is None or where < 0 or where >= len(cells):
+        if not line.startswith("|"):
+            in_table = False
             lines.append(line)
             continue
-        cells = [cell.strip() for cell in cells]
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not in_table:  # the header
+            in_table = True
+            where = cells.index("where") if "where" in cells else -1
+        if not 0 <= where < len(cells):
+            lines.append(line)
+            continue
         place = cells.pop(where)
         own = [path for path in stage.vllm_tests if path in place]
         if own:
