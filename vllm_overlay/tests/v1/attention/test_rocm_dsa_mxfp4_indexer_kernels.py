@@ -239,16 +239,13 @@ def test_the_index_query_is_stored_as_aiters_bytes(heads):
 # Compiles both kernels for gfx950 in every layout, then prints "compiled".
 _COMPILE = """
 import runpy, sys
-import triton
-from triton.backends import backends
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from vllm.triton_utils import HAS_TRITON
-if not HAS_TRITON or "amd" not in backends:
+from vllm.triton_utils import HAS_TRITON, triton
+if not HAS_TRITON or "amd" not in triton.backends.backends:
     print("unavailable: vLLM found no Triton, or Triton has no AMD backend")
     sys.exit()
+ASTSource = triton.compiler.ASTSource
 test = runpy.run_path(sys.argv[1])
-target = GPUTarget("hip", "gfx950", 64)
+target = triton.backends.compiler.GPUTarget("hip", "gfx950", 64)
 writer = {"k_ptr": "*fp32", "slot_ptr": "*i64", "cache_ptr": "*u8",
           "page_stride": "i64", "page_entries": "i32"}
 consts = ("HEAD_DIM", "N_PER_TILE", "D_PER_TILE", "SCALE_LANES")
