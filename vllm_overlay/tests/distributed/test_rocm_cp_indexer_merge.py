@@ -11,8 +11,10 @@ and over two GPUs on ROCm with AITER. On a CPU, what it lacks is stood in:
 the ROCm platform check, AITER's prefill logits kernel (by vLLM's own torch
 reference, ``fp8_mqa_logits_torch``) and ``_C.top_k_per_row_prefill`` (a
 torch top-k with the kernel's contract: indices relative to the row's start,
--1 past a short row, output order unspecified, here shuffled differently on
-each rank and call, so that a row merged from two ranks' copies shows up).
+as vLLM's AITER adapter ``_localize_aiter_prefill_topk`` assumes, -1 past a
+short row; output order and the choice among tied k-th values unspecified,
+since csrc/sampler.cu places outputs by atomicAdd: here random on each rank
+and call, so that a row merged from two ranks' copies shows up).
 """
 
 import os
@@ -37,6 +39,10 @@ STRIPE = 4
 CHUNK_LOGITS = 2048
 
 
+# Keeps the stand-in op registered for the process.
+_LIBRARIES: list = []
+
+
 def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     """The ROCm platform with AITER, on a CPU."""
     import vllm._aiter_ops as aiter_ops
@@ -57,19 +63,30 @@ def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     calls = iter(range(1 << 30))
 
     def top_k_per_row_prefill(logits, starts, ends, out, rows, s0, s1, k):
+        # The kernel emits in atomic order and keeps any of the columns tied
+        # at the k-th value: both are chosen at random, per rank and call.
+        gen = torch.Generator().manual_seed(1000 * rank + next(calls))
         cols = torch.arange(logits.shape[1])
         valid = (cols >= starts[:rows, None]) & (cols < ends[:rows, None])
         keyed = logits[:rows].double().masked_fill(~valid, float("-inf"))
-        top = keyed.topk(min(k, keyed.shape[1]), dim=1)
-        picked = torch.where(top.values > float("-inf"), top.indices, -1)
-        gen = torch.Generator().manual_seed(1000 * rank + next(calls))
+        take = min(k, keyed.shape[1])
+        kth = keyed.topk(take, dim=1).values[:, -1:]
+        rank_key = torch.rand(keyed.shape, generator=gen, dtype=torch.float64)
+        rank_key = torch.where(keyed > kth, 2.0, rank_key)  # kept for sure
+        rank_key = rank_key.masked_fill((keyed < kth) | ~valid, -1.0)
+        picked = rank_key.topk(take, dim=1).indices
         order = torch.rand(picked.shape, generator=gen).argsort(dim=1)
-        shuffled = picked.gather(1, order)
+        picked = picked.gather(1, order)
         # Valid indices first, relative to the row's start; then -1.
-        shuffled = shuffled.gather(1, (shuffled < 0).int().argsort(dim=1, stable=True))
-        relative = torch.where(shuffled >= 0, shuffled - starts[:rows, None], -1)
+        count = valid.sum(dim=1, keepdim=True).clamp(max=take)
+        picked = picked.gather(
+            1, valid.gather(1, picked).logical_not().int().argsort(dim=1, stable=True)
+        )
+        relative = torch.where(
+            torch.arange(take) < count, picked - starts[:rows, None], -1
+        )
         out[:rows].fill_(-1)
-        out[:rows, : relative.shape[1]] = relative.int()
+        out[:rows, :take] = relative.int()
 
     if not hasattr(torch.ops._C, "top_k_per_row_prefill"):
         library = torch.library.Library("_C", "FRAGMENT")
@@ -79,9 +96,6 @@ def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
         )
         library.impl("top_k_per_row_prefill", top_k_per_row_prefill, "CPU")
         _LIBRARIES.append(library)
-
-
-_LIBRARIES: list = []
 
 
 def _vllm_config(world_size: int, device: torch.device):
@@ -161,9 +175,11 @@ def _batch(device: torch.device):
     return common, inputs, tokens
 
 
-def _run_step(config, device, common, inputs, cp: bool) -> tuple[torch.Tensor, int]:
+def _run_step(
+    config, device, common, inputs, cp: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Build the step's metadata with the flag ``cp`` and run the real op;
-    the top-k buffer, and how many rows this rank scored."""
+    the top-k buffer, and the logits of each row this rank scored."""
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
     from vllm._aiter_ops import rocm_aiter_ops
     from vllm.config import set_current_vllm_config
@@ -186,18 +202,21 @@ def _run_step(config, device, common, inputs, cp: bool) -> tuple[torch.Tensor, i
     metadata = builder.build(0, common)
     assert len(metadata.prefill.chunks) >= 3, "the batch should make several chunks"
 
-    scored = []
-    logits = op.rocm_fp8_mqa_logits
+    # Each scored row's logits over its own keys, in the order scored.
+    row_scores: list[torch.Tensor] = []
+    logits_kernel = op.rocm_fp8_mqa_logits
 
-    def counting_logits(q, *args):
-        scored.append(q.shape[0])
-        return logits(q, *args)
+    def recording_logits(q, kv, weights, ks, ke):
+        logits = logits_kernel(q, kv, weights, ks, ke)
+        for row, (start, end) in enumerate(zip(ks.tolist(), ke.tolist(), strict=True)):
+            row_scores.append(logits[row, start:end].cpu())
+        return logits
 
     rows = inputs.q_fp8.shape[0]
     buffer = torch.full((rows, TOPK), 7777, dtype=torch.int32, device=device)
     context = create_forward_context({LAYER: metadata}, config)
     with override_forward_context(context), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(op, "rocm_fp8_mqa_logits", counting_logits)
+        mp.setattr(op, "rocm_fp8_mqa_logits", recording_logits)
         op.rocm_aiter_sparse_attn_indexer(
             torch.zeros(rows, 8, device=device),
             LAYER,
@@ -213,7 +232,7 @@ def _run_step(config, device, common, inputs, cp: bool) -> tuple[torch.Tensor, i
             get_max_prefill_buffer_size(config),
             buffer,
         )
-    return buffer.cpu(), sum(scored)
+    return buffer.cpu(), row_scores
 
 
 def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
@@ -258,27 +277,35 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
     workspace.init_workspace_manager(device)
     common, inputs, tokens = _batch(device)
 
-    replicated, all_rows = _run_step(config, device, common, inputs, cp=False)
+    replicated, scores = _run_step(config, device, common, inputs, cp=False)
     split, own_rows = _run_step(config, device, common, inputs, cp=True)
     counts = [0] * world_size
-    torch.distributed.all_gather_object(counts, own_rows)
+    torch.distributed.all_gather_object(counts, len(own_rows))
     destroy_model_parallel()
     destroy_distributed_environment()
     monkeypatch.undo()
 
-    assert all_rows == tokens, "with the flag off every rank scores every row"
+    # With the flag off, chunks score the prefill rows in order, each once.
+    assert len(scores) == tokens, "with the flag off every rank scores every row"
     assert sum(counts) == tokens and max(counts) < tokens, (
         f"rows scored per rank: {counts}; each row once, by one rank"
     )
-    # The same top-k set per row; each index once (a row merged from two
-    # ranks' copies would hold duplicates, or the MAX of two orders).
     for row in range(tokens):
-        want = replicated[row][replicated[row] >= 0]
-        got = split[row][split[row] >= 0]
-        assert got.numel() == got.unique().numel(), f"rank {rank} row {row}"
-        assert torch.equal(got.sort().values, want.sort().values), (
-            f"rank {rank} row {row}: {got.sort().values} != {want.sort().values}"
-        )
+        want = replicated[row][replicated[row] >= 0].long()
+        got = split[row][split[row] >= 0].long()
+        top = min(TOPK, scores[row].numel())
+        # The flag-off result is a top-k of the row's scores...
+        rest = torch.ones(scores[row].numel(), dtype=torch.bool)
+        rest[want] = False
+        assert want.numel() == want.unique().numel() == top, f"row {row}"
+        assert not rest.any() or scores[row][want].min() >= scores[row][rest].max()
+        # ...and the split one holds the same scores, each index once (a row
+        # merged from two ranks' copies holds duplicates or loses keys). By
+        # score, since the kernels may keep any of the tied k-th columns.
+        assert got.numel() == got.unique().numel() == top, f"rank {rank} row {row}"
+        assert torch.equal(
+            scores[row][got].sort().values, scores[row][want].sort().values
+        ), f"rank {rank} row {row}: {got.tolist()} vs {want.tolist()}"
     assert torch.equal(split[tokens:], replicated[tokens:]), "padding rows"
 
 

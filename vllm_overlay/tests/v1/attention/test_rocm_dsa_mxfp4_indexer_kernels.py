@@ -175,9 +175,17 @@ def test_the_reference_follows_aiters_rules():
     assert scales[11] == 127 and packed[176] == 0x78  # -0.1 -> -0, then 6
 
 
+# Bytes between two pages: vLLM's indexer cache is a view into a block-major
+# pool, so a page's stride is larger than the page.
+PAGE_GAP = 100
+
+
 def _write(keys, slots, layout, pages, entries, device):
+    """The pages after the writer ran, and the pool's bytes between pages."""
     row = mxfp4_indexer_row_bytes(HEAD_DIM)
-    cache = torch.zeros(pages, entries, row, dtype=torch.uint8, device=device)
+    stride = entries * row + PAGE_GAP
+    pool = torch.zeros(pages * stride, dtype=torch.uint8, device=device)
+    cache = pool.as_strided((pages, entries, row), (stride, row, 1))
     check_mxfp4_indexer_cache(cache, HEAD_DIM, layout)
     _write_keys_kernel[(keys.shape[0],)](
         keys.to(device),
@@ -188,21 +196,24 @@ def _write(keys, slots, layout, pages, entries, device):
         HEAD_DIM,
         *layout,
     )
-    return cache.cpu()
+    gaps = pool.view(pages, stride)[:, entries * row :]
+    return cache.cpu(), gaps.cpu()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("entries", [64, 128])
 def test_the_k_cache_writer_stores_aiters_bytes(layout, entries):
-    """Keys written to shuffled slots over three pages (some slots -1, which
-    write nothing): every byte of every page is the reference's."""
+    """Keys written to shuffled slots over three pages of a strided pool
+    (some slots -1, which write nothing): every byte of every page is the
+    reference's, and nothing between the pages is written."""
     device = _device()
     pages, count = 3, 48
     keys = _keys(count, seed=entries + layout.n_per_tile)
     gen = torch.Generator().manual_seed(entries)
     slots = torch.randperm(pages * entries, generator=gen)[:count]
     slots[5::17] = -1
-    got = _write(keys, slots, layout, pages, entries, device)
+    got, gaps = _write(keys, slots, layout, pages, entries, device)
+    assert not gaps.any(), "the writer wrote between pages"
 
     # Each page as the reference stores it; bytes of slots never written
     # stay zero.
