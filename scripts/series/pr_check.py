@@ -61,6 +61,12 @@ class Item:
     check: str
     ok: bool
     detail: str
+    ran: bool = True  # False: nothing to run it on, which fails nothing
+
+    def result(self, passed: str = "passed") -> str:
+        if not self.ran:
+            return "not run"
+        return passed if self.ok else "FAILED"
 
 
 def check_pr(
@@ -136,8 +142,8 @@ def _first_pass(
     names = files.splitlines()
     cache = build_dir(series) / "cache" / "precommit"
     if not (tree / ".pre-commit-config.yaml").is_file():
-        why = "not run: the target has no .pre-commit-config.yaml"
-        items.append(Item("vLLM's pre-commit", True, why))
+        why = "the target has no .pre-commit-config.yaml"
+        items.append(Item("vLLM's pre-commit", True, why, ran=False))
     else:
         _precommit(cache, tree, names, python, items)
     if pr.stage.vllm_tests:
@@ -175,16 +181,14 @@ def format_review(pr: PullRequest, items: list[Item]) -> str:
     ]
     for item in items:
         detail = " ".join(item.detail.split())[:600].replace("|", "\\|")
-        lines.append(f"| {item.check} | {'ok' if item.ok else 'FAILED'} | {detail} |")
+        lines.append(f"| {item.check} | {item.result('ok')} | {detail} |")
     return "\n".join(lines) + "\n"
 
 
 def with_checks(description: str, base: str, items: list[Item]) -> str:
     """The description with this export's own checks at the end of its
     Validation: what a reviewer re-runs in a vLLM checkout, as it went."""
-    rows = "\n".join(
-        f"| {item.check} | {'passed' if item.ok else 'FAILED'} |" for item in items
-    )
+    rows = "\n".join(f"| {item.check} | {item.result()} |" for item in items)
     block = (
         f"Checked on a checkout of {base} as a maintainer takes the PR (`git am`, "
         "then the tree's own pre-commit on the PR's files at the versions its "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -67,6 +68,7 @@ NOT_RUN_FILTERS: dict[str, dict[str, object]] = {
     "clang-format": {"types_or": ["c++", "c", "cuda", "proto"]},
     "pip-compile": {"files": r"^requirements\.(in|txt)$"},
 }
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 BOOTSTRAP = ("PyYAML", "identify")
 STAGE = "pre-commit"  # the hooks a developer's commit runs
 HOOK_TIMEOUT_S = 1800
@@ -164,8 +166,6 @@ def requirements(tree: Path) -> list[str]:
 def _selected(config: dict, hook: dict, files: list[str], tree: Path) -> list[str]:
     """The files pre-commit passes ``hook`` (its files/exclude patterns, the
     config's exclude, the file types identify gives)."""
-    import re
-
     from identify import identify
 
     types = set(hook.get("types", ["file"]))
@@ -237,7 +237,9 @@ def run(tree: Path, files: list[str]) -> list[dict]:
                 timeout=HOOK_TIMEOUT_S,
                 check=False,
             )
-            output, code = (done.stdout + done.stderr).strip(), done.returncode
+            # Hooks colour their messages; a report is plain text.
+            output = _ANSI_COLOUR.sub("", done.stdout + done.stderr).strip()
+            code = done.returncode
         except subprocess.TimeoutExpired:
             output, code = f"timed out after {HOOK_TIMEOUT_S} s", 1
         changed = subprocess.run(

@@ -298,6 +298,8 @@ def test_the_maintainers_check_passes_a_good_pr(project: Project):
     # The description states this export's own checks, not "not yet run".
     text = prs[0].description.read_text()
     assert "Not yet run" not in text
+    # This target has no pre-commit config: said so, not claimed as passed.
+    assert "| vLLM's pre-commit | not run |" in text
     assert "| its tests with plain pytest (tests/test_envs.py) | passed |" in text
     assert text.index("| `git am` | passed |") < text.index("## Details")
 
@@ -355,7 +357,8 @@ found = [
     for number, line in enumerate(open(name), 1)
     if "print(" in line
 ]
-print("\\n".join(found))
+# Coloured, as vLLM's hooks print their findings.
+print("\\n".join(f"\\x1b[91merror:\\x1b[0m {line}" for line in found))
 sys.exit(1 if found else 0)
 """
 
@@ -380,9 +383,11 @@ def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(project):
     apply(project.series())
     prs = export_stages(project.series(), EXPORTER)
     with pytest.raises(
-        SeriesError, match=r"pre-commit `no-print`: vllm/ops.py:\d+: print\(\) call"
-    ):
+        SeriesError,
+        match=r"pre-commit `no-print`: error: vllm/ops.py:\d+: print\(\) call",
+    ) as failed:
         check_prs(project.series(), prs, sys.executable)
+    assert "\x1b" not in str(failed.value), "the hook's colour codes are dropped"
     review = review_path(prs[0]).read_text()
     assert "| pre-commit `no-print` | FAILED |" in review
     assert "| `git am` | ok |" in review
