@@ -305,9 +305,8 @@ def _stage(
     point from which the install happens) is written."""
     root = site / INSTALL_RECORD_DIR
     staged = root / INSTALL_STAGED
-    shutil.rmtree(
-        staged, ignore_errors=True
-    )  # left by a run stopped before its journal
+    # Left by a run stopped before its journal.
+    shutil.rmtree(staged, ignore_errors=True)
     originals = root / INSTALL_ORIGINALS
     for path in (new_record or {}).get("files", {}):
         source = site / path
