@@ -1,19 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 """Cost model of the CP indexer's row assignment (stage 0001).
 
-A prefill row costs about its causal key count (ke - ks). For realistic
-prefill steps this computes each TP rank's cost under several assignments and
-reports max/mean rank cost (1.00 is perfect balance), summed over the steps of
-a shape as sum(max) / sum(mean): ranks meet at the merge once per step.
+A prefill row costs about its causal key count (ke - ks): a fresh prompt's
+row t sees t + 1 keys, a new chat turn's row over a cached prefix of P tokens
+sees P + t + 1. For a workload this walks vLLM's chunked prefill step by step
+(each step takes up to ``step tokens`` new tokens from the waiting requests,
+in order, as the scheduler's token budget does), computes each TP rank's
+cost under several assignments and reports max/mean rank cost (1.00 is
+perfect balance), summed over the steps as sum(max) / sum(mean): ranks meet
+at the merge once per step.
 
-Shapes: ISL 8K, 50K, 128K and 200K; one prompt, or four packed prompts; tp 2,
-4 and 8; vLLM's chunked prefill of 8K or 16K tokens per step, and inside a
-step the indexer chunker's 512 MiB logits budget (VLLM_SPARSE_INDEXER_MAX_
-LOGITS_MB), which the per-chunk assignments stripe within.
+Workloads (``WORKLOADS``): the seeds' fresh prompts of 8K-200K, alone and
+four packed; prefix-cached turns of 64-4,096 new rows over cached prefixes
+of 4K-200K; those next to a fresh prompt, and several turns together.
+Decode rows are not split, so decodes in the same step change nothing here.
 
-The "shipped" column runs the stage's own code (CPIndexerSplit from the
-applied tree, with the default stripe size). Run it with
-``nox -s cost-model``; it writes docs/cp_indexer_cost_model.{md,png}.
+"shipped" runs the stage's own planner from the applied tree
+(``plan_cp_indexer_split`` with the default stripe size), first with its
+minimum split size set to 0 (the balance of its cut), then as it ships:
+"work split" is the share of the workload's cost in steps that split (the
+rest stays replicated, below ``MIN_SPLIT_KEY_ROWS_PER_RANK``). The previous
+design (mirrored stripes of 512 dealt by row index) is kept for comparison.
+Run it with ``nox -s cost-model``; it writes docs/cp_indexer_cost_model.{md,png}.
 """
 
 from __future__ import annotations
@@ -26,144 +34,181 @@ import numpy as np
 
 from scripts.bench.common import parse_args
 
-LOGITS_BUDGET = 512 * 1024 * 1024 // 4  # fp32 logits per chunk
-ISLS = (8192, 51200, 131072, 204800)
 TPS = (2, 4, 8)
 STEP_TOKENS = (8192, 16384)
-PACKED = 4
+STRIPE = 512  # the stage's default VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
+K = 1024
 
-
-def prefill_steps(prompts: list[int], step_tokens: int) -> Iterator[np.ndarray]:
-    """Per step, the key count of each prefill row (one row per new token),
-    the prompts packed into steps of ``step_tokens`` in order."""
-    remaining = [(length, 0) for length in prompts]
-    while remaining:
-        rows, budget, left = [], step_tokens, []
-        for length, done in remaining:
-            take = min(budget, length - done)
-            if take > 0:
-                rows.append(np.arange(done, done + take) + 1)
-                budget -= take
-            if done + take < length:
-                left.append((length, done + take))
-        remaining = left
-        yield np.concatenate(rows)
-
-
-def chunk_bounds(costs: np.ndarray) -> list[tuple[int, int]]:
-    """Row ranges of the indexer chunks of one step. Like vLLM's chunker it
-    keeps rows x keys within the logits budget; the keys are taken as the
-    step's longest row (exact for one prompt, an upper bound when packed)."""
-    rows = max(1, LOGITS_BUDGET // int(costs.max()))
-    return [(s, min(s + rows, len(costs))) for s in range(0, len(costs), rows)]
-
-
-Assign = Callable[[np.ndarray, int], np.ndarray]
-
-
-def contiguous(costs: np.ndarray, tp: int) -> np.ndarray:
-    return np.minimum(np.arange(len(costs)) * tp // len(costs), tp - 1)
-
-
-def striped(stripe: int, per_chunk: bool) -> Assign:
-    def assign(costs: np.ndarray, tp: int) -> np.ndarray:
-        if not per_chunk:
-            return (np.arange(len(costs)) // stripe) % tp
-        owners = np.empty(len(costs), dtype=np.int64)
-        for start, end in chunk_bounds(costs):
-            owners[start:end] = (np.arange(end - start) // stripe) % tp
-        return owners
-
-    return assign
-
-
-def mirrored(stripe: int) -> Assign:
-    def assign(costs: np.ndarray, tp: int) -> np.ndarray:
-        phase = (np.arange(len(costs)) // stripe) % (2 * tp)
-        return np.where(phase < tp, phase, 2 * tp - 1 - phase)
-
-    return assign
-
-
-def cost_aware(costs: np.ndarray, tp: int) -> np.ndarray:
-    """Contiguous ranges cut where the cumulative cost crosses k/tp."""
-    cumulative = np.cumsum(costs)
-    cuts = np.searchsorted(cumulative, np.arange(1, tp) * cumulative[-1] / tp)
-    return np.searchsorted(cuts, np.arange(len(costs)), side="right")
-
-
-def shipped(costs: np.ndarray, tp: int) -> np.ndarray:
-    """The stage's own plan and assignment, from the applied vLLM tree."""
-    import torch
-
-    from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerSplit
-
-    split = CPIndexerSplit.for_prefill(tp, 512, 0, len(costs))
-    return split.owner(torch.arange(len(costs))).numpy()
-
-
-ASSIGNMENTS: dict[str, Assign] = {
-    "contiguous": contiguous,
-    "striped 512 per chunk (seed)": striped(512, per_chunk=True),
-    "striped 256": striped(256, per_chunk=False),
-    "striped 512": striped(512, per_chunk=False),
-    "striped 1024": striped(1024, per_chunk=False),
-    "mirrored 256": mirrored(256),
-    "mirrored 512": mirrored(512),
-    "mirrored 1024": mirrored(1024),
-    "cost-aware": cost_aware,
-    "shipped (mirrored 512, shrinking)": shipped,
+# name -> requests as (cached prefix tokens, new tokens)
+WORKLOADS: dict[str, list[tuple[int, int]]] = {
+    **{f"fresh {n}K": [(0, n * K)] for n in (8, 50, 128, 200)},
+    **{f"4x fresh {n}K": [(0, n * K)] * 4 for n in (8, 50)},
+    **{
+        f"turn {rows} over {prefix}K": [(prefix * K, rows)]
+        for prefix in (4, 32, 200)
+        for rows in (64, 512, 4096)
+    },
+    "turn 64 over 15K + fresh 1K": [(15 * K, 64), (0, K)],
+    "turn 512 over 100K + fresh 8K": [(100 * K, 512), (0, 8 * K)],
+    "turn 4096 over 32K + fresh 16K": [(32 * K, 4096), (0, 16 * K)],
+    "8 turns of 256 over 4K-200K": [
+        (p * K, 256) for p in (4, 8, 16, 32, 64, 100, 150, 200)
+    ],
+    "4 turns of 2048 over 64K + fresh 4K": [(64 * K, 2048)] * 4 + [(0, 4 * K)],
 }
 
 
-def imbalance(prompts: list[int], tp: int, step_tokens: int, assign: Assign) -> float:
-    worst = mean = 0.0
-    for costs in prefill_steps(prompts, step_tokens):
-        per_rank = np.bincount(assign(costs, tp), weights=costs, minlength=tp)
+def prefill_steps(
+    requests: list[tuple[int, int]], step_tokens: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Per step, the requests' (sequence length, new tokens) as vLLM's
+    builder sees them, the new tokens taken in order within the budget."""
+    remaining = [(cached, new) for cached, new in requests]
+    while remaining:
+        seq, query, budget, left = [], [], step_tokens, []
+        for cached, new in remaining:
+            take = min(budget, new)
+            if take > 0:
+                seq.append(cached + take)
+                query.append(take)
+                budget -= take
+            if new > take:
+                left.append((cached + take, new - take))
+        remaining = left
+        yield np.array(seq), np.array(query)
+
+
+def key_counts(seq: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Each row's causal key count, written from the definition (row t of a
+    request with S tokens, Q of them new, sees S - Q + t + 1 keys)."""
+    return np.concatenate(
+        [np.arange(s - q, s) + 1 for s, q in zip(seq, query, strict=True)]
+    )
+
+
+# An assignment maps (seq, query, tp) to each row's rank, or None (replicated).
+Assign = Callable[[np.ndarray, np.ndarray, int], np.ndarray | None]
+
+
+def by_row_count(seq: np.ndarray, query: np.ndarray, tp: int) -> np.ndarray:
+    rows = int(query.sum())
+    return np.minimum(np.arange(rows) * tp // rows, tp - 1)
+
+
+def mirrored_stripes(seq: np.ndarray, query: np.ndarray, tp: int) -> np.ndarray:
+    """The previous design: mirrored stripes over the row index, shrunk for
+    a prefill too short for two rounds."""
+    rows = int(query.sum())
+    stripe = min(STRIPE, max(1, rows // (2 * tp)))
+    phase = (np.arange(rows) // stripe) % (2 * tp)
+    return np.where(phase < tp, phase, 2 * tp - 1 - phase)
+
+
+def exact_cost_cut(seq: np.ndarray, query: np.ndarray, tp: int) -> np.ndarray:
+    """Contiguous ranges cut where the cumulative cost crosses k/tp."""
+    cumulative = np.cumsum(key_counts(seq, query))
+    cuts = np.searchsorted(cumulative, np.arange(1, tp) * cumulative[-1] / tp)
+    return np.searchsorted(cuts, np.arange(len(cumulative)), side="right")
+
+
+def shipped(minimum: bool) -> Assign:
+    """The stage's own planner, from the applied vLLM tree."""
+
+    def assign(seq: np.ndarray, query: np.ndarray, tp: int) -> np.ndarray | None:
+        import torch
+
+        from vllm.v1.attention.ops import rocm_cp_indexer
+
+        saved = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK
+        if not minimum:
+            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK = 0
+        try:
+            split = rocm_cp_indexer.plan_cp_indexer_split(
+                STRIPE, tp, 0, torch.from_numpy(seq), torch.from_numpy(query), 1
+            )
+        finally:
+            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK = saved
+        if split is None:
+            return None
+        return np.repeat(np.arange(tp), split.sizes)
+
+    return assign
+
+
+ASSIGNMENTS: dict[str, Assign] = {
+    "equal row counts": by_row_count,
+    "mirrored stripes 512 (previous)": mirrored_stripes,
+    "exact cost cut": exact_cost_cut,
+    "shipped cut": shipped(minimum=False),
+}
+
+
+def balance(
+    requests: list[tuple[int, int]], tp: int, step_tokens: int, assign: Assign
+) -> tuple[float, float]:
+    """(sum of max / sum of mean rank cost over the split steps, the share
+    of the workload's cost in steps that split)."""
+    worst = mean = split_cost = total = 0.0
+    for seq, query in prefill_steps(requests, step_tokens):
+        costs = key_counts(seq, query)
+        total += costs.sum()
+        owners = assign(seq, query, tp) if len(costs) >= tp else None
+        if owners is None:
+            continue
+        per_rank = np.bincount(owners, weights=costs, minlength=tp)
         worst += per_rank.max()
         mean += per_rank.sum() / tp
-    return worst / mean
-
-
-def shapes() -> Iterator[tuple[str, int, list[int]]]:
-    for isl in ISLS:
-        yield f"{isl // 1024}K", isl, [isl]
-        yield f"{PACKED}x{isl // 1024}K", isl, [isl] * PACKED
+        split_cost += costs.sum()
+    return (worst / mean if mean else float("nan")), split_cost / total
 
 
 def main() -> int:
     args = parse_args(__doc__)
-
+    names = list(ASSIGNMENTS)
+    as_shipped = shipped(minimum=True)
     rows = []
     for step_tokens in STEP_TOKENS:
         for tp in TPS:
-            for label, isl, prompts in shapes():
+            for label, requests in WORKLOADS.items():
                 values = {
-                    name: imbalance(prompts, tp, step_tokens, fn)
+                    name: balance(requests, tp, step_tokens, fn)[0]
                     for name, fn in ASSIGNMENTS.items()
                 }
-                rows.append((step_tokens, tp, label, isl, values))
+                split_share = balance(requests, tp, step_tokens, as_shipped)[1]
+                rows.append((step_tokens, tp, label, values, split_share))
 
-    names = list(ASSIGNMENTS)
     lines = [
         "# CP indexer: per-rank cost balance of the row assignment",
         "",
-        "max/mean rank cost, summed over the prefill steps of a shape "
-        "(1.00 = perfect). A row costs its causal key count. Goal: <= 1.05 "
-        "for every shape at ISL >= 50K, tp 2-8.",
+        "max/mean rank cost, summed over the prefill steps of a workload "
+        "(1.00 = perfect). A row costs its causal key count; vLLM's chunked "
+        "prefill is walked step by step. Goal: <= 1.05 on every workload, "
+        "tp 2-8. \"work split\" is the share of the workload's cost in steps "
+        "the shipped planner splits (the others are below its minimum split "
+        "size and stay replicated).",
         "",
         f"Command: `nox -s cost-model` (python {platform.python_version()}, "
-        "pure arithmetic, no GPU).",
+        "pure arithmetic, no GPU; the shipped columns run the applied tree's "
+        "planner).",
         "",
-        "| step tokens | tp | shape | " + " | ".join(names) + " |",
-        "|---|---|---|" + "---:|" * len(names),
+        "| step tokens | tp | workload | "
+        + " | ".join(names)
+        + " | work split (shipped) |",
+        "|---|---|---|" + "---:|" * (len(names) + 1),
     ]
-    for step_tokens, tp, label, _, values in rows:
+    for step_tokens, tp, label, values, split_share in rows:
         cells = " | ".join(f"{values[n]:.3f}" for n in names)
-        lines.append(f"| {step_tokens} | {tp} | {label} | {cells} |")
-    worst = {n: max(v[n] for *_, isl, v in rows if isl >= 51200) for n in names}
-    lines += ["", "Worst case at ISL >= 50K:", ""]
-    lines += [f"- {n}: {worst[n]:.3f}" for n in names]
+        lines.append(
+            f"| {step_tokens} | {tp} | {label} | {cells} | {split_share:.0%} |"
+        )
+    lines += ["", "Worst case over the workloads:", ""]
+    for name in names:
+        worst = max(r[3][name] for r in rows)
+        where = max(rows, key=lambda r: r[3][name])
+        lines.append(
+            f"- {name}: {worst:.3f} ({where[2]}, tp {where[1]}, "
+            f"{where[0]}-token steps)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cp_indexer_cost_model.md").write_text("\n".join(lines) + "\n")
 
@@ -172,21 +217,21 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(TPS), figsize=(16, 5), sharey=True)
+    fig, axes = plt.subplots(len(TPS), 1, figsize=(16, 13), sharex=True)
     for ax, tp in zip(axes, TPS, strict=True):
         picked = [r for r in rows if r[0] == 16384 and r[1] == tp]
         x = np.arange(len(picked))
         width = 0.8 / len(names)
         for i, name in enumerate(names):
-            ax.bar(x + i * width, [r[4][name] for r in picked], width, label=name)
-        ax.set_xticks(x + 0.4, [r[2] for r in picked], rotation=45)
+            ax.bar(x + i * width, [r[3][name] for r in picked], width, label=name)
         ax.axhline(1.05, color="k", linestyle="--", linewidth=0.8)
         ax.set_title(f"tp {tp}, 16K-token prefill steps")
-        ax.set_ylim(0.95, 2.0)
-    axes[0].set_ylabel("max / mean rank cost")
-    axes[-1].legend(fontsize=7, loc="upper right")
+        ax.set_ylim(0.95, 3.0)
+        ax.set_ylabel("max / mean rank cost")
+        ax.set_xticks(x + 0.4, [r[2] for r in picked], rotation=60, ha="right")
+    axes[0].legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(args.out / "cp_indexer_cost_model.png", dpi=110)
+    fig.savefig(args.out / "cp_indexer_cost_model.png", dpi=100)
     print("\n".join(lines))
     return 0
 

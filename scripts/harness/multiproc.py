@@ -39,6 +39,36 @@ def default_vllm_config(device: str) -> Any:
     return VllmConfig(device_config=DeviceConfig(device=device))
 
 
+def _stand_in_all_gatherv() -> None:
+    """vLLM's ``all_gatherv`` runs on PyNccl, which gloo ranks lack; the
+    same contract on gloo (vllm-project/vllm v0.32.0,
+    vllm/distributed/device_communicators/pynccl.py ``all_gatherv``: each
+    root's input broadcast into its slice of the output, in rank order;
+    cuda_communicator.py ``all_gatherv``: dim 0 only, a new output tensor)."""
+    import torch
+
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        DeviceCommunicatorBase,
+    )
+
+    def all_gatherv(self, input_, dim=0, sizes=None):
+        if dim != 0:
+            raise NotImplementedError("only dim 0 all-gatherv is supported")
+        if sizes is None:
+            sizes = [input_.shape[0]] * self.world_size
+        assert input_.shape[0] == sizes[self.rank_in_group]
+        out = input_.new_empty((sum(sizes), *input_.shape[1:]))
+        for root, part in enumerate(out.split(sizes)):
+            if root == self.rank_in_group:
+                part.copy_(input_)
+            torch.distributed.broadcast(
+                part, src=self.ranks[root], group=self.device_group
+            )
+        return out
+
+    DeviceCommunicatorBase.all_gatherv = all_gatherv  # type: ignore[method-assign]
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -65,6 +95,8 @@ def _worker(
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=world_size
             )
+            if backend == "gloo":
+                _stand_in_all_gatherv()
             try:
                 # Pickled by value: the queue's own pickler would share tensor
                 # storage through a file descriptor this process serves, and

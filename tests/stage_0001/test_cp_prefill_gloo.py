@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Stage 0001 on gloo: the real patched ``rocm_aiter_sparse_attn_indexer``
 split over 2, 4 and 8 ranks of a real vLLM TP group gives the single-rank
-result, each prefill row scored by one rank, merged once.
+result, each prefill row scored by one rank, merged once by an all_gatherv
+of each rank's own rows.
 
 The top-k stand-ins choose their output order and tied columns differently
 on every rank and call (``scripts.harness.adversary``), as the real kernels may: a
@@ -26,9 +27,12 @@ from scripts.series.contract import BASE_TREE_ENV, tree_env
 
 TREE = applied_tree("0001")
 
+from vllm.distributed.parallel_state import GroupCoordinator  # noqa: E402
+from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
 from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerPrefill  # noqa: E402
 
 TOPK = 16
+SERVING_MINIMUM = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK
 # Chunk at 4,096 logits so that ~100 tokens make several chunks.
 LOGITS = 4096
 
@@ -48,11 +52,18 @@ SCENARIOS = {
     "rows shorter than k": ([(0, 12), (3, 9)], 512, 0),
     # Several thousand keys a row (chunked at LONG_ROW_LOGITS).
     "long rows": ([(3000, 30), (4050, 40)], 512, 0),
-    # Every chunk has one row (< tp): replicated, no merge.
-    "only short chunks": ([(4000, 2)], 512, 0),
+    # A turn over a cached prefix next to a fresh prompt: one turn row costs
+    # ~15x a fresh one, so the ranks' row counts differ widely.
+    "a turn over a cached prefix": ([(1500, 8), (0, 40)], 512, 0),
+    # Three prefill rows: split over 2 ranks; replicated, no merge, over 4
+    # and 8 (fewer rows than ranks).
+    "fewer rows than ranks": ([(4000, 3)], 512, 0),
 }
-# Scenarios that must stay replicated at every tp (no chunk reaches it).
-REPLICATED = {"only short chunks"}
+
+
+def _replicated(name: str, world_size: int) -> bool:
+    """Whether a scenario stays replicated at ``world_size`` ranks."""
+    return sum(new for _, new in SCENARIOS[name][0]) < world_size
 LONG_ROW_LOGITS = 1 << 17
 
 
@@ -62,6 +73,8 @@ def _configure(
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", str(stripe))
     indexer_batch.shrink_logits_budget(monkeypatch, logits)
+    # These batches are far below the work that repays a split in serving.
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
 
 
 def _build_all(tp_size: int, cp: bool) -> dict:
@@ -87,24 +100,32 @@ def _build_all(tp_size: int, cp: bool) -> dict:
 
 def _run(batch) -> dict:
     """Run the op on one batch, recording the buffer before the merge and
-    every all_reduce."""
+    every collective: all_reduce, and vLLM's all_gatherv (the rows this rank
+    sends, the sizes, the group)."""
     reduces: list[tuple[int, ...]] = []
+    gathers: list[tuple[tuple[int, ...], list[int] | None]] = []
     groups: list[str] = []
     before_merge: list[torch.Tensor] = []
     real_all_reduce = torch.distributed.all_reduce
+    real_all_gatherv = GroupCoordinator.all_gatherv
     real_merge = CPIndexerPrefill.merge
 
     def counting_all_reduce(tensor, *args, **kwargs):
         reduces.append(tuple(tensor.shape))
-        groups.append(_group_name(kwargs.get("group")))
         return real_all_reduce(tensor, *args, **kwargs)
 
-    def recording_merge(self, buffer):
+    def counting_all_gatherv(self, input_, dim=0, sizes=None):
+        gathers.append((tuple(input_.shape), sizes))
+        groups.append(_group_name(self))
+        return real_all_gatherv(self, input_, dim, sizes)
+
+    def recording_merge(self, buffer, topk):
         before_merge.append(buffer.clone())
-        return real_merge(self, buffer)
+        return real_merge(self, buffer, topk)
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(torch.distributed, "all_reduce", counting_all_reduce)
+        monkeypatch.setattr(GroupCoordinator, "all_gatherv", counting_all_gatherv)
         monkeypatch.setattr(CPIndexerPrefill, "merge", recording_merge)
         with emulate_rocm("gfx950"):
             out = indexer_batch.run_indexer(
@@ -114,6 +135,7 @@ def _run(batch) -> dict:
         "out": out,
         "before_merge": before_merge[-1] if before_merge else None,
         "reduces": reduces,
+        "gathers": gathers,
         "groups": groups,
         "decode": batch.num_decode_tokens,
         "prefill": batch.num_prefill_tokens,
@@ -122,16 +144,11 @@ def _run(batch) -> dict:
     }
 
 
-def _group_name(group) -> str:
-    """Which of vLLM's TP groups ``group`` is (the merge must use the
-    device group; on gloo both would work, on NCCL only one does)."""
+def _group_name(group: GroupCoordinator) -> str:
+    """Which of vLLM's groups ``group`` is (the merge must use the TP group)."""
     from vllm.distributed import get_tp_group
 
-    if not torch.distributed.is_initialized():
-        return "none"
-    tp = get_tp_group()
-    names = {id(tp.device_group): "device_group", id(tp.cpu_group): "cpu_group"}
-    return names.get(id(group), repr(group))
+    return "tp" if group is get_tp_group() else group.unique_name
 
 
 def _run_all(rank: int, world_size: int, batches: dict) -> dict:
@@ -156,7 +173,7 @@ def split_ranks(request) -> tuple[int, list[dict]]:
 def test_scenarios_cover_what_they_claim(single_rank):
     assert single_rank["multiple chunks"]["chunks"] >= 3
     assert single_rank["short chunks before a long one"]["chunks"] == 3
-    assert single_rank["only short chunks"]["chunks"] == 2
+    assert single_rank["fewer rows than ranks"]["prefill"] == 3
     assert single_rank["long rows"]["row_ends"].min() > 3000
     assert single_rank["long rows"]["chunks"] >= 2
     assert single_rank["one long sequence"]["chunks"] == 1
@@ -164,7 +181,7 @@ def test_scenarios_cover_what_they_claim(single_rank):
     assert min(single_rank["rows shorter than k"]["row_ends"].tolist()) < TOPK
     padded = single_rank["cuda-graph padded rows"]
     assert padded["out"].shape[0] == padded["decode"] + padded["prefill"] + 7
-    assert all(s["reduces"] == [] for s in single_rank.values())
+    assert all(s["reduces"] == s["gathers"] == [] for s in single_rank.values())
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -196,20 +213,26 @@ def test_every_prefill_row_is_written_by_exactly_one_rank(split_ranks, name):
         [(r[name]["before_merge"][rows] >= 0).any(dim=1) for r in ranks]
     ).sum(dim=0)
     # Replicated batches: every rank writes every row and nothing merges.
-    writers = world_size if name in REPLICATED else 1
+    writers = world_size if _replicated(name, world_size) else 1
     assert written.eq(writers).all(), f"rows written by {written.unique().tolist()}"
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_one_merge_per_prefill_over_the_prefill_rows_only(split_ranks, name):
+    """One all_gatherv over the TP group per prefill; each rank sends only
+    its own rows, and the ranks' rows add up to the prefill rows."""
     world_size, ranks = split_ranks
-    for result in ranks:
+    for rank, result in enumerate(ranks):
         scenario = result[name]
-        if name in REPLICATED:
-            assert scenario["reduces"] == []
-        else:
-            assert scenario["reduces"] == [(scenario["prefill"], TOPK)]
-            assert scenario["groups"] == ["device_group"]
+        assert scenario["reduces"] == []
+        if _replicated(name, world_size):
+            assert scenario["gathers"] == []
+            continue
+        [(sent, sizes)] = scenario["gathers"]
+        assert sizes is not None and len(sizes) == world_size
+        assert sum(sizes) == scenario["prefill"] and min(sizes) >= 1
+        assert sent == (sizes[rank], TOPK)
+        assert scenario["groups"] == ["tp"]
 
 
 def _build_no_split(world_size: int) -> dict:
@@ -230,6 +253,13 @@ def _build_no_split(world_size: int) -> dict:
             batches["decode only"] = indexer_batch.build_batch(
                 builder, [(30, 1), (12, 1)], cache_new_keys=True
             )
+            # The stage's own minimum split size: this batch is far below it.
+            monkeypatch.setattr(
+                rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", SERVING_MINIMUM
+            )
+            batches["below the minimum"] = indexer_batch.build_batch(
+                builder, SCENARIOS["packed sequences"][0], cache_new_keys=True
+            )
     return batches
 
 
@@ -240,21 +270,25 @@ def _run_no_split(rank: int, world_size: int, batches: dict) -> dict:
     # itself cannot run them here; this checks the decision it takes.)
     cp_prefill = CPIndexerPrefill(batches["candidates"].metadata.prefill.cp_split, True)
     chunks = batches["candidates"].metadata.prefill.chunks
-    results["candidate rows"] = [cp_prefill.rows(c).local for c in chunks]
+    results["candidate rows"] = [cp_prefill.rows(c) for c in chunks]
     return results
 
 
 def test_no_collective_runs_when_nothing_is_split():
     batches = _build_no_split(4)
     assert batches["tiny"].metadata.prefill.cp_split is None
+    assert batches["below the minimum"].metadata.prefill.cp_split is None
     assert batches["candidates"].metadata.prefill.cp_split is not None
+    chunks = batches["candidates"].metadata.prefill.chunks
     for result in run_ranks(4, _run_no_split, batches):
-        assert result["tiny"]["reduces"] == []
-        assert result["decode only"]["reduces"] == []
-        assert result["candidates"]["reduces"] == [
-            (batches["candidates"].num_prefill_tokens, TOPK)
+        for name in ("tiny", "decode only", "below the minimum"):
+            assert result[name]["reduces"] == result[name]["gathers"] == [], name
+        [(_, sizes)] = result["candidates"]["gathers"]
+        assert sum(sizes) == batches["candidates"].num_prefill_tokens
+        # With candidate blocks, every rank scores every row of every chunk.
+        assert [(r.batch_rows, r.gather_keys) for r in result["candidate rows"]] == [
+            (slice(c.token_start, c.token_end), True) for c in chunks
         ]
-        assert result["candidate rows"] == [None] * len(result["candidate rows"])
 
 
 BYTE_IDENTITY_SCENARIOS = ["mixed decode and prefill", "multiple chunks"]
@@ -333,6 +367,9 @@ def test_the_profiling_run_makes_no_collective(monkeypatch):
     monkeypatch.setattr(
         torch.distributed, "all_reduce", lambda *a, **k: reduces.append(a)
     )
+    monkeypatch.setattr(
+        GroupCoordinator, "all_gatherv", lambda *a, **k: reduces.append(a)
+    )
     with emulate_rocm("gfx950"):
         config = indexer_batch.make_vllm_config(tp_size=2)
         indexer_batch.ensure_workspace(torch.device("cpu"))
@@ -391,7 +428,9 @@ def test_the_3355_3355_1_layout_at_tp8_and_40000_keys():
     logits = batch.reference_logits(rows)
     expected = logits.topk(TOPK, dim=1).indices.to(torch.int32)
     for result in ranks:
-        assert result["tail"]["reduces"] == [(6711, TOPK)]
+        assert result["tail"]["reduces"] == []
+        [(_, sizes)] = result["tail"]["gathers"]
+        assert sum(sizes) == 6711
         topk_reference.assert_same_selection(
             logits, result["tail"]["out"][rows], expected, batch.row_ends[rows], TOPK
         )

@@ -77,6 +77,10 @@ def _run(tp_size: int, cp: bool, requests, device: str, real_rocm: bool):
         monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
         # 16 MiB of logits per chunk: these prefills take several chunks.
         monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "16")
+        # These prefills are below the work that repays a split in serving.
+        from vllm.v1.attention.ops import rocm_cp_indexer
+
+        monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
         with platform:
             from vllm._aiter_ops import rocm_aiter_ops
 

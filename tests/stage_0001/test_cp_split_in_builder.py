@@ -14,7 +14,7 @@ from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
 
-from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerSplit  # noqa: E402
+from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
 
 
 @pytest.fixture
@@ -30,8 +30,20 @@ def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
     config = indexer_batch.make_vllm_config(tp_size=4)
     builder = indexer_batch.make_builder(config, monkeypatch)
     assert builder.cp_indexer_stripe == 512
-    batch = indexer_batch.build_batch(builder, [(30, 1), (0, 200), (50, 90)])
-    assert batch.metadata.prefill.cp_split == CPIndexerSplit(4, 36, 1, 290)
+    # Decode row 0; prefill rows 1-290: a fresh 200-token prompt, then 90
+    # new tokens over 50 cached ones.
+    requests = [(30, 1), (0, 200), (50, 90)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
+        split = indexer_batch.build_batch(builder, requests).metadata.prefill.cp_split
+    assert split is not None and split.bounds[0] == 1 and split.bounds[-1] == 291
+    costs = [t + 1 for t in range(200)] + [50 + t + 1 for t in range(90)]
+    bounds = zip(split.bounds, split.bounds[1:])
+    per_rank = [sum(costs[a - 1 : b - 1]) for a, b in bounds]
+    assert max(per_rank) - min(per_rank) <= 2 * max(costs), per_rank
+    # With the stage's own minimum, so small a step stays replicated.
+    batch = indexer_batch.build_batch(builder, requests)
+    assert batch.metadata.prefill.cp_split is None
     single = indexer_batch.make_builder(indexer_batch.make_vllm_config(1), monkeypatch)
     batch = indexer_batch.build_batch(single, [(30, 1), (0, 200)])
     assert batch.metadata.prefill.cp_split is None

@@ -57,6 +57,26 @@ def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
         aiter_ops.rocm_aiter_ops, "is_indexer_top_k_enabled", lambda: False
     )
     monkeypatch.setattr(indexer, "num_compute_units", lambda device_index: 256)
+    # The merge's all_gatherv runs on PyNccl, which gloo ranks lack: the same
+    # contract (each rank's rows, in rank order; pynccl.py's all_gatherv
+    # broadcasts each root's input into its slice of the output).
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        DeviceCommunicatorBase,
+    )
+
+    def all_gatherv(self, input_, dim=0, sizes=None):
+        assert dim == 0 and sizes is not None
+        assert input_.shape[0] == sizes[self.rank_in_group]
+        out = input_.new_empty((sum(sizes), *input_.shape[1:]))
+        for root, part in enumerate(out.split(sizes)):
+            if root == self.rank_in_group:
+                part.copy_(input_)
+            torch.distributed.broadcast(
+                part, src=self.ranks[root], group=self.device_group
+            )
+        return out
+
+    monkeypatch.setattr(DeviceCommunicatorBase, "all_gatherv", all_gatherv)
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", op.fp8_mqa_logits_torch)
     # The workspace frees the accelerator's cache when it grows; a CPU has none.
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
@@ -244,6 +264,7 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
         ensure_model_parallel_initialized,
         init_distributed_environment,
     )
+    from vllm.v1.attention.ops import rocm_cp_indexer
     from vllm.v1.worker import workspace
 
     device = torch.device(device_kind, rank if device_kind != "cpu" else None)
@@ -254,6 +275,8 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
         torch.accelerator.set_device_index(device)
     os.environ["VLLM_ROCM_USE_AITER"] = "1"
     os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"] = str(STRIPE)
+    # This batch is far below the work that repays a split in production.
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
     # Chunk prefills at CHUNK_LOGITS fp32 logits (vLLM counts MiB).
     monkeypatch.setattr(
         envs,
@@ -320,7 +343,7 @@ def _run(world_size: int, device_kind: str) -> None:
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
 def test_split_prefill_equals_the_replicated_one_on_cpu(monkeypatch):
-    """Three gloo ranks (an odd count: stripes do not divide evenly)."""
+    """Three gloo ranks (an odd count: the rows do not divide evenly)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs vLLM's Triton kernels on a CPU: needs TRITON_INTERPRET=1")
     _run(3, "cpu")

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The context-parallel split of the ROCm DSA indexer prefill: which TP rank
-scores each prefill row, when a batch splits, and the start-up settings.
+scores which prefill rows (cost-balanced ranges), when a step splits, which
+chunks' keys a rank gathers, and the start-up settings.
 
 The split is host-side planning, so these run on any machine; the ROCm
 platform and AITER switches are patched the way vLLM's other ROCm policy
@@ -58,66 +59,138 @@ def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None) -> int | 
     return cp_indexer_stripe_at_startup(_config(graphs), tp, dcp, pcp)
 
 
-def _owners(split: CPIndexerSplit) -> list[int]:
-    rows = torch.arange(split.first_row, split.first_row + split.num_rows)
-    return split.owner(rows).tolist()
+def _plan(tp: int, requests, first_row: int = 0, stripe: int = 512, minimum=None):
+    """The plan for prefill ``requests`` given as (cached tokens, new tokens)."""
+    seq = torch.tensor([cached + new for cached, new in requests])
+    query = torch.tensor([new for _, new in requests])
+    with pytest.MonkeyPatch.context() as mp:
+        if minimum is not None:
+            mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", minimum)
+        return plan_cp_indexer_split(stripe, tp, first_row, seq, query, 1)
 
 
-def test_stripes_are_dealt_in_mirrored_order():
-    split = CPIndexerSplit(world_size=3, stripe=2, first_row=5, num_rows=14)
-    assert _owners(split) == [0, 0, 1, 1, 2, 2, 2, 2, 1, 1, 0, 0, 0, 0]
+def _row_costs(requests) -> list[int]:
+    """Each prefill row's key count, from the causal definition: row t of a
+    request with P cached tokens sees keys 0 .. P + t."""
+    return [cached + t + 1 for cached, new in requests for t in range(new)]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-@pytest.mark.parametrize("num_rows", [8, 999, 4096, 16384])
-def test_every_row_has_one_owner_and_every_rank_works(world_size, num_rows):
-    split = CPIndexerSplit(world_size, 512, 7, num_rows)
-    owners = torch.tensor(_owners(split))
-    assert owners.min() >= 0 and owners.max() < world_size
-    if num_rows >= 2 * world_size * split.stripe:
-        assert set(owners.tolist()) == set(range(world_size))
+def _rank_costs(split: CPIndexerSplit, requests, first_row: int = 0) -> list[int]:
+    costs = _row_costs(requests)
+    return [
+        sum(costs[start - first_row : end - first_row])
+        for start, end in zip(split.bounds, split.bounds[1:])
+    ]
 
 
-def test_the_plan_uses_the_prefill_row_index_and_shrinks_short_stripes():
-    split = plan_cp_indexer_split(512, 8, 3, 16384, [16384])
-    assert split == CPIndexerSplit(8, 512, 3, 16384)
-    # 2K rows: two rounds of eight ranks need stripes of 128.
-    short = plan_cp_indexer_split(512, 8, 0, 2048, [1024, 1024])
-    assert short is not None and short.stripe == 128
-    assert set(_owners(short)) == set(range(8))
+def test_key_counts_follow_the_causal_definition():
+    requests = [(0, 5), (7, 3), (100, 1)]
+    seq = torch.tensor([c + n for c, n in requests])
+    query = torch.tensor([n for _, n in requests])
+    counts = rocm_cp_indexer.prefill_row_key_counts(seq, query, 1)
+    assert counts.tolist() == _row_costs(requests) == [1, 2, 3, 4, 5, 8, 9, 10, 101]
+    # A compressed cache (DeepSeek-V4's pools) counts compressed keys.
+    assert rocm_cp_indexer.prefill_row_key_counts(seq, query, 4).tolist() == [
+        0, 0, 0, 1, 1, 2, 2, 2, 25
+    ]  # fmt: skip
 
 
-def test_long_context_chunks_engage_every_rank():
-    """At 128K keys the chunker gives ~1K-row chunks; per-chunk stripes of 512
-    would use 2 of 8 ranks, stripes over the prefill use all of them."""
-    split = plan_cp_indexer_split(512, 8, 0, 16384, [1024] * 16)
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [(0, 16384)],  # a fresh prompt: the cost ramps along the rows
+        [(200 * 1024, 4096)],  # a new turn over a long cached prefix
+        [(15 * 1024, 64), (0, 1024)],  # a short turn next to a fresh prompt
+        [(p * 1024, 256) for p in (4, 8, 16, 32, 64, 100, 150, 200)],
+        [(32 * 1024, 4096), (0, 12288)],
+    ],
+)
+def test_ranks_get_equal_shares_of_the_cost(tp, requests):
+    """Each rank's cost is its share of the total to within one row on
+    either side of each cut, and so within 5% when no row is dearer than a
+    fortieth of a share (a stripe boundary may take another 1%)."""
+    split = _plan(tp, requests, first_row=3, minimum=0)
     assert split is not None
-    per_rank = torch.bincount(torch.tensor(_owners(split)), minlength=8)
-    assert per_rank.tolist() == [2048] * 8
+    costs = _rank_costs(split, requests, first_row=3)
+    share, dearest = sum(costs) / tp, max(_row_costs(requests))
+    for cost in costs:
+        assert abs(cost - share) <= 2 * dearest + share / 100, (costs, share)
+    if dearest <= share / 40:
+        assert max(costs) / share <= 1.05, costs
+
+
+def test_contiguous_ranges_cover_the_prefill_rows_after_the_decodes():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        tp = int(torch.randint(2, 9, (1,), generator=gen))
+        first = int(torch.randint(0, 6, (1,), generator=gen))
+        requests = [
+            (int(torch.randint(0, 3000, (1,), generator=gen)),
+             int(torch.randint(1, 300, (1,), generator=gen)))
+            for _ in range(int(torch.randint(1, 5, (1,), generator=gen)))
+        ]  # fmt: skip
+        stripe = int(torch.randint(1, 600, (1,), generator=gen))
+        split = _plan(tp, requests, first, stripe, minimum=0)
+        rows = sum(new for _, new in requests)
+        if rows < tp:
+            assert split is None
+            continue
+        assert split is not None and len(split.bounds) == tp + 1
+        assert split.bounds[0] == first and split.bounds[-1] == first + rows
+        assert all(size >= 1 for size in split.sizes), split
+
+
+def test_cuts_fall_on_stripes_only_where_that_costs_little():
+    """16,384 fresh rows over 2 ranks: the balanced cut is near row 11,585.
+    Stripes of 64 rows move it by at most 32 rows (~0.3% of a share): taken.
+    Stripes of 8,192 rows would move it by ~3,400 rows: not taken."""
+    exact = _plan(2, [(0, 16384)], stripe=1, minimum=0)
+    assert exact is not None and exact.bounds[1] % 64 != 0
+    aligned = _plan(2, [(0, 16384)], stripe=64, minimum=0)
+    assert aligned is not None and aligned.bounds[1] % 64 == 0
+    assert abs(aligned.bounds[1] - exact.bounds[1]) <= 32
+    assert _plan(2, [(0, 16384)], stripe=8192, minimum=0) == exact
 
 
 @pytest.mark.parametrize(
-    ("stripe", "tp", "chunk_rows", "split"),
+    ("stripe", "tp", "requests", "splits"),
     [
-        (None, 4, [100], False),  # the split is off
-        (512, 4, [3], False),  # fewer prefill rows than ranks
-        (512, 8, [1, 5, 7, 2], False),  # every chunk shorter than tp
-        (512, 8, [3355, 3355, 1], True),  # only the tail chunk is short
-        (512, 8, [1, 1, 60], True),  # short chunks first
+        (None, 4, [(0, 100000)], False),  # the split is off
+        (512, 4, [(10**6, 3)], False),  # fewer prefill rows than ranks
+        (512, 8, [(15 * 1024, 64), (0, 1024)], False),  # too little work
+        (512, 2, [(0, 8192)], True),  # a fresh 8K prompt repays it at tp 2
+        (512, 8, [(0, 8192)], False),  # but not at tp 8
+        (512, 8, [(200 * 1024, 4096)], True),  # a long turn does at tp 8
     ],
 )
-def test_a_batch_splits_once_any_chunk_can(stripe, tp, chunk_rows, split):
-    plan = plan_cp_indexer_split(stripe, tp, 0, sum(chunk_rows), chunk_rows)
-    assert (plan is not None) is split
+def test_steps_too_small_to_repay_the_merge_stay_replicated(
+    stripe, tp, requests, splits
+):
+    seq = torch.tensor([c + n for c, n in requests])
+    query = torch.tensor([n for _, n in requests])
+    plan = plan_cp_indexer_split(stripe, tp, 0, seq, query, 1)
+    assert (plan is not None) is splits
+    total = sum(_row_costs(requests))
+    big = total >= rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK * tp
+    assert splits is (stripe is not None and big and sum(query.tolist()) >= tp)
 
 
 def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list:
-    """A random chunk layout over ``rows`` prefill rows."""
-    chunks, start = [], first_row
+    """A random chunk layout over ``rows`` prefill rows: some chunks are
+    later query slices of the previous chunk's request (skip_kv_gather);
+    ``keys`` names the request group whose keys a chunk needs gathered."""
+    chunks, start, group = [], first_row, 0
     while start < first_row + rows:
         size = int(torch.randint(1, 40, (1,), generator=gen))
         end = min(start + size, first_row + rows)
-        chunks.append(SimpleNamespace(token_start=start, token_end=end))
+        continues = bool(chunks) and bool(torch.randint(0, 2, (1,), generator=gen))
+        group += 0 if continues else 1
+        chunks.append(
+            SimpleNamespace(
+                token_start=start, token_end=end, skip_kv_gather=continues, keys=group
+            )
+        )
         start = end
     return chunks
 
@@ -125,9 +198,11 @@ def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list:
 def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
     """Over many generated batches: once split, every prefill row is scored
     by exactly one rank; decode and padding rows by none; every rank makes
-    the same collective calls (one merge, or none). The all_reduce(MAX)
-    merge is only right with one writer per row."""
+    the same collective calls (one merge, or none); and a rank scores a
+    chunk only with that chunk's keys in its workspace, gathering them only
+    when the previous chunk did not leave them there."""
     gen = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
     for case in range(300):
         tp = int(torch.randint(2, 9, (1,), generator=gen))
         decode = int(torch.randint(0, 5, (1,), generator=gen))
@@ -135,34 +210,78 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
         padding = int(torch.randint(0, 8, (1,), generator=gen))
         stripe = int(torch.randint(1, 64, (1,), generator=gen))
         chunks = _chunks(gen, decode, rows)
+        cached = int(torch.randint(0, 500, (1,), generator=gen))
         split = plan_cp_indexer_split(
-            stripe, tp, decode, rows, [c.token_end - c.token_start for c in chunks]
+            stripe, tp, decode, torch.tensor([cached + rows]), torch.tensor([rows]), 1
         )
         writers = torch.zeros(decode + rows + padding, dtype=torch.int64)
-        merges = []
+        merges, gathers = [], 0
         for rank in range(tp):
             monkeypatch.setattr(
                 rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
             )
             prefill = CPIndexerPrefill(split, has_candidate_blocks=False)
+            workspace = None  # the request group whose keys it holds
             for chunk in chunks:
-                local = prefill.rows(chunk).local
-                scored = torch.arange(chunk.token_start, chunk.token_end)
-                writers[scored if local is None else scored[local]] += 1
+                window = prefill.rows(chunk)
+                if window is None:
+                    continue
+                if window.gather_keys:
+                    workspace = chunk.keys
+                    gathers += 1
+                assert workspace == chunk.keys, f"case {case}: stale keys"
+                assert window.lo == window.start - chunk.token_start
+                assert window.hi - window.lo == window.end - window.start > 0
+                writers[window.batch_rows] += 1
             merges.append(prefill.split is not None)
         expected = 1 if split is not None else tp
         assert writers[decode : decode + rows].eq(expected).all(), case
         assert writers[:decode].eq(0).all() and writers[decode + rows :].eq(0).all()
         assert len(set(merges)) == 1, f"case {case}: ranks disagree on the merge"
-        if all(c.token_end - c.token_start < tp for c in chunks):
-            assert split is None, f"case {case}: only short chunks, yet split"
+        if split is not None:
+            # Each rank gathers at most the key groups its rows span.
+            spans = sum(
+                len({c.keys for c in chunks if c.token_start < b and c.token_end > a})
+                for a, b in zip(split.bounds, split.bounds[1:])
+            )
+            assert gathers == spans, f"case {case}: {gathers} gathers, {spans} groups"
+
+
+def test_without_a_split_every_chunk_is_gathered_and_scored_whole():
+    prefill = CPIndexerPrefill(None, has_candidate_blocks=False)
+    chunk = SimpleNamespace(token_start=4, token_end=9, skip_kv_gather=True)
+    window = prefill.rows(chunk)
+    assert window is not None and window.gather_keys
+    assert (window.batch_rows, window.lo, window.hi) == (slice(4, 9), 0, 5)
 
 
 def test_candidate_blocks_keep_the_prefill_replicated():
-    split = CPIndexerSplit(2, 4, 0, 16)
+    split = CPIndexerSplit((0, 8, 16))
     prefill = CPIndexerPrefill(split, has_candidate_blocks=True)
     assert prefill.split is None
-    assert prefill.rows(SimpleNamespace(token_start=0, token_end=16)).local is None
+    chunk = SimpleNamespace(token_start=0, token_end=16, skip_kv_gather=False)
+    window = prefill.rows(chunk)
+    assert window is not None and window.batch_rows == slice(0, 16)
+
+
+def test_the_profile_reserves_the_merge_only_when_it_may_run(cp_on):
+    buffer = torch.empty(64, 2048, dtype=torch.int32)
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(None) == 0
+    cp_on.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
+    cp_on.setattr(
+        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
+    )
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 2 * 64 * 2048 * 4
+    cp_on.setattr(
+        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=1)
+    )
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
+    cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
+    rocm_aiter_ops.refresh_env_variables()
+    cp_on.setattr(
+        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
+    )
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
 
 
 def test_one_rank_never_splits(cp_on):
@@ -195,12 +314,17 @@ def test_flag_off_aiter_off_or_not_rocm_means_no_split(rocm_aiter):
         (1, True, None, False, "prefill context parallelism"),
         (1, False, "FULL", False, "FULL CUDA graphs"),
         (1, False, None, True, "batch invariance"),
+        (1, False, None, "VLLM_DISABLE_PYNCCL", "needs PyNccl"),
+        (1, False, None, "VLLM_USE_NCCL_SYMM_MEM", "symmetric memory"),
     ],
 )
 def test_unsafe_configurations_stay_off_with_a_startup_log_line(
     cp_on, dcp, pcp, graphs, invariant, reason
 ):
-    cp_on.setattr(envs, "VLLM_BATCH_INVARIANT", invariant, raising=False)
+    """``invariant``: True for batch invariance, or another switch to set."""
+    cp_on.setattr(envs, "VLLM_BATCH_INVARIANT", invariant is True, raising=False)
+    for name in ("VLLM_DISABLE_PYNCCL", "VLLM_USE_NCCL_SYMM_MEM"):
+        cp_on.setattr(envs, name, invariant == name, raising=False)
     logged = []
     cp_on.setattr(
         rocm_cp_indexer.logger,
@@ -227,7 +351,7 @@ def test_an_fp4_indexer_cache_keeps_the_prefill_replicated_and_says_so(cp_on):
     ]
     logged.clear()
     assert _at_startup(4) == 512
-    assert logged == ["CP indexer on: 4 TP ranks, stripes of 512 rows."]
+    assert logged == ["CP indexer on: 4 TP ranks, cost-balanced row ranges in stripes of 512 rows."]
 
 
 @pytest.mark.parametrize(

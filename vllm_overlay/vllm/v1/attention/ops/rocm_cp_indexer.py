@@ -4,36 +4,35 @@
 
 Every TP rank holds the same indexer inputs, so without this each rank scores
 all prefill rows. With ``VLLM_ROCM_USE_AITER_CP_INDEXER=1`` each rank scores
-only its own rows (logits and top-k), leaves the other rows at -1, and one
-``all_reduce(MAX)`` over the prefill rows of ``topk_indices_buffer`` per
-prefill merges the ranks' results.
+only its own contiguous range of the step's prefill rows (logits and top-k),
+and one all_gatherv per prefill puts every rank's rows into every rank's
+``topk_indices_buffer``.
 
-The MAX merge is only right if every merged row has exactly one writer: the
-top-k kernels emit in atomic order and choose freely among tied columns, so
-two ranks' copies of one row differ, and MAX of two copies holds duplicates
-and loses keys. So the split is decided once per batch, and once a batch
-splits, every chunk is split, short chunks included (a chunk with fewer rows
-than ranks leaves some ranks nothing to score). A batch whose chunks are all
-shorter than the TP size stays replicated and does not merge.
+The ranges are balanced by cost, not by row count: a row costs its causal
+key count, which the metadata builder knows on the host (sequence and query
+lengths), and a new chat turn over a long cached prefix costs 10-100x a
+fresh prompt's row. The cuts fall where the cumulative cost crosses each
+rank's share, as vLLM's CUDA row shard (``balanced_prefill_row_shard``)
+does, moved to a multiple of ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE``
+rows where that costs the balance under 1%.
+A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS_PER_RANK``) stays
+replicated and does not merge.
 
-Rows are assigned in stripes over the prefill's own row index, not per chunk:
-the chunker keeps a chunk's logits within VLLM_SPARSE_INDEXER_MAX_LOGITS_MB,
-so at long context a chunk holds ~1K rows and per-chunk stripes would leave
-most ranks idle. The stripes are dealt in mirrored order (0, 1, .., tp-1,
-tp-1, .., 1, 0, ...): a row costs about its causal key count, which grows
-along a prompt, and each pass back and forth gives every rank one cheaper and
-one dearer stripe. A prefill too short for two passes uses smaller stripes so
-that every rank still gets work (see scripts/cp_indexer_cost_model.py).
+The plan is made once per step by the indexer metadata builder, from host
+integers, identically on every rank; the op only slices. Each rank gathers
+the keys of the chunks it scores, and a chunk that continues the previous
+chunk's request reuses its gather (``skip_kv_gather``). Every merged row has
+exactly one writer (the top-k kernels choose freely among tied columns, so
+two ranks' copies of a row could differ).
 
 The settings are read once, when the indexer metadata builder is created,
 and checked to agree across the TP group there: a rank that merges while
 another does not would hang in the collective, and different stripe sizes
-would leave rows that no rank scores.
+would cut the rows differently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +66,13 @@ def unsafe_config_reason(
         return "prefill context parallelism shards the prefill rows already"
     if envs.VLLM_BATCH_INVARIANT:
         return "batch invariance needs every rank to compute every row"
+    # The merge is vLLM's all_gatherv, which runs on PyNccl; with symmetric
+    # memory, equal shares would take its window-registration path, which
+    # vLLM's CUDA row shard avoids as well (tp_prefill_row_sharding_supported).
+    if envs.VLLM_DISABLE_PYNCCL:
+        return "the merge's all_gatherv needs PyNccl (VLLM_DISABLE_PYNCCL is set)"
+    if envs.VLLM_USE_NCCL_SYMM_MEM:
+        return "the merge's all_gatherv does not use NCCL symmetric memory"
     mode = vllm_config.compilation_config.cudagraph_mode or CUDAGraphMode.NONE
     if mode.mixed_mode() == CUDAGraphMode.FULL:
         return "FULL CUDA graphs capture mixed batches, which split rows cannot"
@@ -140,139 +146,177 @@ def cp_indexer_stripe_at_startup(
     if reason is not None:
         logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
-    logger.info_once("CP indexer on: %d TP ranks, stripes of %d rows.", tp_size, stripe)
+    logger.info_once(
+        "CP indexer on: %d TP ranks, cost-balanced row ranges in stripes of %d rows.",
+        tp_size,
+        stripe,
+    )
     return stripe
+
+
+# A step whose rows cost less than this per rank (in key-rows: the sum over
+# rows of each row's key count) stays replicated: the merge and the extra
+# launches would cost more than the split saves. An estimate, not yet
+# measured on MI355X: 2^24 is a fresh 8K-token prompt split over 2 ranks,
+# the shortest context at which the seed's benchmark saw the split pay.
+MIN_SPLIT_KEY_ROWS_PER_RANK = 1 << 24
+# A cut moves to a stripe boundary (a multiple of the stripe size, so that a
+# rank's rows fill whole kernel row tiles) only if that moves no more than
+# 1/ALIGN_SLACK of a rank's share of the cost.
+ALIGN_SLACK = 100
 
 
 @dataclass(frozen=True)
 class CPIndexerSplit:
-    """Which TP rank scores each prefill row of one step (same on all ranks)."""
+    """Each TP rank's contiguous range of one step's prefill rows (the same
+    on every rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``."""
 
-    world_size: int
-    stripe: int
-    first_row: int  # the first prefill row of the batch (decode rows come first)
-    num_rows: int  # real prefill rows, CUDA-graph padding excluded
+    bounds: tuple[int, ...]
 
-    @classmethod
-    def for_prefill(
-        cls, world_size: int, max_stripe: int, first_row: int, num_rows: int
-    ) -> CPIndexerSplit:
-        """Stripes of ``max_stripe`` rows, smaller when the prefill is too
-        short for two mirrored rounds over the ranks."""
-        stripe = min(max_stripe, max(1, num_rows // (2 * world_size)))
-        return cls(world_size, stripe, first_row, num_rows)
+    @property
+    def sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
 
-    def owner(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rank that scores each of ``rows`` (batch row indices)."""
-        phase = ((rows - self.first_row) // self.stripe) % (2 * self.world_size)
-        return torch.where(
-            phase < self.world_size, phase, 2 * self.world_size - 1 - phase
-        )
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        return self.bounds[rank], self.bounds[rank + 1]
+
+
+def prefill_row_key_counts(
+    seq_lens_cpu: torch.Tensor, query_lens_cpu: torch.Tensor, compress_ratio: int
+) -> torch.Tensor:
+    """Each prefill row's causal key count, in batch row order: row t of a
+    request with S tokens and Q new ones sees (S - Q + 1 + t) // ratio keys,
+    the bound the builder gives its chunk's ``cu_seqlen_ke`` (the same count
+    vLLM's ``balanced_prefill_row_shard`` balances)."""
+    query_lens = query_lens_cpu.to(torch.int64)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    first_key = seq_lens_cpu.to(torch.int64) - query_lens + 1
+    row = torch.arange(int(query_lens.sum()))
+    offset = row - torch.repeat_interleave(starts, query_lens)
+    return (torch.repeat_interleave(first_key, query_lens) + offset) // compress_ratio
 
 
 def plan_cp_indexer_split(
     max_stripe: int | None,
     tp_size: int,
     num_decode_tokens: int,
-    num_prefill_tokens: int,
-    chunk_rows: Sequence[int],
+    seq_lens_cpu: torch.Tensor,
+    query_lens_cpu: torch.Tensor,
+    compress_ratio: int,
 ) -> CPIndexerSplit | None:
-    """This step's split of the prefill rows, or None to score them
-    replicated: when the split is off, or when every chunk (``chunk_rows``:
-    the rows of each) is shorter than the TP size.
+    """This step's split of the prefill rows (the requests' sequence and
+    query lengths, on the host, after the decodes), or None to score them
+    replicated: with the split off, or when the step is too small to repay
+    the merge.
 
-    Called by the indexer metadata builder on every rank with the same inputs,
-    so every rank takes the same decision and the merge's collective matches.
-    """
-    if max_stripe is None or all(rows < tp_size for rows in chunk_rows):
+    Called by the indexer metadata builder on every rank with the same host
+    inputs, so every rank takes the same decision and the merge matches."""
+    if max_stripe is None:
         return None
-    return CPIndexerSplit.for_prefill(
-        tp_size, max_stripe, num_decode_tokens, num_prefill_tokens
-    )
+    key_counts = prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
+    num_rows = key_counts.numel()
+    if num_rows < tp_size:
+        return None
+    # before[j]: the cost of the rows before row j.
+    before = torch.zeros(num_rows + 1, dtype=torch.int64)
+    torch.cumsum(key_counts, 0, out=before[1:])
+    total = int(before[-1])
+    if total < MIN_SPLIT_KEY_ROWS_PER_RANK * tp_size:
+        return None
+    shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
+    # Cut at the row boundary whose cost before it is nearest each share.
+    above = torch.searchsorted(before, shares).clamp_(1, num_rows)
+    below = above - 1
+    cuts = torch.where(shares - before[below] < before[above] - shares, below, above)
+    # On a stripe boundary instead where that moves a cut by little cost.
+    aligned = ((cuts + max_stripe // 2) // max_stripe * max_stripe).clamp_(0, num_rows)
+    close = (before[aligned] - before[cuts]).abs() <= total // (tp_size * ALIGN_SLACK)
+    cuts = torch.where(close, aligned, cuts)
+    bounds = [0, *cuts.tolist(), num_rows]
+    # At least one row per rank, in order.
+    for rank in range(1, tp_size):
+        bounds[rank] = max(bounds[rank], bounds[rank - 1] + 1)
+    for rank in range(tp_size - 1, 0, -1):
+        bounds[rank] = min(bounds[rank], bounds[rank + 1] - 1)
+    return CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
 
 
+@dataclass(frozen=True)
 class ChunkRows:
-    """The rows of one prefill chunk this rank scores: all of them, or its own.
+    """The rows of one prefill chunk this rank scores, as slices: batch rows
+    ``start:end``, which are rows ``lo:hi`` of the chunk's own tensors."""
 
-    ``local`` holds chunk-relative row offsets, or is None for all rows."""
-
-    def __init__(self, token_start: int, token_end: int, local: torch.Tensor | None):
-        self.token_start = token_start
-        self.token_end = token_end
-        self.local = local
-        self._device_local: torch.Tensor | None = None
-
-    def _index(self, device: torch.device) -> torch.Tensor:
-        """``local`` on ``device``, copied there once per chunk."""
-        assert self.local is not None
-        if self._device_local is None or self._device_local.device != device:
-            self._device_local = self.local.to(device)
-        return self._device_local
+    start: int
+    end: int
+    lo: int
+    hi: int
+    gather_keys: bool  # False: the workspace still holds this chunk's keys
 
     @property
-    def empty(self) -> bool:
-        return self.local is not None and self.local.numel() == 0
-
-    def _select(self, chunk_rows: torch.Tensor) -> torch.Tensor:
-        if self.local is None:
-            return chunk_rows
-        return chunk_rows.index_select(0, self._index(chunk_rows.device))
-
-    def of_batch(self, batch_tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a tensor with one row per batch token."""
-        return self._select(batch_tensor[self.token_start : self.token_end])
+    def batch_rows(self) -> slice:
+        return slice(self.start, self.end)
 
     def of_chunk(self, chunk_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor with one row per chunk row."""
-        return self._select(chunk_tensor)
-
-    def topk_out(self, topk_indices_buffer: torch.Tensor, topk: int) -> torch.Tensor:
-        """Where top-k writes: the buffer itself, or a block of this rank's rows."""
-        rows = topk_indices_buffer[self.token_start : self.token_end, :topk]
-        if self.local is None:
-            return rows
-        return torch.empty(
-            (self.local.numel(), topk), dtype=rows.dtype, device=rows.device
-        )
-
-    def store(self, topk_indices_buffer: torch.Tensor, out: torch.Tensor) -> None:
-        """Put this rank's rows back in their buffer rows (the rest stay -1)."""
-        if self.local is None:
-            return
-        rows = topk_indices_buffer[self.token_start : self.token_end, : out.shape[1]]
-        rows.index_copy_(0, self._index(rows.device), out)
+        return chunk_tensor[self.lo : self.hi]
 
 
 class CPIndexerPrefill:
-    """One indexer call's prefill on this rank: which rows to score per chunk,
-    then the merge. Replicated (every row, no merge) without a split, or when
-    the call carries candidate blocks, whose writes are per row and unmerged."""
+    """One indexer call's prefill on this rank: which rows of each chunk to
+    score, then the merge. Replicated (every row, every gather, no merge)
+    without a split, or when the call carries candidate blocks, whose writes
+    are per row and unmerged."""
 
     def __init__(self, split: CPIndexerSplit | None, has_candidate_blocks: bool):
         self.split = None if has_candidate_blocks else split
-        self.rank = 0
+        self.start = self.end = 0
         if self.split is not None:
-            self.rank = get_tensor_model_parallel_rank()
+            self.start, self.end = self.split.rows_of(get_tensor_model_parallel_rank())
+        self._keys_gathered = False  # by the last chunk
 
-    def rows(self, chunk: DeepseekV32IndexerPrefillChunkMetadata) -> ChunkRows:
-        """This rank's rows of ``chunk``: its own ones once the batch splits
-        (possibly none), else all of them."""
-        start, end = chunk.token_start, chunk.token_end
+    def rows(
+        self, chunk: DeepseekV32IndexerPrefillChunkMetadata
+    ) -> ChunkRows | None:
+        """This rank's rows of ``chunk``, or None when it scores none of them
+        (and skips the chunk's key gather too). Call it for every chunk, in
+        order: it tracks whether the workspace holds the previous chunk's keys."""
+        first, last = chunk.token_start, chunk.token_end
         if self.split is None:
-            return ChunkRows(start, end, None)
-        owners = self.split.owner(torch.arange(start, end))
-        return ChunkRows(start, end, torch.nonzero(owners == self.rank).flatten())
+            return ChunkRows(first, last, 0, last - first, gather_keys=True)
+        start, end = max(first, self.start), min(last, self.end)
+        if start >= end:
+            self._keys_gathered = False
+            return None
+        # skip_kv_gather: the chunk continues the previous chunk's request.
+        gather = not (chunk.skip_kv_gather and self._keys_gathered)
+        self._keys_gathered = True
+        return ChunkRows(start, end, start - first, end - first, gather)
 
-    def merge(self, topk_indices_buffer: torch.Tensor) -> None:
-        """all_reduce(MAX) over the prefill rows, once per prefill, on every
-        rank alike; nothing runs when the batch is not split."""
+    def merge(self, topk_indices_buffer: torch.Tensor, topk: int) -> None:
+        """One all_gatherv of each rank's own rows into every rank's buffer,
+        once per prefill, on every rank alike; nothing without a split."""
         if self.split is None:
             return
-        first, count = self.split.first_row, self.split.num_rows
-        rows = topk_indices_buffer[first : first + count]
-        merged = rows if rows.is_contiguous() else rows.contiguous()
-        torch.distributed.all_reduce(
-            merged, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group
-        )
-        if merged is not rows:
-            rows.copy_(merged)
+        bounds = self.split.bounds
+        # Kept referenced until the gather's output is copied: the gather
+        # may still be reading it.
+        own = topk_indices_buffer[self.start : self.end, :topk].contiguous()
+        merged = get_tp_group().all_gatherv(own, dim=0, sizes=self.split.sizes)
+        topk_indices_buffer[bounds[0] : bounds[-1], :topk] = merged
+
+
+def cp_indexer_merge_bytes(topk_indices_buffer: torch.Tensor | None) -> int:
+    """The merge's largest transient (a rank's rows and the gathered rows)
+    when the split may run, else 0; the profiling run reserves it, since it
+    returns before any merge."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    if (
+        topk_indices_buffer is None
+        or not rocm_aiter_ops.is_cp_indexer_enabled()
+        or not model_parallel_is_initialized()
+        or get_tp_group().world_size < 2
+    ):
+        return 0
+    rows, width = topk_indices_buffer.shape[:2]
+    return 2 * rows * width * topk_indices_buffer.element_size()
