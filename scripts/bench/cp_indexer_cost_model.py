@@ -19,7 +19,7 @@ Decode rows are not split, so decodes in the same step change nothing here.
 (``plan_cp_indexer_split`` with the default stripe size), first with its
 minimum split size set to 0 (the balance of its cut), then as it ships:
 "work split" is the share of the workload's cost in steps that split (the
-rest stays replicated, below ``MIN_SPLIT_KEY_ROWS_PER_RANK``). The previous
+rest stays replicated, below ``MIN_SPLIT_KEY_ROWS``). The previous
 design (mirrored stripes of 512 dealt by row index) is kept for comparison.
 Run it with ``nox -s cost-model``; it writes docs/cp_indexer_cost_model.{md,png}.
 """
@@ -119,15 +119,15 @@ def shipped(minimum: bool) -> Assign:
 
         from vllm.v1.attention.ops import rocm_cp_indexer
 
-        saved = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK
+        saved = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
         if not minimum:
-            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK = 0
+            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS = 0
         try:
             split = rocm_cp_indexer.plan_cp_indexer_split(
                 STRIPE, tp, 0, torch.from_numpy(seq), torch.from_numpy(query), 1
             )
         finally:
-            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK = saved
+            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS = saved
         if split is None:
             return None
         return np.repeat(np.arange(tp), split.sizes)
@@ -183,7 +183,7 @@ def main() -> int:
         "max/mean rank cost, summed over the prefill steps of a workload "
         "(1.00 = perfect). A row costs its causal key count; vLLM's chunked "
         "prefill is walked step by step. Goal: <= 1.05 on every workload, "
-        "tp 2-8. \"work split\" is the share of the workload's cost in steps "
+        'tp 2-8. "work split" is the share of the workload\'s cost in steps '
         "the shipped planner splits (the others are below its minimum split "
         "size and stay replicated).",
         "",
@@ -206,8 +206,7 @@ def main() -> int:
         worst = max(r[3][name] for r in rows)
         where = max(rows, key=lambda r: r[3][name])
         lines.append(
-            f"- {name}: {worst:.3f} ({where[2]}, tp {where[1]}, "
-            f"{where[0]}-token steps)"
+            f"- {name}: {worst:.3f} ({where[2]}, tp {where[1]}, {where[0]}-token steps)"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cp_indexer_cost_model.md").write_text("\n".join(lines) + "\n")

@@ -70,6 +70,10 @@ def make_vllm_config(
         VllmConfig,
     )
 
+    # One GPU standing for one rank of a larger TP group (the single-GPU
+    # benchmarks): vLLM checks the size against the GPUs it sees, so the
+    # size is set after the check.
+    one_gpu = device.startswith("cuda") and torch.cuda.device_count() < tp_size
     config = VllmConfig(
         device_config=DeviceConfig(device=device),
         scheduler_config=SchedulerConfig(
@@ -78,8 +82,10 @@ def make_vllm_config(
             max_model_len=max_len,
             is_encoder_decoder=False,
         ),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        parallel_config=ParallelConfig(tensor_parallel_size=1 if one_gpu else tp_size),
     )
+    if one_gpu:
+        object.__setattr__(config.parallel_config, "tensor_parallel_size", tp_size)
     # Set after construction: VllmConfig adjusts it to the platform.
     config.compilation_config.cudagraph_mode = cudagraph_mode
     # The builder reads only max_model_len from the model config; a real

@@ -28,6 +28,9 @@ class Point:
     num_prompts: int
     warmups: int | None
     seed: int | None
+    # Tokens a prompt carries beyond {isl} (the fresh suffix after a shared
+    # prefix of {isl} tokens); the input-token check counts them.
+    suffix_len: int = 0
 
     @property
     def name(self) -> str:
@@ -55,6 +58,8 @@ class Experiment:
     points: tuple[Point, ...]
     variants: tuple[Variant, ...]
     evals: tuple[tuple[str, ...], ...]
+    # The seeds ran with prefix caching off, and the log check expects it.
+    prefix_caching: bool = False
 
     def serve_command(self, variant: Variant) -> list[str]:
         return [self._fill(a) for a in (*self.serve, *variant.serve)]
@@ -151,6 +156,7 @@ def load_experiment(stage: str, path: Path = SEEDS) -> Experiment:
                         else None
                     ),
                     seed=int(p["seed"]) if "seed" in p else None,
+                    suffix_len=int(p.get("suffix_len", 0)),
                 )
             )
     variants = tuple(
@@ -174,6 +180,7 @@ def load_experiment(stage: str, path: Path = SEEDS) -> Experiment:
         points=tuple(points),
         variants=variants,
         evals=tuple(_strings(e, f"{where}.evals") for e in table.get("evals", [])),
+        prefix_caching=bool(table.get("prefix_caching", False)),
     )
 
 

@@ -199,7 +199,12 @@ def _run_variant(
         server = Server(command, experiment.serve_env(variant), experiment.port, log)
         with server:
             outcomes.append(
-                Outcome(variant.name, "server", log.name, log_problems(log.read_text()))
+                Outcome(
+                    variant.name,
+                    "server",
+                    log.name,
+                    log_problems(log.read_text(), experiment.prefix_caching),
+                )
             )
             for point in experiment.points:
                 outcomes.append(_bench(experiment, point, folder, variant))

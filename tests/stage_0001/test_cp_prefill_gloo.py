@@ -32,7 +32,7 @@ from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
 from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerPrefill  # noqa: E402
 
 TOPK = 16
-SERVING_MINIMUM = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK
+SERVING_MINIMUM = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
 # Chunk at 4,096 logits so that ~100 tokens make several chunks.
 LOGITS = 4096
 
@@ -64,6 +64,8 @@ SCENARIOS = {
 def _replicated(name: str, world_size: int) -> bool:
     """Whether a scenario stays replicated at ``world_size`` ranks."""
     return sum(new for _, new in SCENARIOS[name][0]) < world_size
+
+
 LONG_ROW_LOGITS = 1 << 17
 
 
@@ -74,7 +76,7 @@ def _configure(
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", str(stripe))
     indexer_batch.shrink_logits_budget(monkeypatch, logits)
     # These batches are far below the work that repays a split in serving.
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
 
 
 def _build_all(tp_size: int, cp: bool) -> dict:
@@ -254,9 +256,7 @@ def _build_no_split(world_size: int) -> dict:
                 builder, [(30, 1), (12, 1)], cache_new_keys=True
             )
             # The stage's own minimum split size: this batch is far below it.
-            monkeypatch.setattr(
-                rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", SERVING_MINIMUM
-            )
+            monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", SERVING_MINIMUM)
             batches["below the minimum"] = indexer_batch.build_batch(
                 builder, SCENARIOS["packed sequences"][0], cache_new_keys=True
             )

@@ -34,11 +34,11 @@ def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
     # new tokens over 50 cached ones.
     requests = [(30, 1), (0, 200), (50, 90)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
+        mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
         split = indexer_batch.build_batch(builder, requests).metadata.prefill.cp_split
     assert split is not None and split.bounds[0] == 1 and split.bounds[-1] == 291
     costs = [t + 1 for t in range(200)] + [50 + t + 1 for t in range(90)]
-    bounds = zip(split.bounds, split.bounds[1:])
+    bounds = zip(split.bounds, split.bounds[1:], strict=False)
     per_rank = [sum(costs[a - 1 : b - 1]) for a, b in bounds]
     assert max(per_rank) - min(per_rank) <= 2 * max(costs), per_rank
     # With the stage's own minimum, so small a step stays replicated.

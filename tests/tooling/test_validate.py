@@ -143,12 +143,34 @@ def test_the_seeds_checks():
     point = Point(isl=8192, osl=1024, conc=4, num_prompts=40, warmups=8, seed=None)
     good = {"completed": 40, "failed": 0, "total_input_tokens": 40 * 8192}
     assert result_problems(good, point) == []
-    cached = {**good, "total_input_tokens": 40 * 8192 - 512}
-    assert "a cached prefix" in result_problems(cached, point)[0]
+    short = {**good, "total_input_tokens": 40 * 8192 - 512}
+    assert "a truncated or padded prompt" in result_problems(short, point)[0]
     lost = {**good, "completed": 39, "failed": 1}
     assert result_problems(lost, point) == ["39 of 40 requests completed, 1 failed"]
     assert log_problems("... enable_prefix_caching=False, ...") == []
     assert log_problems("... enable_prefix_caching=True, ...")
+
+
+def test_the_serving_experiments_checks_expect_prefix_caching_and_suffixes():
+    """stage_0001-serving: prefix caching on, prompts of a shared prefix of
+    ISL tokens plus a fresh suffix."""
+    experiment = load_experiment("0001-serving")
+    assert experiment.prefix_caching
+    assert "--enable-prefix-caching" in experiment.serve
+    assert "--no-enable-prefix-caching" not in experiment.serve
+    point = experiment.points[0]
+    assert point.suffix_len == 1024
+    good = {
+        "completed": point.num_prompts,
+        "failed": 0,
+        "total_input_tokens": point.num_prompts * (point.isl + 1024),
+    }
+    assert result_problems(good, point) == []
+    assert result_problems({**good, "total_input_tokens": 0}, point)
+    on, off = "enable_prefix_caching=True", "enable_prefix_caching=False"
+    assert log_problems(on, prefix_caching=True) == []
+    assert log_problems(off, prefix_caching=True)
+    assert not load_experiment("0001").prefix_caching
 
 
 # Reads one streamed completion from the stand-in server, then writes a

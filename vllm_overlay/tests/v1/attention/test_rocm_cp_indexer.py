@@ -65,7 +65,7 @@ def _plan(tp: int, requests, first_row: int = 0, stripe: int = 512, minimum=None
     query = torch.tensor([new for _, new in requests])
     with pytest.MonkeyPatch.context() as mp:
         if minimum is not None:
-            mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", minimum)
+            mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", minimum)
         return plan_cp_indexer_split(stripe, tp, first_row, seq, query, 1)
 
 
@@ -159,9 +159,10 @@ def test_cuts_fall_on_stripes_only_where_that_costs_little():
         (None, 4, [(0, 100000)], False),  # the split is off
         (512, 4, [(10**6, 3)], False),  # fewer prefill rows than ranks
         (512, 8, [(15 * 1024, 64), (0, 1024)], False),  # too little work
-        (512, 2, [(0, 8192)], True),  # a fresh 8K prompt repays it at tp 2
-        (512, 8, [(0, 8192)], False),  # but not at tp 8
-        (512, 8, [(200 * 1024, 4096)], True),  # a long turn does at tp 8
+        (512, 8, [(0, 4096)], False),  # a fresh 4K prompt: 8.4M key-rows
+        (512, 2, [(0, 8192)], True),  # a fresh 8K prompt: 33.6M
+        (512, 8, [(100 * 1024, 512), (0, 8192)], True),  # a turn and a prompt
+        (512, 8, [(200 * 1024, 4096)], True),  # a long turn
     ],
 )
 def test_steps_too_small_to_repay_the_merge_stay_replicated(
@@ -172,7 +173,7 @@ def test_steps_too_small_to_repay_the_merge_stay_replicated(
     plan = plan_cp_indexer_split(stripe, tp, 0, seq, query, 1)
     assert (plan is not None) is splits
     total = sum(_row_costs(requests))
-    big = total >= rocm_cp_indexer.MIN_SPLIT_KEY_ROWS_PER_RANK * tp
+    big = total >= rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
     assert splits is (stripe is not None and big and sum(query.tolist()) >= tp)
 
 
@@ -202,7 +203,7 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
     chunk only with that chunk's keys in its workspace, gathering them only
     when the previous chunk did not leave them there."""
     gen = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS_PER_RANK", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     for case in range(300):
         tp = int(torch.randint(2, 9, (1,), generator=gen))
         decode = int(torch.randint(0, 5, (1,), generator=gen))

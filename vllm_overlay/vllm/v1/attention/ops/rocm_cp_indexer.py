@@ -15,7 +15,7 @@ fresh prompt's row. The cuts fall where the cumulative cost crosses each
 rank's share, as vLLM's CUDA row shard (``balanced_prefill_row_shard``)
 does, moved to a multiple of ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE``
 rows where that costs the balance under 1%.
-A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS_PER_RANK``) stays
+A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
 The plan is made once per step by the indexer metadata builder, from host
@@ -154,12 +154,15 @@ def cp_indexer_stripe_at_startup(
     return stripe
 
 
-# A step whose rows cost less than this per rank (in key-rows: the sum over
-# rows of each row's key count) stays replicated: the merge and the extra
-# launches would cost more than the split saves. An estimate, not yet
-# measured on MI355X: 2^24 is a fresh 8K-token prompt split over 2 ranks,
-# the shortest context at which the seed's benchmark saw the split pay.
-MIN_SPLIT_KEY_ROWS_PER_RANK = 1 << 24
+# A step whose rows cost less than this in all (in key-rows: the sum over
+# rows of each row's key count) stays replicated: the split's extra launches
+# and its merge would cost more than it saves. Bracketed, not pinned down:
+# on one H200 with fast logits and top-k stand-ins (docs/
+# cp_indexer_host_bench.md) a step of 1.5M key-rows ran 0.74-0.78x split,
+# one of 84M 1.44x at tp 2 (and 1.58x at tp 8 under the previous, striped
+# split); the merge's collective and MI355X's kernels are not in those
+# figures.
+MIN_SPLIT_KEY_ROWS = 1 << 24
 # A cut moves to a stripe boundary (a multiple of the stripe size, so that a
 # rank's rows fill whole kernel row tiles) only if that moves no more than
 # 1/ALIGN_SLACK of a rank's share of the cost.
@@ -221,7 +224,7 @@ def plan_cp_indexer_split(
     before = torch.zeros(num_rows + 1, dtype=torch.int64)
     torch.cumsum(key_counts, 0, out=before[1:])
     total = int(before[-1])
-    if total < MIN_SPLIT_KEY_ROWS_PER_RANK * tp_size:
+    if total < MIN_SPLIT_KEY_ROWS:
         return None
     shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
     # Cut at the row boundary whose cost before it is nearest each share.

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stage 0001 on a GPU: the split op makes no synchronizing CUDA call.
+
+vLLM's builder plans a prefill step (a new turn over a cached prefix next to
+a fresh prompt, several chunks, continuation chunks that reuse a gather) for
+two TP ranks; each rank's share of the real ``rocm_aiter_sparse_attn_indexer``
+then runs under ``torch.cuda.set_sync_debug_mode("error")``, which raises on
+any synchronizing call (a ``.item()``, a copy from pageable host memory, a
+``nonzero``). One GPU has no TP group, so the merge's all_gatherv is replaced
+by its local part. The logits and top-k are the fast GPU stand-ins
+(``scripts.harness.fast_indexer_kernels``), which make no sync themselves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from scripts.harness import fast_indexer_kernels, indexer_batch
+from scripts.harness.rocm_platform import emulate_rocm
+from scripts.harness.tree import applied_tree
+
+TREE = applied_tree("0001")
+
+import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op  # noqa: E402
+from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (run on the H200 device)"
+)
+WORLD = 2
+TOPK = 2048
+# A 96-row turn over 6,000 cached tokens, then a fresh 1,500-token prompt.
+REQUESTS = [(6000, 96), (0, 1500)]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    # 8 MiB of logits per chunk: the turn's rows take several chunks.
+    monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "8")
+    monkeypatch.setattr(op, "rocm_fp8_mqa_logits", fast_indexer_kernels.mqa_logits)
+    monkeypatch.setattr(
+        torch.ops._C,
+        "top_k_per_row_prefill",
+        fast_indexer_kernels.top_k_per_row_prefill,
+        raising=False,
+    )
+    group = SimpleNamespace(
+        world_size=WORLD,
+        all_gatherv=lambda own, dim=0, sizes=None: own.new_empty(
+            (sum(sizes), *own.shape[1:])
+        ),
+    )
+    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    monkeypatch.setattr(rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: rank)
+    with emulate_rocm("gfx950"):
+        config = indexer_batch.make_vllm_config(
+            tp_size=WORLD, device="cuda", max_len=8192, max_tokens=2048
+        )
+        builder = indexer_batch.make_builder(config, monkeypatch, "cuda")
+        batch = indexer_batch.build_batch(
+            builder, REQUESTS, heads=32, cache_new_keys=True
+        )
+        assert batch.metadata.prefill.cp_split is not None
+        assert len(batch.metadata.prefill.chunks) >= 3
+        run = lambda: indexer_batch.run_indexer(batch, TOPK, skip_k_cache_insert=True)  # noqa: E731
+        run()  # compile the Triton kernels and grow the workspace first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
