@@ -352,7 +352,9 @@ def test_an_fp4_indexer_cache_keeps_the_prefill_replicated_and_says_so(cp_on):
     ]
     logged.clear()
     assert _at_startup(4) == 512
-    assert logged == ["CP indexer on: 4 TP ranks, cost-balanced row ranges in stripes of 512 rows."]
+    assert logged == [
+        "CP indexer on: 4 TP ranks, cost-balanced row ranges in stripes of 512 rows."
+    ]
 
 
 @pytest.mark.parametrize(

@@ -277,9 +277,7 @@ class CPIndexerPrefill:
             self.start, self.end = self.split.rows_of(get_tensor_model_parallel_rank())
         self._keys_gathered = False  # by the last chunk
 
-    def rows(
-        self, chunk: DeepseekV32IndexerPrefillChunkMetadata
-    ) -> ChunkRows | None:
+    def rows(self, chunk: DeepseekV32IndexerPrefillChunkMetadata) -> ChunkRows | None:
         """This rank's rows of ``chunk``, or None when it scores none of them
         (and skips the chunk's key gather too). Call it for every chunk, in
         order: it tracks whether the workspace holds the previous chunk's keys."""
