@@ -11,7 +11,9 @@ The indexer shape is GLM-5.x / DeepSeek-V3.2's: 32 heads, head dim 128,
 k = 2048, default 512 MiB logits budget per chunk.
 
 Replicated: every rank scores every row (the flag off). Split: the flag on,
-each rank scores its stripes, then one all_reduce(MAX) merges. Times are CUDA
+each rank scores its cost-balanced range of rows, then one all_gatherv
+merges. (docs/cp_indexer_bench_2gpu.md was last made on the previous design,
+stripes merged by all_reduce(MAX); re-running it needs 2 GPUs.) Times are CUDA
 event medians over the runs, per rank; the table takes the slower rank.
 
 Usage (on the device, under scripts/gpu_run.sh; see README "GPU runs"):

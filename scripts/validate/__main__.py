@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m scripts.validate", description=__doc__
     )
-    parser.add_argument("--stage", required=True, help="0001, 0001-serving or 0003 (see seeds.toml)")
+    parser.add_argument(
+        "--stage", required=True, help="0001, 0001-serving or 0003 (see seeds.toml)"
+    )
     parser.add_argument("--config", type=Path, default=SEEDS, help="the matrix file")
     parser.add_argument(
         "--out", type=Path, help="default: build/validate/<stage>-<time>"

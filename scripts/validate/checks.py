@@ -25,10 +25,10 @@ def result_problems(result: dict, point: Point) -> list[str]:
     problems = []
     expected = point.num_prompts * (point.isl + point.suffix_len)
     if result.get("total_input_tokens") != expected:
-        suffix = f" + {point.suffix_len}" if point.suffix_len else ""
+        length = f"(ISL + {point.suffix_len})" if point.suffix_len else "ISL"
         problems.append(
             f"total_input_tokens {result.get('total_input_tokens')} != num_prompts "
-            f"* (ISL{suffix}) = {expected} (a truncated or padded prompt)"
+            f"* {length} = {expected} (a cached prefix or a truncated prompt)"
         )
     completed = result.get("completed")
     failed = result.get("failed", 0)

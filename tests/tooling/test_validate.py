@@ -135,7 +135,9 @@ def test_a_malformed_matrix_is_named(tmp_path):
     bad.write_text(SEEDS.read_text().replace("per_c = 10 }", 'per_c = "ten" }'))
     with pytest.raises(MatrixError, match="per_c and min must be integers"):
         load_experiment("0001", bad)
-    with pytest.raises(MatrixError, match=r"no \[stage_0002\] \(stages: 0001, 0003\)"):
+    with pytest.raises(
+        MatrixError, match=r"no \[stage_0002\] \(stages: 0001, 0001-serving, 0003\)"
+    ):
         load_experiment("0002", SEEDS)
 
 
@@ -144,7 +146,7 @@ def test_the_seeds_checks():
     good = {"completed": 40, "failed": 0, "total_input_tokens": 40 * 8192}
     assert result_problems(good, point) == []
     short = {**good, "total_input_tokens": 40 * 8192 - 512}
-    assert "a truncated or padded prompt" in result_problems(short, point)[0]
+    assert "a cached prefix" in result_problems(short, point)[0]
     lost = {**good, "completed": 39, "failed": 1}
     assert result_problems(lost, point) == ["39 of 40 requests completed, 1 failed"]
     assert log_problems("... enable_prefix_caching=False, ...") == []
