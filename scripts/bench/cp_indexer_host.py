@@ -124,7 +124,8 @@ def _bench(step: list[tuple[int, int]], tp: int, runs: int) -> dict:
             batch = indexer_batch.build_batch(
                 builder, step, heads=HEADS, cache_new_keys=True, torch_context=True
             )
-            split = batch.metadata.prefill.cp_split
+            prefill = batch.metadata.prefill  # type: ignore[attr-defined]
+            split = prefill.cp_split
             if mode == "split" and split is None:
                 result["split"] = None  # below the minimum: stays replicated
                 continue
@@ -163,7 +164,7 @@ def _bench(step: list[tuple[int, int]], tp: int, runs: int) -> dict:
                 )
             result[mode] = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
             result[mode]["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
-            result["chunks"] = len(batch.metadata.prefill.chunks)
+            result["chunks"] = len(prefill.chunks)
     return result
 
 
@@ -263,7 +264,7 @@ def main() -> int:
         "results": results,
     }
     (args.out / f"cp_indexer_host_bench_{label}.json").write_text(
-        json.dumps(payload, indent=1)
+        json.dumps(payload, indent=1) + "\n"
     )
     return 0
 
