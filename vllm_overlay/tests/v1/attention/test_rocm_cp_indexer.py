@@ -177,11 +177,12 @@ def test_steps_too_small_to_repay_the_merge_stay_replicated(
     assert splits is (stripe is not None and big and sum(query.tolist()) >= tp)
 
 
-def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list:
+def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[SimpleNamespace]:
     """A random chunk layout over ``rows`` prefill rows: some chunks are
     later query slices of the previous chunk's request (skip_kv_gather);
     ``keys`` names the request group whose keys a chunk needs gathered."""
-    chunks, start, group = [], first_row, 0
+    chunks: list[SimpleNamespace] = []
+    start, group = first_row, 0
     while start < first_row + rows:
         size = int(torch.randint(1, 40, (1,), generator=gen))
         end = min(start + size, first_row + rows)
