@@ -3,8 +3,15 @@
 
 A prefill row costs about its causal key count (ke - ks): a fresh prompt's
 row t sees t + 1 keys, a new chat turn's row over a cached prefix of P tokens
-sees P + t + 1. For a workload this walks vLLM's chunked prefill step by step
-(each step takes up to ``step tokens`` new tokens from the waiting requests,
+sees P + t + 1. It also costs its chunk's key width W / 8: AITER's logits
+first fill the chunk's whole [rows, W] output with -inf, one element taken
+as 1/8 of a scored key-row (the stage's ``LOGITS_FILL_DIVISOR``, an
+estimate). Chunks are vLLM's logits-budget chunks of a step
+(``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``, 512 MB: requests packed while
+rows x keys x 4 bytes fit, a longer one cut into slices of rows; the
+workspace limit, 40 x max_model_len keys, never binds here). For a
+workload this walks vLLM's chunked prefill step by step (each step takes
+up to ``step tokens`` new tokens from the waiting requests,
 in order, as the scheduler's token budget does), computes each TP rank's
 cost under several assignments and reports max/mean rank cost (1.00 is
 perfect balance), summed over the steps as sum(max) / sum(mean): ranks meet
@@ -29,6 +36,7 @@ from __future__ import annotations
 import platform
 import sys
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -78,12 +86,43 @@ def prefill_steps(
         yield np.array(seq), np.array(query)
 
 
+FILL_DIVISOR = 8
+LOGITS_BUDGET = 512 * 1024 * 1024 // 4  # elements
+
+
 def key_counts(seq: np.ndarray, query: np.ndarray) -> np.ndarray:
     """Each row's causal key count, written from the definition (row t of a
     request with S tokens, Q of them new, sees S - Q + t + 1 keys)."""
     return np.concatenate(
         [np.arange(s - q, s) + 1 for s, q in zip(seq, query, strict=True)]
     )
+
+
+def chunks(seq: np.ndarray, query: np.ndarray) -> list[tuple[int, int, int]]:
+    """The step's logits chunks as (first row, end row, key width)."""
+    out: list[tuple[int, int, int]] = []
+    row = start = 0
+    while start < len(seq):
+        end, rows, width = start, 0, 0
+        while end < len(seq) and (rows + query[end]) * (width + seq[end]) <= (
+            LOGITS_BUDGET
+        ):
+            rows, width, end = rows + query[end], width + seq[end], end + 1
+        if end == start:  # one request alone over the budget
+            rows, width, end = query[start], seq[start], start + 1
+        per_slice = max(1, LOGITS_BUDGET // width)
+        for first in range(0, rows, per_slice):
+            out.append((row + first, row + min(rows, first + per_slice), width))
+        row, start = row + rows, end
+    return out
+
+
+def row_costs(seq: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """Each row's key count plus its share of its chunk's -inf fill."""
+    costs = key_counts(seq, query)
+    for first, end, width in chunks(seq, query):
+        costs[first:end] += width // FILL_DIVISOR
+    return costs
 
 
 # An assignment maps (seq, query, tp) to each row's rank, or None (replicated).
@@ -106,7 +145,7 @@ def mirrored_stripes(seq: np.ndarray, query: np.ndarray, tp: int) -> np.ndarray:
 
 def exact_cost_cut(seq: np.ndarray, query: np.ndarray, tp: int) -> np.ndarray:
     """Contiguous ranges cut where the cumulative cost crosses k/tp."""
-    cumulative = np.cumsum(key_counts(seq, query))
+    cumulative = np.cumsum(row_costs(seq, query))
     cuts = np.searchsorted(cumulative, np.arange(1, tp) * cumulative[-1] / tp)
     return np.searchsorted(cuts, np.arange(len(cumulative)), side="right")
 
@@ -122,9 +161,19 @@ def shipped(minimum: bool) -> Assign:
         saved = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
         if not minimum:
             rocm_cp_indexer.MIN_SPLIT_KEY_ROWS = 0
+        step_chunks = [
+            SimpleNamespace(token_start=a, token_end=b, total_seq_lens=int(w))
+            for a, b, w in chunks(seq, query)
+        ]
         try:
             split = rocm_cp_indexer.plan_cp_indexer_split(
-                STRIPE, tp, 0, torch.from_numpy(seq), torch.from_numpy(query), 1
+                STRIPE,
+                tp,
+                0,
+                torch.from_numpy(seq),
+                torch.from_numpy(query),
+                1,
+                step_chunks,
             )
         finally:
             rocm_cp_indexer.MIN_SPLIT_KEY_ROWS = saved
@@ -150,7 +199,7 @@ def balance(
     of the workload's cost in steps that split)."""
     worst = mean = split_cost = total = 0.0
     for seq, query in prefill_steps(requests, step_tokens):
-        costs = key_counts(seq, query)
+        costs = row_costs(seq, query)
         total += costs.sum()
         owners = assign(seq, query, tp) if len(costs) >= tp else None
         if owners is None:
@@ -181,8 +230,9 @@ def main() -> int:
         "# CP indexer: per-rank cost balance of the row assignment",
         "",
         "max/mean rank cost, summed over the prefill steps of a workload "
-        "(1.00 = perfect). A row costs its causal key count; vLLM's chunked "
-        "prefill is walked step by step. Goal: <= 1.05 on every workload, "
+        "(1.00 = perfect). A row costs its causal key count plus 1/8 of its "
+        "logits chunk's key width (AITER's -inf fill, an estimate); vLLM's "
+        "chunked prefill is walked step by step. Goal: <= 1.05 on every workload, "
         'tp 2-8. "work split" is the share of the workload\'s cost in steps '
         "the shipped planner splits (the others are below its minimum split "
         "size and stay replicated).",

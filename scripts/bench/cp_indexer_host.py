@@ -23,14 +23,19 @@ MI355X times. Run on the previous design's tree too (stage 0001 at commit
 5a047b0) for its figures; each run writes cp_indexer_host_bench_<after or
 before>.json.
 
+With ``--crossover`` it sweeps small steps instead, the split forced on,
+for the minimum split size (cp_indexer_min_split.json).
+
 Usage (on the device, under scripts/gpu_run.sh; see README "GPU runs"):
     python3 -m scripts.bench.cp_indexer_host --out DIR
-then, with both JSON files in docs/:
+    python3 -m scripts.bench.cp_indexer_host --crossover --out DIR
+then, with the JSON files in docs/:
     python -m scripts.bench.cp_indexer_host --report docs
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import json
@@ -91,7 +96,9 @@ def _timed(fn, runs: int) -> dict:
     }
 
 
-def _bench(step: list[tuple[int, int]], tp: int, runs: int) -> dict:
+def _bench(
+    step: list[tuple[int, int]], tp: int, runs: int, force_split: bool = False
+) -> dict:
     import pytest
     import torch
 
@@ -121,11 +128,22 @@ def _bench(step: list[tuple[int, int]], tp: int, runs: int) -> dict:
                 tp_size=tp, device="cuda", max_len=longest + 64, max_tokens=rows
             )
             builder = indexer_batch.make_builder(config, mp, "cuda")
+            if force_split:
+                mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
             batch = indexer_batch.build_batch(
                 builder, step, heads=HEADS, cache_new_keys=True, torch_context=True
             )
             prefill = batch.metadata.prefill  # type: ignore[attr-defined]
             split = prefill.cp_split
+            if hasattr(rocm_cp_indexer, "prefill_row_costs"):
+                costs = rocm_cp_indexer.prefill_row_costs(
+                    torch.tensor([c + q for c, q in step]),
+                    torch.tensor([q for _, q in step]),
+                    1,
+                    prefill.chunks,
+                    0,
+                )
+                result["cost_key_rows"] = int(costs.sum())
             if mode == "split" and split is None:
                 result["split"] = None  # below the minimum: stays replicated
                 continue
@@ -168,6 +186,103 @@ def _bench(step: list[tuple[int, int]], tp: int, runs: int) -> dict:
     return result
 
 
+# The minimum split size's sweep: small steps around it, split forced.
+CROSSOVER: dict[str, list[tuple[int, int]]] = {
+    **{f"fresh {n}K": [(0, n * K)] for n in (1, 2, 3, 4, 6, 8)},
+    **{f"turn 256 over {p}K": [(p * K, 256)] for p in (8, 16, 32, 64)},
+    "turn 64 over 15K + fresh 1K": [(15 * K, 64), (0, K)],
+    "turn 1024 over 16K": [(16 * K, 1024)],
+}
+# The merge's collective, which one GPU cannot run: an all_gather of the
+# rows' top-k (2,048 int32 each) on 2x H200 over NVLink, fitted to
+# docs/cp_indexer_bench_2gpu.json (8K rows 0.23-0.26 ms, 32K 0.59, 64K
+# 1.13-1.16): 0.10 ms + 15.7 ns a row. At tp 8 it is an assumption.
+MERGE_BASE_MS, MERGE_ROW_MS = 0.10, 15.7e-6
+
+
+def step_ms(run: dict) -> float:
+    """A call's time in a forward of many layers: the GPU's or the host's,
+    whichever is longer (with no sync, the host runs ahead of the GPU)."""
+    return max(run["gpu_ms"], run["host_ms"])
+
+
+def crossover_report(docs: Path) -> str:
+    """docs/cp_indexer_min_split.md from the crossover run's JSON."""
+    run = json.loads((docs / "cp_indexer_min_split.json").read_text())
+    lines = [
+        "# CP indexer: the minimum split size",
+        "",
+        "Small serving steps, replicated against split (the split forced on, "
+        "whatever the minimum), on one GPU as in cp_indexer_host_bench.md. A "
+        "call's time is max(GPU ms, host ms): in a forward of 61 indexer "
+        "layers without syncs the host runs ahead, so the longer of the two "
+        "sets the pace. The split adds the merge's collective, which one GPU "
+        f"cannot run: {MERGE_BASE_MS} ms + {MERGE_ROW_MS * 1e6:.1f} ns a row, "
+        "fitted to the all_gather measured on 2x H200 "
+        "(cp_indexer_bench_2gpu.json; at tp 8 an assumption). Cost: the "
+        "step's key-rows as the planner counts them (`prefill_row_costs`). "
+        "Steps this small run about 1 ms, mostly host work (GPU ms close to "
+        "host ms), and medians of 5 calls scatter by tens of percent between "
+        "equal calls: read the bands below, not single rows.",
+        "",
+        f"Hardware and versions: {run['versions']}. Command: `{run['command']}`.",
+        "",
+        "| step | tp | cost (M key-rows) | replicated ms (GPU / host) | "
+        "split ms, slowest rank (GPU / host) | merge ms (model) | "
+        "split / replicated |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    ratios = []
+    for key, result in sorted(
+        run["results"].items(), key=lambda kv: (kv[1]["tp"], kv[1]["cost_key_rows"])
+    ):
+        rep, split = result["replicated"], result["split"]
+        merge = MERGE_BASE_MS + MERGE_ROW_MS * result["rows"]
+        ratio = (step_ms(split) + merge) / step_ms(rep)
+        ratios.append((result["tp"], result["cost_key_rows"], ratio))
+        lines.append(
+            f"| {key.split(' | tp ')[0]} | {result['tp']} | "
+            f"{result['cost_key_rows'] / 1e6:.1f} | "
+            f"{rep['gpu_ms']:.2f} / {rep['host_ms']:.2f} | "
+            f"{split['gpu_ms']:.2f} / {split['host_ms']:.2f} | {merge:.2f} | "
+            f"{ratio:.2f} |"
+        )
+    minimum = shipped_minimum()
+    lines += [
+        "",
+        f"split / replicated, below and from the shipped minimum "
+        f"(`MIN_SPLIT_KEY_ROWS` = {minimum / 1e6:.1f}M key-rows):",
+        "",
+    ]
+    for tp in sorted({r[0] for r in ratios}):
+        for label, picked in (
+            ("below", [r for t, c, r in ratios if t == tp and c < minimum]),
+            ("from", [r for t, c, r in ratios if t == tp and c >= minimum]),
+        ):
+            lines.append(
+                f"- tp {tp}, {label} it: {len(picked)} steps, "
+                f"{min(picked):.2f}-{max(picked):.2f}, median "
+                f"{statistics.median(picked):.2f}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def shipped_minimum() -> int:
+    """``MIN_SPLIT_KEY_ROWS`` as the stage's overlay sets it (read from the
+    source: the report runs without a vLLM tree)."""
+    source = Path(__file__).resolve().parents[2] / (
+        "vllm_overlay/vllm/v1/attention/ops/rocm_cp_indexer.py"
+    )
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MIN_SPLIT_KEY_ROWS"
+            for t in node.targets
+        ):
+            expression = compile(ast.Expression(node.value), "min", "eval")
+            return int(eval(expression, {"__builtins__": {}}))
+    raise SystemExit(f"no MIN_SPLIT_KEY_ROWS in {source}")
+
+
 def report(docs: Path) -> str:
     """docs/cp_indexer_host_bench.md from the two runs' JSON files."""
     runs = {
@@ -194,9 +309,13 @@ def report(docs: Path) -> str:
         "kernel, one torch.topk per chunk); their times are H200 times, not "
         "MI355X times. Their top-k scans each chunk's whole key width for "
         "every row, so a row's cost here has a part proportional to the "
-        "chunk's width, not only to its own key count; AITER's per-row "
-        "kernels read each row's own key range (an assumption for the "
-        "logits kernel, see ../shared/AITER_CONTRACTS.md).",
+        "chunk's width, heavier than AITER's: AITER's logits kernel walks "
+        "each row's own key range (ROCm/aiter "
+        "`aiter/ops/triton/_gluon_kernels/gfx950/attention/fp8_mqa_logits.py`, "
+        "one program per row from `cu_starts` to `cu_ends`) after its wrapper "
+        "fills the chunk's whole logits with -inf, and its top-k reads each "
+        "row's range. The planner weighs that fill "
+        "(`LOGITS_FILL_DIVISOR`), not the stand-in's wider top-k.",
         "",
         f"Hardware and versions: {after['versions']}. Command: "
         f"`{after['command']}`, once on each tree.",
@@ -241,10 +360,37 @@ def report(docs: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def crossover(runs: int) -> dict:
+    """The CROSSOVER steps, split forced, at tp 2 and 8."""
+    results = {}
+    for name, step in CROSSOVER.items():
+        for tp in TPS:
+            result = _bench(step, tp, runs, force_split=True)
+            result["tp"], result["rows"] = tp, sum(q for _, q in step)
+            results[f"{name} | tp {tp}"] = result
+            print(name, tp, result, flush=True)
+    return results
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--report"]:
         docs = Path(sys.argv[2])
         (docs / "cp_indexer_host_bench.md").write_text(report(docs))
+        if (docs / "cp_indexer_min_split.json").exists():
+            (docs / "cp_indexer_min_split.md").write_text(crossover_report(docs))
+        return 0
+    if "--crossover" in sys.argv:
+        sys.argv.remove("--crossover")
+        args = parse_args(__doc__, runs=5)
+        args.out.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "command": command_line("scripts.bench.cp_indexer_host") + " --crossover",
+            "versions": gpu_versions(),
+            "results": crossover(args.runs),
+        }
+        (args.out / "cp_indexer_min_split.json").write_text(
+            json.dumps(payload, indent=1) + "\n"
+        )
         return 0
     args = parse_args(__doc__, runs=5)
     from vllm.v1.attention.ops import rocm_cp_indexer

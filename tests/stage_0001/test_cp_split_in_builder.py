@@ -35,12 +35,22 @@ def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
     requests = [(30, 1), (0, 200), (50, 90)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
-        split = indexer_batch.build_batch(builder, requests).metadata.prefill.cp_split
+        prefill = indexer_batch.build_batch(builder, requests).metadata.prefill
+    split, batch_chunks = prefill.cp_split, prefill.chunks
     assert split is not None and split.bounds[0] == 1 and split.bounds[-1] == 291
-    costs = [t + 1 for t in range(200)] + [50 + t + 1 for t in range(90)]
+    # Key counts, plus one chunk's -inf fill over all 340 keys per row.
+    assert [c.total_seq_lens for c in batch_chunks] == [340]
+    fill = 340 // rocm_cp_indexer.LOGITS_FILL_DIVISOR
+    costs = [t + 1 + fill for t in range(200)] + [50 + t + 1 + fill for t in range(90)]
     bounds = zip(split.bounds, split.bounds[1:], strict=False)
     per_rank = [sum(costs[a - 1 : b - 1]) for a, b in bounds]
     assert max(per_rank) - min(per_rank) <= 2 * max(costs), per_rank
+    # Each cut at the row boundary nearest its share of these costs.
+    before = [sum(costs[:j]) for j in range(len(costs) + 1)]
+    for rank, cut in enumerate(split.bounds[1:-1], start=1):
+        share = rank * before[-1] / 4
+        nearest = min(range(len(before)), key=lambda j: abs(before[j] - share))
+        assert abs(cut - 1 - nearest) <= 1, (rank, cut, nearest)
     # With the stage's own minimum, so small a step stays replicated.
     batch = indexer_batch.build_batch(builder, requests)
     assert batch.metadata.prefill.cp_split is None

@@ -10,6 +10,8 @@ tests patch them. The real op over a TP group, split and merged against the
 flag off, is tested in tests/distributed/test_rocm_cp_indexer_merge.py.
 """
 
+from bisect import bisect_left
+from itertools import accumulate
 from types import SimpleNamespace
 
 import pytest
@@ -59,20 +61,37 @@ def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None) -> int | 
     return cp_indexer_stripe_at_startup(_config(graphs), tp, dcp, pcp)
 
 
+FILL = rocm_cp_indexer.LOGITS_FILL_DIVISOR
+
+
+def _one_chunk(requests, first_row: int = 0) -> list[SimpleNamespace]:
+    """The builder's chunk for requests that fit one: every row, every key."""
+    rows = sum(new for _, new in requests)
+    width = sum(cached + new for cached, new in requests)
+    return [SimpleNamespace(token_start=first_row, token_end=first_row + rows,
+                            total_seq_lens=width)]  # fmt: skip
+
+
 def _plan(tp: int, requests, first_row: int = 0, stripe: int = 512, minimum=None):
-    """The plan for prefill ``requests`` given as (cached tokens, new tokens)."""
+    """The plan for prefill ``requests`` given as (cached tokens, new tokens),
+    all in one chunk."""
     seq = torch.tensor([cached + new for cached, new in requests])
     query = torch.tensor([new for _, new in requests])
+    chunks = _one_chunk(requests, first_row)
     with pytest.MonkeyPatch.context() as mp:
         if minimum is not None:
             mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", minimum)
-        return plan_cp_indexer_split(stripe, tp, first_row, seq, query, 1)
+        return plan_cp_indexer_split(stripe, tp, first_row, seq, query, 1, chunks)
 
 
 def _row_costs(requests) -> list[int]:
-    """Each prefill row's key count, from the causal definition: row t of a
-    request with P cached tokens sees keys 0 .. P + t."""
-    return [cached + t + 1 for cached, new in requests for t in range(new)]
+    """Each prefill row's cost in one chunk, from the definitions: row t of
+    a request with P cached tokens sees keys 0 .. P + t, and every row of
+    the chunk is filled with -inf across all the chunk's keys."""
+    width = sum(cached + new for cached, new in requests)
+    return [
+        cached + t + 1 + width // FILL for cached, new in requests for t in range(new)
+    ]
 
 
 def _rank_costs(split: CPIndexerSplit, requests, first_row: int = 0) -> list[int]:
@@ -88,11 +107,35 @@ def test_key_counts_follow_the_causal_definition():
     seq = torch.tensor([c + n for c, n in requests])
     query = torch.tensor([n for _, n in requests])
     counts = rocm_cp_indexer.prefill_row_key_counts(seq, query, 1)
-    assert counts.tolist() == _row_costs(requests) == [1, 2, 3, 4, 5, 8, 9, 10, 101]
+    assert counts.tolist() == [1, 2, 3, 4, 5, 8, 9, 10, 101]
     # A compressed cache (DeepSeek-V4's pools) counts compressed keys.
     assert rocm_cp_indexer.prefill_row_key_counts(seq, query, 4).tolist() == [
         0, 0, 0, 1, 1, 2, 2, 2, 25
     ]  # fmt: skip
+
+
+def test_rows_pay_for_their_chunks_key_width():
+    """Each row's cost adds its chunk's width, whatever its own key count.
+    On a fresh 16K prompt over 8 ranks, rank 0's rows are the cheapest by
+    key count but as wide as the last: it gets fewer rows than key counts
+    alone would give it (row 5,793), as many as the costs say."""
+    seq, query = torch.tensor([7, 30, 12]), torch.tensor([2, 30, 4])
+    chunks = [
+        SimpleNamespace(token_start=5, token_end=7, total_seq_lens=7),
+        SimpleNamespace(token_start=7, token_end=23, total_seq_lens=37),
+        SimpleNamespace(token_start=23, token_end=37, total_seq_lens=300),
+        SimpleNamespace(token_start=37, token_end=41, total_seq_lens=12),
+    ]
+    costs = rocm_cp_indexer.prefill_row_costs(seq, query, 1, chunks, 5).tolist()
+    keys = [6, 7] + list(range(1, 31)) + [9, 10, 11, 12]
+    widths = [7] * 2 + [37] * 16 + [300] * 14 + [12] * 4
+    assert costs == [k + w // FILL for k, w in zip(keys, widths, strict=True)]
+
+    split = _plan(8, [(0, 16384)], stripe=1, minimum=0)
+    assert split is not None
+    cumulative = list(accumulate(_row_costs([(0, 16384)])))
+    row = bisect_left(cumulative, cumulative[-1] / 8)  # where 1/8 is reached
+    assert abs(split.bounds[1] - row) <= 1 and split.bounds[1] < 5793 - 500
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -142,9 +185,9 @@ def test_contiguous_ranges_cover_the_prefill_rows_after_the_decodes():
 
 
 def test_cuts_fall_on_stripes_only_where_that_costs_little():
-    """16,384 fresh rows over 2 ranks: the balanced cut is near row 11,585.
+    """16,384 fresh rows over 2 ranks: the balanced cut is near row 11,065.
     Stripes of 64 rows move it by at most 32 rows (~0.3% of a share): taken.
-    Stripes of 8,192 rows would move it by ~3,400 rows: not taken."""
+    Stripes of 8,192 rows would move it by ~2,900 rows: not taken."""
     exact = _plan(2, [(0, 16384)], stripe=1, minimum=0)
     assert exact is not None and exact.bounds[1] % 64 != 0
     aligned = _plan(2, [(0, 16384)], stripe=64, minimum=0)
@@ -159,8 +202,8 @@ def test_cuts_fall_on_stripes_only_where_that_costs_little():
         (None, 4, [(0, 100000)], False),  # the split is off
         (512, 4, [(10**6, 3)], False),  # fewer prefill rows than ranks
         (512, 8, [(15 * 1024, 64), (0, 1024)], False),  # too little work
-        (512, 8, [(0, 4096)], False),  # a fresh 4K prompt: 8.4M key-rows
-        (512, 2, [(0, 8192)], True),  # a fresh 8K prompt: 33.6M
+        (512, 8, [(0, 4096)], False),  # a fresh 4K prompt: 10.5M key-rows
+        (512, 2, [(0, 8192)], True),  # a fresh 8K prompt: 41.9M
         (512, 8, [(100 * 1024, 512), (0, 8192)], True),  # a turn and a prompt
         (512, 8, [(200 * 1024, 4096)], True),  # a long turn
     ],
@@ -170,7 +213,7 @@ def test_steps_too_small_to_repay_the_merge_stay_replicated(
 ):
     seq = torch.tensor([c + n for c, n in requests])
     query = torch.tensor([n for _, n in requests])
-    plan = plan_cp_indexer_split(stripe, tp, 0, seq, query, 1)
+    plan = plan_cp_indexer_split(stripe, tp, 0, seq, query, 1, _one_chunk(requests))
     assert (plan is not None) is splits
     total = sum(_row_costs(requests))
     big = total >= rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
@@ -213,8 +256,16 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
         stripe = int(torch.randint(1, 64, (1,), generator=gen))
         chunks = _chunks(gen, decode, rows)
         cached = int(torch.randint(0, 500, (1,), generator=gen))
+        for chunk in chunks:  # query slices of one request: all its keys
+            chunk.total_seq_lens = cached + rows
         split = plan_cp_indexer_split(
-            stripe, tp, decode, torch.tensor([cached + rows]), torch.tensor([rows]), 1
+            stripe,
+            tp,
+            decode,
+            torch.tensor([cached + rows]),
+            torch.tensor([rows]),
+            1,
+            chunks,
         )
         writers = torch.zeros(decode + rows + padding, dtype=torch.int64)
         merges, gathers = [], 0

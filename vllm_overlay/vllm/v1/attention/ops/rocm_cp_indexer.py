@@ -11,10 +11,12 @@ and one all_gatherv per prefill puts every rank's rows into every rank's
 The ranges are balanced by cost, not by row count: a row costs its causal
 key count, which the metadata builder knows on the host (sequence and query
 lengths), and a new chat turn over a long cached prefix costs 10-100x a
-fresh prompt's row. The cuts fall where the cumulative cost crosses each
-rank's share, as vLLM's CUDA row shard (``balanced_prefill_row_shard``)
-does, moved to a multiple of ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE``
-rows where that costs the balance under 1%.
+fresh prompt's row. A row also pays for its chunk's whole key width, which
+AITER's logits fill with -inf before scoring (``LOGITS_FILL_DIVISOR``). The
+cuts fall where the cumulative cost crosses each rank's share, as vLLM's
+CUDA row shard (``balanced_prefill_row_shard``) does, moved to a multiple of
+``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE`` rows where that costs the
+balance under 1%.
 A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
@@ -154,15 +156,25 @@ def cp_indexer_stripe_at_startup(
     return stripe
 
 
-# A step whose rows cost less than this in all (in key-rows: the sum over
-# rows of each row's key count) stays replicated: the split's extra launches
-# and its merge would cost more than it saves. Bracketed, not pinned down:
-# on one H200 with fast logits and top-k stand-ins (docs/
-# cp_indexer_host_bench.md) a step of 1.5M key-rows ran 0.74-0.78x split,
-# one of 84M 1.44x at tp 2 (and 1.58x at tp 8 under the previous, striped
-# split); the merge's collective and MI355X's kernels are not in those
-# figures.
+# A step whose rows cost less than this in all (in key-rows, as
+# ``prefill_row_costs`` counts them) stays replicated: its op is mostly host
+# work, which the split does not shrink, and the merge would be added. On one
+# H200 with fast logits and top-k stand-ins and the merge modelled from the
+# all_gather measured on 2x H200 (measured outside vLLM's tree), split over
+# replicated at tp 2 / tp 8: median 1.07 / 0.90 for steps below it, 0.78 /
+# 0.59 from it. MI355X's kernels and host may move it.
 MIN_SPLIT_KEY_ROWS = 1 << 24
+# AITER's prefill logits (``fp8_mqa_logits``, which vLLM calls with its
+# default clean_logits=True) first fill the chunk's whole [rows, keys] output
+# with -inf (ROCm/aiter aiter/ops/triton/attention/fp8_mqa_logits.py), so
+# each row also costs its chunk's key width, not only its own key range: on
+# a fresh prompt the early rows, cheap by key count, are as wide as the last.
+# One filled element is taken as 1/LOGITS_FILL_DIVISOR of a scored key-row:
+# an estimate from MI355X's peak figures (a 4-byte store at ~6 TB/s against
+# 32 heads x 128 dims of fp8 MFMA, the logits store and the top-k's read per
+# key-row; GLM-5.x's 32 heads, where the fill weighs most: about 1/13 at
+# DeepSeek-V3.2's 64), not a measurement.
+LOGITS_FILL_DIVISOR = 8
 # A cut moves to a stripe boundary (a multiple of the stripe size, so that a
 # rank's rows fill whole kernel row tiles) only if that moves no more than
 # 1/ALIGN_SLACK of a rank's share of the cost.
@@ -199,6 +211,24 @@ def prefill_row_key_counts(
     return (torch.repeat_interleave(first_key, query_lens) + offset) // compress_ratio
 
 
+def prefill_row_costs(
+    seq_lens_cpu: torch.Tensor,
+    query_lens_cpu: torch.Tensor,
+    compress_ratio: int,
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+    num_decode_tokens: int,
+) -> torch.Tensor:
+    """Each prefill row's cost in key-rows, in batch row order after the
+    decodes: its key count plus its part of its chunk's -inf fill (a row
+    in no chunk, which has no compressed key, has no fill)."""
+    costs = prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
+    for chunk in chunks:
+        first = chunk.token_start - num_decode_tokens
+        last = chunk.token_end - num_decode_tokens
+        costs[first:last] += chunk.total_seq_lens // LOGITS_FILL_DIVISOR
+    return costs
+
+
 def plan_cp_indexer_split(
     max_stripe: int | None,
     tp_size: int,
@@ -206,23 +236,26 @@ def plan_cp_indexer_split(
     seq_lens_cpu: torch.Tensor,
     query_lens_cpu: torch.Tensor,
     compress_ratio: int,
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
-    query lengths, on the host, after the decodes), or None to score them
-    replicated: with the split off, or when the step is too small to repay
-    the merge.
+    query lengths, on the host, after the decodes; the builder's chunks of
+    them), or None to score them replicated: with the split off, or when the
+    step is too small to repay the merge.
 
     Called by the indexer metadata builder on every rank with the same host
     inputs, so every rank takes the same decision and the merge matches."""
     if max_stripe is None:
         return None
-    key_counts = prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
-    num_rows = key_counts.numel()
+    costs = prefill_row_costs(
+        seq_lens_cpu, query_lens_cpu, compress_ratio, chunks, num_decode_tokens
+    )
+    num_rows = costs.numel()
     if num_rows < tp_size:
         return None
     # before[j]: the cost of the rows before row j.
     before = torch.zeros(num_rows + 1, dtype=torch.int64)
-    torch.cumsum(key_counts, 0, out=before[1:])
+    torch.cumsum(costs, 0, out=before[1:])
     total = int(before[-1])
     if total < MIN_SPLIT_KEY_ROWS:
         return None
