@@ -42,6 +42,7 @@ from scripts.series.lock import project_lock
 from scripts.series.overview import readme_table_is_current, stage_table
 from scripts.series.pr_check import check_prs
 from scripts.series.prepare import prepare
+from scripts.series.rebase_state import rebase_command
 from scripts.series.refresh import (
     recover_interrupted_refresh,
     refresh,
@@ -367,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         again = (
-            "`rebase --continue` to resume, `rebase --abort` to drop it"
+            f"{rebase_command('--continue')} to resume, "
+            f"{rebase_command('--abort')} to drop it"
             if args.command == "rebase"
             else "the same command again to resume"
         )

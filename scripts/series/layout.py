@@ -94,9 +94,17 @@ def review_dir(series: Series, target: Base) -> Path:
     return series.patches_dir / NEXT_DIR / target.label
 
 
+def aborted_resolutions_dir(series: Series, target: Base) -> Path:
+    """Where an aborted rebase keeps the resolutions made before the abort
+    (under build/: the project stays as it was)."""
+    return rebase_dir(series) / "aborted-resolutions" / target.label
+
+
 def resolution_dirs(series: Series) -> list[Path]:
     """Every set of recorded conflict resolutions (git rerere's rr-cache):
-    those of accepted rebases (patches/resolutions/), then each review's."""
+    those of accepted rebases (patches/resolutions/), then each review's,
+    then those kept by aborted rebases."""
     accepted = series.patches_dir / RESOLUTIONS
     reviews = sorted((series.patches_dir / NEXT_DIR).glob(f"*/{RESOLUTIONS}"))
-    return ([accepted] if accepted.is_dir() else []) + reviews
+    aborted = sorted((rebase_dir(series) / "aborted-resolutions").glob("*"))
+    return ([accepted] if accepted.is_dir() else []) + reviews + aborted

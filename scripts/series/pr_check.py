@@ -147,13 +147,18 @@ def _first_pass(
     else:
         _precommit(cache, tree, names, python, items)
     if pr.stage.vllm_tests:
-        tally = run_pr_tests(python, tree, pr.stage.vllm_tests, tree.parent / "pr.xml")
+        log = tree.parent / "pr.log"
+        tally = run_pr_tests(
+            python, tree, pr.stage.vllm_tests, tree.parent / "pr.xml", log
+        )
         ok = bool(tally.passed) and not tally.failed
         detail = (
             f"{tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped"
         )
         if tally.failures:
             detail += ": " + ", ".join(tally.failures[:5])
+        if tally.first_error:
+            detail += f"; first error: {tally.first_error} (output in {log})"
         tests = ", ".join(pr.stage.vllm_tests)
         items.append(Item(f"its tests with plain pytest ({tests})", ok, detail))
 

@@ -47,6 +47,7 @@ from scripts.series.layout import (
     BASE_REF,
     REBASE_OLD_REF,
     REBASED_BRANCH,
+    aborted_resolutions_dir,
     rebase_dir,
     resolution_dirs,
     workdir,
@@ -59,6 +60,7 @@ from scripts.series.rebase_state import (
     StageReport,
     format_report,
     load_state,
+    rebase_command,
     save_state,
     state_file,
     target_dict,
@@ -67,7 +69,7 @@ from scripts.series.rebase_state import (
 )
 from scripts.series.review import series_digest, write_review
 from scripts.series.state import read_chain
-from scripts.series.testrun import TreeTester, probe_paths
+from scripts.series.testrun import TreeTester, check_log, probe_paths
 
 
 def start(
@@ -82,8 +84,9 @@ def start(
     without it is left out; the stages in ``drop`` are left out on request."""
     if state_file(series).exists():
         raise SeriesError(
-            "a rebase is already in progress; finish it with `rebase --continue`, "
-            "or drop it with `rebase --abort`"
+            "a rebase is already in progress; finish it with "
+            f"{rebase_command('--continue')}, or drop it with "
+            f"{rebase_command('--abort')}"
         )
     if target == series.base:
         raise SeriesError(f"the series is already on {target.label}")
@@ -285,15 +288,19 @@ def _stage_problem(
         return f"does not import: {failure}"
     tallies = []
     if (series.tests_dir / stage.tests).is_dir():  # config names the folder
-        tallies.append(
-            ("its tests", tester.pytest(series, repo, claimed, [stage.tests]))
-        )
+        tally = tester.pytest(series, repo, claimed, [stage.tests])
+        tallies.append(("its tests", tally, check_log(repo, "tests")))
     if stage.vllm_tests:
-        tallies.append(("its PR's tests", tester.pr_tests(repo, stage.vllm_tests)))
-    for what, tally in tallies:
+        tally = tester.pr_tests(repo, stage.vllm_tests)
+        tallies.append(("its PR's tests", tally, check_log(repo, "pr-tests")))
+    for what, tally, log in tallies:
         if tally.failed or not tally.passed:
             failed = ", ".join(tally.failures[:5]) or "no test passed"
-            return f"{what} fail on the target ({tally.failed} failed: {failed})"
+            first = f"; first error: {tally.first_error}" if tally.first_error else ""
+            return (
+                f"{what} fail on the target ({tally.failed} failed: {failed}"
+                f"{first}; output in {log})"
+            )
     return None
 
 
@@ -316,8 +323,9 @@ def _stop_unless_checked(
     print(format_report(state.reports))
     raise SeriesError(
         f"stage {stage.id} merged onto the target but {problem}. Fix it in {repo} "
-        "(the stage is its HEAD commit), then `rebase --continue`; or "
-        "`--continue --drop " + stage.id + "`, or `rebase --abort`"
+        f"(the stage is its HEAD commit), then {rebase_command('--continue')}; "
+        f"or {rebase_command('--continue --drop ' + stage.id)}, or "
+        f"{rebase_command('--abort')}"
     )
 
 
@@ -365,12 +373,34 @@ def _touches_vllm(series: Series, repo: Path) -> bool:
 
 
 def abort(series: Series) -> None:
-    """Drop the rebase in progress: its work area and record, nothing else."""
+    """Drop the rebase in progress: its work area and record, nothing else.
+    The conflict resolutions made so far (also one resolved but not yet
+    continued) are kept under build/ and replay on the next rebase."""
     state = load_state(series)
-    label = target_from(state.target).label
-    shutil.rmtree(rebase_dir(series) / label, ignore_errors=True)
+    target = target_from(state.target)
+    repo = work_repo(series, state)
+    kept = ""
+    if (repo / ".git" / "rr-cache").is_dir():
+        git(repo, "rerere", check=False)  # records a resolution not continued
+        resolved = [
+            entry
+            for entry in (repo / ".git" / "rr-cache").iterdir()
+            if (entry / "postimage").is_file()
+        ]
+        if resolved:
+            out = aborted_resolutions_dir(series, target)
+            for entry in resolved:
+                shutil.copytree(entry, out / entry.name, dirs_exist_ok=True)
+            kept = (
+                f"; {len(resolved)} conflict resolution(s) kept in "
+                f"{out.relative_to(series.root)}, replayed by the next rebase"
+            )
+    shutil.rmtree(rebase_dir(series) / target.label, ignore_errors=True)
     state_file(series).unlink()
-    print(f"rebase onto {label} aborted; the series and its tree are as before")
+    print(
+        f"rebase onto {target.label} aborted; the series and its tree are as "
+        f"before{kept}"
+    )
 
 
 def _run(
@@ -403,9 +433,10 @@ def _run(
             )
             raise SeriesError(
                 f"stage {stage.id} has conflicts; resolve them in {repo} (the files "
-                f"listed as conflicted above){todo}; then run `rebase --continue` "
-                "(or `--continue --drop STAGE` to leave the stage out), or "
-                "`rebase --abort` to drop the rebase"
+                f"listed as conflicted above){todo}; then run "
+                f"{rebase_command('--continue')} (or "
+                f"{rebase_command('--continue --drop ' + stage.id)} to leave the "
+                f"stage out), or {rebase_command('--abort')} to drop the rebase"
             )
         state.next += 1
         save_state(series, state)
@@ -416,7 +447,7 @@ def _run(
     print(format_report(state.reports))
     print(
         f"rebased series written for review to {out}; test it with "
-        "`nox -s rebased`, adopt it with `rebase --accept`"
+        f"`nox -s rebased`, adopt it with {rebase_command('--accept')}"
     )
     return state.reports
 
@@ -447,6 +478,8 @@ def _rebase_stage(
             )
             return report
         report.evidence = f"upstream probe without it: {passed} passed, {failed} failed"
+        if probe.first_error:
+            report.evidence += f" (first: {probe.first_error})"
     hunks = read_patch(patch).hunks
     before = {id(h): _hunk_on(repo, h) for h in hunks}
     overlays_present = all(

@@ -14,6 +14,11 @@ from scripts.series.config import Base, GitBase, SdistBase, Series
 from scripts.series.layout import rebase_dir
 
 
+def rebase_command(args: str) -> str:
+    """How a user types ``rebase ARGS``: through nox, as the README does."""
+    return f"`nox -s rebase -- {args}`"
+
+
 @dataclass
 class HunkReport:
     path: str
@@ -64,7 +69,11 @@ def target_from(data: dict[str, str]) -> Base:
 def load_state(series: Series) -> RebaseState:
     path = state_file(series)
     if not path.exists():
-        raise SeriesError("no rebase in progress; start one with `rebase <target>`")
+        raise SeriesError(
+            "no rebase in progress; start one with "
+            f"{rebase_command('--version RELEASE --sha256 SHA256')} or "
+            f"{rebase_command('--git PATH --rev REV')}"
+        )
     raw = json.loads(path.read_text())
     reports = [
         StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})

@@ -178,18 +178,22 @@ def pr_tests_run(row: str, tree: Path, paths: Sequence[str], junit: Path) -> Pyt
     )
 
 
-def run_pr_tests(python: str, tree: Path, paths: Sequence[str], junit: Path) -> Tally:
-    """Run ``pr_tests_run`` now, quietly, with ``python``; its results."""
+def run_pr_tests(
+    python: str, tree: Path, paths: Sequence[str], junit: Path, log: Path
+) -> Tally:
+    """Run ``pr_tests_run`` now, its output to ``log``, with ``python``; its
+    results."""
     junit.unlink(missing_ok=True)
     run = pr_tests_run("check", tree, paths, junit)
-    subprocess.run(
-        [python, "-m", "pytest", *run.args],
-        env={**os.environ, **run.env},
-        cwd=tree,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        check=False,
-    )
+    with log.open("w") as out:
+        subprocess.run(
+            [python, "-m", "pytest", *run.args],
+            env={**os.environ, **run.env},
+            cwd=tree,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
     return read_junit(junit)
 
 
@@ -221,6 +225,7 @@ class Tally:
     skip_reasons: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     timings: list[RunTiming] = field(default_factory=list)
+    first_error: str = ""  # the first failure's message, one line
 
     def add(self, other: Tally) -> None:
         self.passed += other.passed
@@ -229,6 +234,7 @@ class Tally:
         self.skip_reasons.update(other.skip_reasons)
         self.failures += other.failures
         self.timings += other.timings
+        self.first_error = self.first_error or other.first_error
 
 
 def format_timings(rows: list[tuple[str, Tally]], wall_s: float) -> str:
@@ -264,9 +270,14 @@ def read_junit(path: Path, modules: Sequence[str] = ()) -> Tally:
         ):
             continue
         name = f"{classname}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
             tally.failed += 1
             tally.failures.append(name)
+            if not tally.first_error:
+                tally.first_error = _one_line(problem)
         elif (skip := case.find("skipped")) is not None:
             tally.skipped += 1
             reason = (skip.get("message") or "no reason given").strip()
@@ -281,6 +292,17 @@ def read_junit(path: Path, modules: Sequence[str] = ()) -> Tally:
             tally.failed += errors - listed
             tally.failures.append(f"{path.name}: {errors - listed} collection error(s)")
     return tally
+
+
+def _one_line(problem: ET.Element) -> str:
+    """A failure's cause in one line: pytest's last ``E`` line (the raised
+    error, also for a module that fails to collect), else its message."""
+    lines = (problem.text or "").splitlines()
+    raised = [line[1:].strip() for line in lines if line.startswith("E ")]
+    if raised and raised[-1]:
+        return raised[-1]
+    message = (problem.get("message") or "").strip().splitlines()
+    return message[-1] if message else ""
 
 
 def format_summary(
@@ -461,6 +483,12 @@ def run_tests(
     return TestResults(list(rows.items()), reused, len(runs), wall_s)
 
 
+def check_log(repo: Path, kind: str) -> Path:
+    """The output of the last ``kind`` test run ("tests" or "pr-tests") on a
+    rebase repo's tree."""
+    return repo.parent / f"check-{kind}.log"
+
+
 def probe_paths(stage: Stage) -> tuple[str, ...]:
     return stage.upstream_probe or (stage.tests,)
 
@@ -493,10 +521,13 @@ class TreeTester:
     def pytest(
         self, series: Series, repo: Path, stages: list[str], paths: Sequence[str]
     ) -> Tally:
-        """``paths`` (under tests/) on the tree, claimed to hold ``stages``."""
+        """``paths`` (under tests/) on the tree, claimed to hold ``stages``.
+        Its output goes to ``check_log(repo, "tests")``, not to the terminal:
+        a probe is expected to fail, and the report says what it needs to."""
         junit = repo.parent / "check.xml"
         junit.unlink(missing_ok=True)
-        with self._checkout(repo) as tree:
+        log_file = check_log(repo, "tests")
+        with self._checkout(repo) as tree, log_file.open("w") as log:
             subprocess.run(
                 [
                     self.python,
@@ -510,6 +541,8 @@ class TreeTester:
                 ],
                 env=self._env(tree, stages),
                 cwd=series.root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 check=False,
             )
         return read_junit(junit)
@@ -518,7 +551,13 @@ class TreeTester:
         """``paths`` (tests the stages add to vLLM's tests/) on the tree,
         with plain pytest from its root."""
         with self._checkout(repo) as tree:
-            return run_pr_tests(self.python, tree, paths, repo.parent / "check-pr.xml")
+            return run_pr_tests(
+                self.python,
+                tree,
+                paths,
+                repo.parent / "check-pr.xml",
+                check_log(repo, "pr-tests"),
+            )
 
     def imports(
         self, series: Series, repo: Path, stages: list[str], modules: Sequence[str]

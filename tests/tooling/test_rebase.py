@@ -141,6 +141,28 @@ def test_recorded_resolution_is_replayed(two_stages):
     }
 
 
+def test_abort_keeps_a_hand_resolution_for_the_next_rebase(two_stages, capsys):
+    """A conflict resolved in the work repo, then --abort instead of
+    --continue: the project is as before, and the next rebase replays that
+    resolution rather than asking for it again."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    before = _snapshot(two_stages)
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    rebase.abort(two_stages.series())
+    assert "1 conflict resolution(s) kept in build/rebase/" in capsys.readouterr().out
+    assert _snapshot(two_stages) == before
+    assert not _work_repo(two_stages).exists()
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    assert load_state(two_stages.series()).reports[0].outcome == (
+        "conflicted, recorded resolution replayed"
+    )
+
+
 def test_abort_restores_everything(two_stages):
     target = _target(
         two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
