@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,9 +49,27 @@ STAGE_IDS = _stages.stdout.split()
 REBASED = sorted((ROOT / "patches" / "next").glob("*/series.toml"))
 REQUIREMENTS = ROOT / "tests" / "requirements-cpu.txt"
 
-nox.options.default_venv_backend = "uv|virtualenv"
+# uv where it is installed; plain virtualenv otherwise (nox's "uv|virtualenv"
+# fallback prints "uv binary not found" at every session).
+nox.options.default_venv_backend = "uv" if shutil.which("uv") else "virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["apply-and-test"]
+
+
+def _note_if_uncommitted(session: nox.Session, series_file: Path) -> None:
+    """A review under patches/next/ that git does not track is run here but
+    not in CI (a clean clone): say so, not to sweep it in unnoticed."""
+    tracked = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "--error-unmatch", str(series_file)],
+        capture_output=True,
+        check=False,
+    )
+    if tracked.returncode != 0:
+        folder = series_file.parent.relative_to(ROOT)
+        session.warn(
+            f"{folder}/ is not committed: it runs here, but CI (a clean clone) "
+            "does not see it; commit it, or delete it if it is a leftover"
+        )
 
 
 def _series(session: nox.Session, *args: str, series: Path = SERIES_FILE) -> None:
@@ -192,6 +211,7 @@ def rebased(session: nox.Session) -> None:
     if not REBASED:
         session.skip("no rebased series under patches/next/")
     for series_file in REBASED:
+        _note_if_uncommitted(session, series_file)
         _series(session, "apply", series=series_file)
         _install_cpu_deps(session, series_file)
         _series(session, "test", *_test_args(session), series=series_file)
@@ -252,6 +272,8 @@ def export(session: nox.Session) -> None:
     -- --signoff 'NAME <EMAIL>' (default: your git identity)."""
     python = str(Path(session.virtualenv.location) / "bin" / "python")
     for series_file in (SERIES_FILE, *REBASED):
+        if series_file != SERIES_FILE:
+            _note_if_uncommitted(session, series_file)
         _series(session, "apply", series=series_file)
         _install_cpu_deps(session, series_file)
         _series(
@@ -266,8 +288,9 @@ def export(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def refresh(session: nox.Session) -> None:
-    """Write patches/ and vllm_overlay/ from the work tree's stage commits."""
-    _series(session, "refresh")
+    """Write patches/ and vllm_overlay/ from the work tree's stage commits
+    (-- --into-top: edits to a lower stage's lines go to the top stage)."""
+    _series(session, "refresh", *session.posargs)
 
 
 @nox.session(venv_backend="none")

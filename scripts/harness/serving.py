@@ -81,11 +81,16 @@ def port_is_free(port: int) -> bool:
 
 
 def write_matrix(
-    folder: Path, port: int, bench: list[str], points: str, variants: str
+    folder: Path,
+    port: int,
+    bench: list[str],
+    points: str,
+    variants: str,
+    evals: list[list[str]] = (),  # type: ignore[assignment]
 ) -> Path:
     """A stage-0001 matrix file serving the stand-in on ``port``, with the
-    given bench command (placeholders as in seeds.toml) and TOML ``points``
-    and ``variants`` arrays."""
+    given bench command (placeholders as in seeds.toml), TOML ``points``
+    and ``variants`` arrays, and eval commands."""
     server = folder / "server.py"
     server.write_text(SERVER)
     matrix = folder / "matrix.toml"
@@ -97,6 +102,7 @@ def write_matrix(
         f"bench = {json.dumps(bench)}",
         f"points = {points}",
         f"variants = {variants}",
+        f"evals = {json.dumps([list(e) for e in evals])}",
     ]
     matrix.write_text("\n".join(lines) + "\n")
     return matrix

@@ -11,6 +11,7 @@ at the last good stage. Uncommitted edits are never overwritten.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from scripts.series.git import (
     commit_verbatim,
     git,
     rev_parse,
+    untracked_files,
 )
 from scripts.series.layout import SERIES_BRANCH, SERIES_REF, stage_tag
 from scripts.series.patchfile import failing_hunk, read_patch
@@ -46,11 +48,15 @@ def refuse_if_dirty(repo: Path) -> None:
     if not changed:
         return
     shown = "\n  ".join(changed[:10]) + ("\n  ..." if len(changed) > 10 else "")
+    tree = shlex.quote(str(repo))
+    drop = f"`git -C {tree} checkout -- .`"
+    if untracked_files(repo):
+        drop = f"`git -C {tree} checkout -- . && git -C {tree} clean -fd`"
     raise SeriesError(
         f"{repo} has uncommitted edits; refusing to touch it:\n  {shown}\n"
         "To keep them as part of the top stage, run "
         "`python -m scripts.series refresh` (or `nox -s refresh`); to keep them "
-        "aside, `git -C <tree> stash`; to drop them, `git -C <tree> checkout -- .`"
+        f"aside, `git -C {tree} stash --include-untracked`; to drop them, {drop}"
     )
 
 
@@ -152,10 +158,23 @@ def refuse_foreign_branch(repo: Path, chain: Chain) -> None:
 def _refuse_foreign_head(repo: Path, chain: Chain) -> None:
     head = rev_parse(repo, "HEAD")
     if head not in _stage_commits(repo, chain):
+        branch = git(repo, "symbolic-ref", "-q", "--short", "HEAD", check=False)
+        tree = shlex.quote(str(repo))
+        if branch.stdout.decode().strip() == SERIES_BRANCH:
+            move = (
+                f"keep them on a branch of their own and put {SERIES_BRANCH} back "
+                f"on the stages: `git -C {tree} branch my-work && git -C {tree} "
+                f"checkout -B {SERIES_BRANCH} {chain.tip[:12]}`"
+            )
+        else:
+            move = (
+                f"leave them where they are and check the stages out again: "
+                f"`git -C {tree} checkout {SERIES_BRANCH}`"
+            )
         raise SeriesError(
             f"{repo}: HEAD ({head and head[:12]}) is not a stage commit: it has "
             "commits on top of the series. Turn them into stages with "
-            "`python -m scripts.series refresh`, or move them to another branch."
+            f"`python -m scripts.series refresh`, or {move}; then run again."
         )
     refuse_foreign_branch(repo, chain)
 
@@ -227,12 +246,21 @@ def apply(
 
     keep = min(chain.current, len(target))
     start = chain.applied[keep - 1][1] if keep else chain.base
-    if rev_parse(repo, "HEAD") != start or rev_parse(repo, SERIES_REF) != start:
+    head = rev_parse(repo, "HEAD")
+    if head != start or rev_parse(repo, SERIES_REF) != start:
         git(repo, "checkout", "-q", "-B", SERIES_BRANCH, start)
     parent = start
     for stage in target[:keep]:
         if not quiet:
             print(f"stage {stage.id}: up to date")
+    above = [s.id for s, commit in chain.applied[keep : chain.current]]
+    was = next((s.id for s, commit in chain.applied if commit == head), None)
+    if not quiet and len(target) == keep and was in above:
+        now = target[-1].id if target else "the base"
+        print(
+            f"moved the tree from stage {was} down to {now}; "
+            f"{', '.join(above)} stay recorded and return with the next apply"
+        )
     for stage in target[keep:]:
         parent = _apply_stage(series, repo, stage, parent)
         if not quiet:

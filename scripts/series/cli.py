@@ -93,7 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     app = sub.add_parser("apply", help="apply the stages, one commit each")
     app.add_argument("--upto", help="stop after this stage ('base' for none)")
     app.add_argument("--offline", action="store_true")
-    sub.add_parser("refresh", help="write patches/ and vllm_overlay/ from the tree")
+    refresh_cmd = sub.add_parser(
+        "refresh", help="write patches/ and vllm_overlay/ from the tree"
+    )
+    refresh_cmd.add_argument(
+        "--into-top",
+        action="store_true",
+        help="take uncommitted edits to lines a lower stage adds into the top stage",
+    )
     sub.add_parser(
         "check",
         help="fail if patch files differ from a fresh export, or a hunk is "
@@ -392,7 +399,7 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         repo = apply(series, args.upto, offline=args.offline)
         print(f"work tree: {repo}")
     elif args.command == "refresh":
-        written = refresh(series)
+        written = refresh(series, into_top=args.into_top)
         print("refreshed: " + (", ".join(s.id for s in written) or "no change"))
     elif args.command == "check":
         stale = stale_files(series)

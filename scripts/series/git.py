@@ -112,6 +112,12 @@ def changed_files(repo: Path) -> list[str]:
     return [e[3:] for e in entries if len(e) > 3]
 
 
+def untracked_files(repo: Path) -> list[str]:
+    """Files git does not track and does not ignore."""
+    out = git(repo, "ls-files", "-z", "--others", "--exclude-standard")
+    return [e for e in out.stdout.decode().split("\0") if e]
+
+
 def rev_parse(repo: Path, ref: str) -> str | None:
     """The commit ``ref`` names, or None if it names none."""
     return _peeled(repo, ref, "commit")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TextIO
 
 from scripts.series import SeriesError
 from scripts.series.config import Series
@@ -36,8 +38,7 @@ def project_lock(series: Series, command: str) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another command"
+            holder = _holder(handle)
             print(
                 f"waiting for {holder} to finish (it holds {path})...",
                 file=sys.stderr,
@@ -49,3 +50,14 @@ def project_lock(series: Series, command: str) -> Iterator[None]:
         handle.write(f"`python -m scripts.series {command}` (pid {os.getpid()})")
         handle.flush()
         yield
+
+
+def _holder(handle: TextIO) -> str:
+    """The command named in the lock file. A holder that has just taken the
+    lock writes its name a moment later, so an empty file is read again."""
+    for _ in range(20):
+        handle.seek(0)
+        if holder := handle.read().strip():
+            return holder
+        time.sleep(0.05)
+    return "another command"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -133,6 +134,62 @@ def _refuse_cross_stage_overlay_edits(
                 )
 
 
+_HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? ")
+
+
+def _refuse_edits_to_lower_stages(
+    series: Series, repo: Path, commits: list[tuple[Stage, str]]
+) -> None:
+    """Uncommitted edits go to the top stage. An edit that changes or removes
+    lines a lower stage added would silently become a hunk of the top stage,
+    so it stops here, naming the stage that owns the lines (``git blame``);
+    ``--into-top`` takes it into the top stage on purpose."""
+    top = commits[-1][0]
+    owner_of = {commit: stage for stage, commit in commits[:-1]}
+    overlays = {path for stage in series.stages for path in stage.overlays}
+    diff = git(repo, "diff", "-U0", "--no-renames", "HEAD").stdout.decode()
+    found: dict[tuple[str, str], list[int]] = {}
+    path = None
+    for line in diff.splitlines():
+        if line.startswith("--- "):
+            path = line[6:] if line.startswith("--- a/") else None
+        elif path and path not in overlays and (match := _HUNK_HEADER.match(line)):
+            start, count = int(match.group(1)), int(match.group(2) or 1)
+            if count == 0:
+                continue  # lines only added: the top stage's
+            blame = git(
+                repo,
+                "blame",
+                "--porcelain",
+                "-L",
+                f"{start},+{count}",
+                "HEAD",
+                "--",
+                path,
+            ).stdout.decode()
+            for entry in blame.splitlines():
+                fields = entry.split()
+                if len(fields) >= 3 and len(fields[0]) == 40 and fields[0] in owner_of:
+                    stage = owner_of[fields[0]]
+                    found.setdefault((path, stage.id), []).append(int(fields[2]))
+    if not found:
+        return
+    where = "; ".join(
+        f"{path} line{'s' if len(lines) > 1 else ''} "
+        f"{min(lines)}{f'-{max(lines)}' if len(lines) > 1 else ''}: stage {stage_id}"
+        for (path, stage_id), lines in sorted(found.items())
+    )
+    first = sorted(found)[0][1]
+    raise SeriesError(
+        f"the uncommitted edits change lines that a lower stage adds ({where}), "
+        f"and would go into stage {top.id} as new hunks. To change the stage "
+        f"that owns them, make the edit there: stash it, `apply --upto {first}`, "
+        "edit, `refresh`, then `apply`. To have stage "
+        f"{top.id} change them on purpose, run `refresh --into-top`. Nothing "
+        "was written."
+    )
+
+
 def _stages_below_head(repo: Path, chain: Chain) -> list[tuple[Stage, str]]:
     """The recorded stage commits that HEAD builds on (a prefix of the chain)."""
 
@@ -153,7 +210,7 @@ def _stages_below_head(repo: Path, chain: Chain) -> list[tuple[Stage, str]]:
     return below
 
 
-def refresh(series: Series) -> list[Stage]:
+def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
     """Turn the work tree's state into patch files; return the stages changed.
 
     It works on the stages HEAD builds on, so the tree may be at an earlier
@@ -162,9 +219,11 @@ def refresh(series: Series) -> list[Stage]:
     It refuses when patches/ or vllm_overlay/ changed since the tree was
     applied: the tree is then older than those files.
     Uncommitted edits go to the top stage, except edits to an overlay module,
-    which go to the stage that owns it. Afterwards the stages are re-applied
-    from the new files, and the result must equal the tree that was exported;
-    that state stays at refs/dsa-series/before-refresh either way.
+    which go to the stage that owns it; an edit to lines a lower stage adds
+    is refused, naming that stage, unless ``into_top``. Afterwards the
+    stages are re-applied from the new files, and the result must equal the
+    tree that was exported; that state stays at refs/dsa-series/before-refresh
+    either way.
     """
     from scripts.series.apply import refuse_foreign_branch
 
@@ -203,6 +262,8 @@ def refresh(series: Series) -> list[Stage]:
     if not commits:
         raise SeriesError("nothing to refresh: no stage is applied")
     _refuse_cross_stage_overlay_edits(series, repo, commits)
+    if not into_top:
+        _refuse_edits_to_lower_stages(series, repo, commits)
     refuse_foreign_branch(repo, chain)
     journal = _Journal.begin(series, repo, commits)
     try:

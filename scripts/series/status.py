@@ -15,7 +15,9 @@ from scripts.series.state import read_chain
 class StageStatus:
     id: str
     title: str
-    state: str  # "applied", "stale" (inputs changed since), "not applied"
+    # "applied", "above HEAD" (recorded, current, not in the tree now),
+    # "stale" (inputs changed since), "not applied"
+    state: str
     commit: str | None
 
 
@@ -45,6 +47,8 @@ def tree_status(series: Series) -> TreeStatus:
             rows.append(StageStatus(stage.id, stage.title, "not applied", None))
             continue
         state = "applied" if index < chain.current else "stale"
+        if head_stage is not None and state == "applied":
+            state = "above HEAD"  # HEAD is an earlier stage (or the base)
         rows.append(StageStatus(stage.id, stage.title, state, commit))
         if commit == head:
             head_stage = stage.id

@@ -545,7 +545,10 @@ class TreeTester:
                 stderr=subprocess.STDOUT,
                 check=False,
             )
-        return read_junit(junit)
+        tally = read_junit(junit)
+        # Paths in the checkout, which is gone after this, as the tree's own.
+        tally.first_error = tally.first_error.replace(f"{tree}/", "")
+        return tally
 
     def pr_tests(self, repo: Path, paths: Sequence[str]) -> Tally:
         """``paths`` (tests the stages add to vLLM's tests/) on the tree,

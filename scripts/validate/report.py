@@ -54,15 +54,28 @@ def kv_cache_tokens(folder: Path) -> int | None:
     return int(found.group(1).replace(",", "")) if found else None
 
 
+# sglang's run_eval prints its result as "Score: 0.xxx"
+# (sgl-project/sglang python/sglang/test/run_eval.py, commit 01e58e4f, line
+# ~310) and writes no file the kit can name, so its score is read from the
+# output the kit keeps (eval-<i>-<task>.log).
+_RUN_EVAL_SCORE = re.compile(r"^Score: ([0-9.]+)$", re.MULTILINE)
+
+
 def accuracy(folder: Path) -> dict[str, float]:
     """{"task metric": value} from the lm_eval results files under a variant's
-    folder (``--output_path``), standard errors left out."""
+    folder (``--output_path``), standard errors left out, and from the kept
+    output of each sglang run_eval ("gpqa score")."""
     scores: dict[str, float] = {}
     for path in sorted(folder.rglob("results_*.json")):
         for task, metrics in json.loads(path.read_text()).get("results", {}).items():
             for name, value in metrics.items():
                 if isinstance(value, float | int) and "stderr" not in name:
                     scores[f"{task} {name}"] = float(value)
+    for log in sorted(folder.glob("eval-*-*.log")):
+        found = _RUN_EVAL_SCORE.findall(log.read_text(errors="replace"))
+        if found:
+            task = log.stem.split("-", 2)[2]
+            scores[f"{task} score"] = float(found[-1])
     return scores
 
 

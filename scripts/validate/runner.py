@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -212,8 +213,11 @@ def _run_variant(
                     outcomes[-1].problems.append("the server died during this run")
                     return outcomes
             for index, command in enumerate(experiment.eval_commands(folder)):
-                problems = _run(command, {**os.environ, **experiment.env})
-                outcomes.append(Outcome(variant.name, f"eval {index}", None, problems))
+                log = folder / f"eval-{index}-{eval_name(command)}.log"
+                problems = _run(command, {**os.environ, **experiment.env}, log)
+                outcomes.append(
+                    Outcome(variant.name, f"eval {index}", log.name, problems)
+                )
     except ServerError as exc:
         outcomes.append(Outcome(variant.name, "server", log.name, [str(exc)]))
     return outcomes
@@ -235,6 +239,29 @@ def _bench(
     return outcome
 
 
+def _run_logged(
+    command: list[str], env: dict[str, str] | None, log: Path
+) -> subprocess.CompletedProcess:
+    """``command`` with its output copied, line by line, to ``log`` and to
+    the terminal (an eval takes hours: its progress stays visible)."""
+    with (
+        log.open("w") as out,
+        subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        ) as process,
+    ):
+        assert process.stdout is not None
+        for line in process.stdout:
+            out.write(line)
+            sys.stdout.write(line)
+    return subprocess.CompletedProcess(command, process.returncode)
+
+
 def _not_found(program: str) -> str:
     return (
         f"{program} is not installed here (not on PATH): install the patched "
@@ -242,10 +269,24 @@ def _not_found(program: str) -> str:
     )
 
 
-def _run(command: list[str], env: dict[str, str] | None) -> list[str]:
-    """Run one client command; what went wrong with it, if anything."""
+def eval_name(command: list[str]) -> str:
+    """An eval command's task: lm_eval's --tasks, run_eval's --eval-name."""
+    for flag in ("--tasks", "--eval-name"):
+        if flag in command[:-1]:
+            return re.sub(r"[^\w.-]", "_", command[command.index(flag) + 1])
+    return Path(command[0]).name
+
+
+def _run(
+    command: list[str], env: dict[str, str] | None, log: Path | None = None
+) -> list[str]:
+    """Run one client command, its output into ``log`` if given (and still
+    on the terminal); what went wrong with it, if anything."""
     try:
-        done = subprocess.run(command, env=env)
+        if log is None:
+            done = subprocess.run(command, env=env)
+        else:
+            done = _run_logged(command, env, log)
     except FileNotFoundError:
         return [_not_found(command[0])]
     return (

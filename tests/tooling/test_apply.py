@@ -4,6 +4,9 @@ interruption, determinism."""
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+
 import pytest
 
 from scripts.series import SeriesError
@@ -128,6 +131,13 @@ def test_uncommitted_edits_are_never_overwritten(two_stages: Project):
     assert git_out(repo, "rev-parse", "HEAD") == git_out(
         repo, "rev-parse", "stage/0001"
     )
+    # The commands it names work as given: stash sets both files aside.
+    message = str(refusal.value)
+    assert "<tree>" not in message
+    stash = message.split("aside, `")[1].split("`")[0]
+    subprocess.run(shlex.split(stash), check=True, capture_output=True)
+    apply(series)
+    assert not (repo / "notes.txt").exists()
 
 
 def test_reapplying_an_up_to_date_tree_is_a_no_op(two_stages: Project, capsys):
@@ -407,6 +417,53 @@ def test_status_reports_stages_and_edits(two_stages: Project):
     ]
     assert status.edited_files == ("vllm/ops.py",)
     assert "uncommitted edits in 1 file(s)" in format_status(series, status)
+
+
+@pytest.mark.parametrize("on_series_branch", [True, False])
+def test_commits_on_top_of_the_stages_are_refused_with_commands_that_work(
+    two_stages: Project, on_series_branch: bool
+):
+    """A commit made on top of the stages (on the series branch, or on a
+    branch of the user's): apply refuses, naming a command that keeps the
+    commit and lets the next apply run."""
+    from tests.tooling.conftest import sh
+
+    series = two_stages.series()
+    repo = apply(series)
+    if not on_series_branch:
+        sh(repo, "git", "checkout", "-q", "-b", "mine")
+    (repo / "notes.txt").write_text("mine\n")
+    sh(repo, "git", "add", "notes.txt")
+    sh(repo, "git", "commit", "-q", "-m", "my work")
+    mine = git_out(repo, "rev-parse", "HEAD")
+    with pytest.raises(SeriesError, match="is not a stage commit") as refusal:
+        apply(series)
+    command = str(refusal.value).split("`")[-2]
+    subprocess.run(command, shell=True, check=True, capture_output=True)
+    apply(series)
+    branch = "my-work" if on_series_branch else "mine"
+    assert git_out(repo, "rev-parse", branch) == mine
+    assert not (repo / "notes.txt").exists()
+
+
+def test_moving_down_says_so_and_status_shows_the_stages_above(
+    two_stages: Project, capsys
+):
+    series = two_stages.series()
+    apply(series)
+    capsys.readouterr()
+    apply(series, "0001")
+    out = capsys.readouterr().out
+    assert "stage 0001: up to date" in out
+    assert "moved the tree from stage 0002 down to 0001" in out
+    status = tree_status(series)
+    assert [(s.id, s.state) for s in status.stages] == [
+        ("0001", "applied"),
+        ("0002", "above HEAD"),
+    ]
+    apply(series)  # back up: reuses the recorded commit
+    assert "up to date" in capsys.readouterr().out
+    assert [s.state for s in tree_status(series).stages] == ["applied", "applied"]
 
 
 def test_series_files_keep_their_bytes_in_a_crlf_clone(tmp_path):

@@ -337,6 +337,22 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
     assert "waiting for `python -m scripts.series test holder`" in err
 
 
+def test_a_waiter_names_a_holder_that_writes_its_name_late(tmp_path):
+    """A holder writes its name just after taking the lock: a waiter that
+    reads the file in between still names it."""
+    import threading
+
+    from scripts.series.lock import _holder
+
+    path = tmp_path / "series.lock"
+    path.write_text("")
+    with path.open("a+", encoding="utf-8") as handle:
+        late = threading.Timer(0.2, path.write_text, ["`python -m x` (pid 1)"])
+        late.start()
+        assert _holder(handle) == "`python -m x` (pid 1)"
+        late.join()
+
+
 def test_copy_tree_gives_a_tree_to_build_from(two_stages: Project, tmp_path):
     """The copy holds the stage's files and no .git; building in it (a
     version file written, say) leaves the series' trees clean."""
@@ -349,8 +365,41 @@ def test_copy_tree_gives_a_tree_to_build_from(two_stages: Project, tmp_path):
     (dest / "vllm/_version.py").write_text("__version__ = '0.1.dev1'\n")
     repo = two_stages.root / "build" / "vllm-git-v1"
     assert sh(repo, "git", "status", "--porcelain") == ""
-    again = _cli(two_stages, "copy-tree", "0001", str(dest))
-    _one_line_error(again, "exists and is not an empty folder")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "mine.txt").write_text("not a copy\n")
+    refused = _cli(two_stages, "copy-tree", "0001", str(other))
+    _one_line_error(refused, "exists and is not an empty folder or a copy")
+
+
+def test_copy_tree_updates_a_copy_it_made(two_stages: Project, tmp_path):
+    """Into its own copy it writes only what differs between the stages: a
+    build's outputs stay, unchanged files keep their times; an edit the
+    update would overwrite stops it, with nothing written."""
+    import os
+
+    assert _cli(two_stages, "apply").returncode == 0
+    dest = tmp_path / "vllm-dsa"
+    assert _cli(two_stages, "copy-tree", "0001", str(dest)).returncode == 0
+    (dest / "vllm/_version.py").write_text("__version__ = '0.1.dev1'\n")
+    untouched = dest / "README.md"
+    os.utime(untouched, (1, 1))
+    (dest / "vllm/envs.py").write_text("my edit\n")
+    refused = _cli(two_stages, "copy-tree", "0002", str(dest))
+    _one_line_error(refused, "vllm/envs.py changed since copy-tree wrote it")
+    assert (dest / "vllm/envs.py").read_text() == "my edit\n"
+    assert "return 2020" not in (dest / "vllm/ops.py").read_text()
+    (dest / "vllm/envs.py").unlink()  # gone: nothing of the user's is lost
+    updated = _cli(two_stages, "copy-tree", "0002", str(dest))
+    assert updated.returncode == 0, updated.stderr
+    assert "CP_INDEXER = True" in (dest / "vllm/envs.py").read_text()
+    assert "return 2020" in (dest / "vllm/ops.py").read_text()
+    assert (dest / "vllm/_version.py").read_text() == "__version__ = '0.1.dev1'\n"
+    assert untouched.stat().st_mtime == 1
+    back = _cli(two_stages, "copy-tree", "0001", str(dest))
+    assert back.returncode == 0, back.stderr
+    assert "CP_INDEXER = False" in (dest / "vllm/envs.py").read_text()
+    assert "return 2020" not in (dest / "vllm/ops.py").read_text()
 
 
 def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path):

@@ -121,6 +121,45 @@ def test_refresh_folds_tree_edits_into_the_top_stage(two_stages: Project):
     assert "return 77" in (repo / "vllm/ops.py").read_text()
 
 
+def test_an_edit_to_a_lower_stages_lines_from_the_top_names_that_stage(
+    project: Project,
+):
+    """With the tree at the top stage, an edit to a line that stage 0001 adds
+    would become a new hunk of stage 0002: refresh stops, naming 0001, and
+    writes nothing; made at stage 0001 as it says, the edit lands there;
+    --into-top takes it into stage 0002 on purpose."""
+    project.add_stage(
+        "0001", {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")}
+    )
+    old_op, new_op = "def op_20():\n    return 20\n", "def op_20():\n    return 2020\n"
+    project.add_stage("0002", {"vllm/ops.py": (old_op, new_op)}, depends_on=("0001",))
+    series = project.series()
+    patches = project.root / "patches"
+    first, top = (patches / s["patch"] for s in project.stages)
+    repo = apply(series)
+    refresh(series)
+    before = {p.name: p.read_bytes() for p in patches.iterdir()}
+    envs = repo / "vllm/envs.py"
+    envs.write_text(envs.read_text().replace("CP_INDEXER = False", "CP_INDEXER = 1"))
+    with pytest.raises(SeriesError, match="vllm/envs.py line 5: stage 0001") as refusal:
+        refresh(series)
+    assert "apply --upto 0001" in str(refusal.value)
+    assert {p.name: p.read_bytes() for p in patches.iterdir()} == before
+    assert "CP_INDEXER = 1" in envs.read_text()  # the edit is still there
+    # As the README says: stash, apply up to the stage, pop, refresh, apply.
+    sh(repo, "git", "stash", "-q")
+    apply(series, "0001")
+    sh(repo, "git", "stash", "pop", "-q")
+    assert [s.id for s in refresh(series)] == ["0001"]
+    assert "+CP_INDEXER = 1" in first.read_text()
+    apply(series)
+    assert "CP_INDEXER" not in top.read_text()
+    # On purpose, into the top stage.
+    envs.write_text(envs.read_text().replace("CP_INDEXER = 1", "CP_INDEXER = 2"))
+    refresh(series, into_top=True)
+    assert "+CP_INDEXER = 2" in top.read_text()
+
+
 def test_refresh_turns_a_commit_on_top_into_the_next_stage(two_stages: Project):
     series = two_stages.series()
     repo = apply(series)

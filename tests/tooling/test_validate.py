@@ -237,6 +237,33 @@ def test_a_run_keeps_every_result_and_reports_what_fails(tmp_path, monkeypatch):
     assert len(json.loads((out / "summary.json").read_text())) == len(outcomes)
 
 
+def test_each_evals_output_is_kept_and_run_evals_score_reported(tmp_path, monkeypatch):
+    """An eval's output goes to eval-<i>-<task>.log (run_eval writes no file
+    the kit can name), and the report reads GPQA's score from it."""
+    from scripts.validate.report import accuracy
+
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
+    port = serving.free_port()
+    stand_in = "print('Total latency: 1.000 s'); print('Score: 0.612')"
+    bench = tmp_path / "bench.py"
+    bench.write_text(STAND_IN_BENCH)
+    placeholders = ["{result_dir}", "{result_file}", "{isl}", "{num_prompts}", "{port}"]
+    matrix = serving.write_matrix(
+        tmp_path,
+        port,
+        [sys.executable, str(bench), *placeholders],
+        "[{isl = 128, osl = 8, concurrency = [1], num_prompts = {per_c = 2}}]",
+        '[{name = "only"}]',
+        [[sys.executable, "-c", stand_in, "--eval-name", "gpqa", "--port", "{port}"]],
+    )
+    outcomes = runner.run_experiment(load_experiment("0001", matrix), tmp_path / "out")
+    (evaluated,) = [o for o in outcomes if o.run == "eval 0"]
+    assert (evaluated.file, evaluated.problems) == ("eval-0-gpqa.log", [])
+    log = tmp_path / "out" / "only" / "eval-0-gpqa.log"
+    assert log.read_text() == "Total latency: 1.000 s\nScore: 0.612\n"
+    assert accuracy(tmp_path / "out" / "only") == {"gpqa score": 0.612}
+
+
 def test_ctrl_c_stops_the_server_and_keeps_the_summary(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "POLL_S", 0.05)
     port = serving.free_port()
