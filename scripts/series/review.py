@@ -15,8 +15,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from scripts.series import SeriesError
+from scripts.series.check import hunk_budget
 from scripts.series.config import GitBase, Series, Stage
 from scripts.series.layout import NEXT_DIR, RESOLUTIONS, review_dir, workdir
+from scripts.series.overview import BEGIN as README_TABLE_BEGIN
+from scripts.series.overview import END as README_TABLE_END
+from scripts.series.overview import stage_table
 from scripts.series.rebase_state import (
     RebaseState,
     format_report,
@@ -96,8 +100,27 @@ def write_review(series: Series, state: RebaseState) -> Path:
         + format_report(state.reports)
         + "\n\n"
         + overlays_note
+        + "\n"
+        + _after_accept(load_review(out))
     )
     return out
+
+
+def _after_accept(new: Series) -> str:
+    """What CI's check-patches will say of the series once accepted: the
+    glue budget (``accept`` refuses while it fails) and the README stage
+    table (``accept`` writes it)."""
+    _, problems = hunk_budget(new)
+    if not problems:
+        return (
+            "After `--accept`: the glue budget holds (CI's check-patches); the "
+            "accept writes the README's stage table for this series.\n"
+        )
+    listed = "".join(f"- {problem}\n" for problem in problems)
+    return (
+        "After `--accept`, CI's check-patches would fail, so the accept refuses "
+        "until this folder's series.toml or patches fix it:\n\n" + listed
+    )
 
 
 def _depends(series: Series, stage: Stage, dropped: set[str]) -> tuple[str, ...]:
@@ -134,6 +157,14 @@ def accept(series: Series, label: str | None = None) -> None:
             "to overwrite them (rebase again from the current series)"
         )
     new = load_review(review)
+    _, problems = hunk_budget(new)
+    if problems:
+        raise SeriesError(
+            "accepting would leave a series that CI's check-patches refuses: "
+            + "; ".join(problems)
+            + f". Fix it in {review} (large_hunks in its series.toml, with the "
+            "reason, or the patch), then accept again; nothing was written"
+        )
     # Everything the accept writes is worked out before anything changes
     # (the review reads unchanged overlays from the very files about to be
     # replaced; the series file needs tomlkit), then done as one journaled
@@ -154,6 +185,19 @@ def accept(series: Series, label: str | None = None) -> None:
                     / path.relative_to(review / RESOLUTIONS)
                 )
                 files[kept] = path.read_bytes()
+    # The README's stage table follows the series (check-patches compares
+    # them), and the rebase's report stays as the record of what it found.
+    readme = series.root / "README.md"
+    if readme.is_file():
+        text = readme.read_text(encoding="utf-8")
+        if README_TABLE_BEGIN in text and README_TABLE_END in text:
+            head, rest = text.split(README_TABLE_BEGIN, 1)
+            tail = rest.split(README_TABLE_END, 1)[1]
+            table = f"{README_TABLE_BEGIN}\n{stage_table(new)}\n{README_TABLE_END}"
+            files[readme] = (head + table + tail).encode()
+    if (review / "REBASE.md").is_file():
+        kept_report = series.root / "docs" / f"rebased_onto_{new.base.label}.md"
+        files[kept_report] = (review / "REBASE.md").read_bytes()
     old_files = [series.patch_file(stage) for stage in series.stages] + [
         series.overlay_file(o) for stage in series.stages for o in stage.overlays
     ]
@@ -168,7 +212,8 @@ def accept(series: Series, label: str | None = None) -> None:
     print(
         f"the series is now on {new.base.label}; run apply to build its tree "
         f"(the old tree {workdir(series)} is left as it was); its conflict "
-        f"resolutions are kept in {series.patches_dir / RESOLUTIONS}"
+        f"resolutions are kept in {series.patches_dir / RESOLUTIONS}, its "
+        f"report in docs/rebased_onto_{new.base.label}.md"
     )
     accepted = load_review(series.patches_dir)
     for other in sorted((series.patches_dir / NEXT_DIR).glob("*/series.toml")):

@@ -82,6 +82,12 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
     assert 'Depends on "Striped indexer" (its PR is not opened yet)' in (
         second.description.read_text()
     )
+    # A stage without docs/stage_<id>.md (a new one): only what is true.
+    bare = second.description.read_text()
+    assert "## Claims\n\nSee Validation.\n" in bare
+    assert "No recorded results yet." in bare
+    assert "This PR adds no tests to vLLM's tests/." in bare
+    assert "gloo" not in bare and "Quoted from" not in bare
     repo = two_stages.root / "build" / "vllm-git-v1"
     message = git_out(repo, "log", "-1", "--format=%B", first.commit)
     assert message.startswith("Striped indexer\n\nWhy this stage exists.\n\n")

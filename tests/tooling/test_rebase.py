@@ -270,6 +270,45 @@ def test_accept_adopts_the_rebased_series(two_stages):
         accept(series)
 
 
+def test_accept_leaves_what_ci_checks_passing(two_stages):
+    """The review says what check-patches will find after the accept; the
+    accept writes the README's stage table for the new series and keeps the
+    rebase's report in docs/; a series that would fail the glue budget is
+    refused, with nothing written."""
+    from scripts.series.overview import BEGIN, END, readme_table_is_current
+
+    readme = two_stages.root / "README.md"
+    readme.write_text(f"# Project\n\n{BEGIN}\nan old table\n{END}\n\nmore\n")
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    folder = review_dir(two_stages.series(), target)
+    report = (folder / "REBASE.md").read_text()
+    assert "After `--accept`: the glue budget holds" in report
+    # A large_hunks entry for a hunk within the budget: check-patches fails.
+    series_file = folder / "series.toml"
+    good = series_file.read_text()
+    series_file.write_text(
+        good.replace(
+            'title = "Top-k gate"',
+            'title = "Top-k gate"\nlarge_hunks = [{ file = "vllm/ops.py", hunk = 1, '
+            'reason = "none" }]',
+        )
+    )
+    before = _snapshot(two_stages)
+    with pytest.raises(SeriesError, match="CI's check-patches refuses.*vllm/ops.py"):
+        accept(two_stages.series())
+    assert _snapshot(two_stages) == before and readme.read_text().count("old table")
+    series_file.write_text(good)
+    accept(two_stages.series())
+    accepted = two_stages.series()
+    assert readme_table_is_current(accepted, readme)
+    assert readme.read_text().startswith("# Project\n\n") and "\nmore\n" in (
+        readme.read_text()
+    )
+    kept = two_stages.root / "docs" / f"rebased_onto_{accepted.base.label}.md"
+    assert kept.read_text() == report
+
+
 def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
     """An overlay edited while resolving is the review's own copy (the
     project's stays as it was) and becomes the project's on --accept."""
