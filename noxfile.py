@@ -149,9 +149,12 @@ def _stage_tree(
 
 @nox.session(venv_backend="none")
 def apply(session: nox.Session) -> None:
-    """Fetch the pinned vLLM and apply the stages (-- STAGE: only up to it)."""
-    upto = ["--upto", session.posargs[0]] if session.posargs else []
-    _series(session, "apply", *upto)
+    """Fetch the pinned vLLM and apply the stages (-- STAGE: only up to it;
+    -- --carry, --continue, --abort: carry a stage that no longer applies)."""
+    args = list(session.posargs)
+    if args and not args[0].startswith("-"):
+        args[:1] = ["--upto", args[0]]
+    _series(session, "apply", *args)
 
 
 def _test_args(session: nox.Session) -> list[str]:

@@ -18,10 +18,12 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import (
+    Identity,
     changed_files,
     commit_tree,
     commit_verbatim,
     git,
+    git_out,
     rev_parse,
     untracked_files,
 )
@@ -179,7 +181,15 @@ def _refuse_foreign_head(repo: Path, chain: Chain) -> None:
     refuse_foreign_branch(repo, chain)
 
 
-def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
+def carry_path(repo: Path) -> Path:
+    """A stage carried by a three-way merge and waiting for its conflicts to
+    be resolved (``apply --carry``, then ``--continue``)."""
+    return repo / ".git" / "dsa-series-carry.json"
+
+
+def _apply_stage(
+    series: Series, repo: Path, stage: Stage, parent: str, *, carry: bool = False
+) -> str:
     patch_path = series.patch_file(stage)
     info = read_patch(patch_path)
     inputs = fingerprint(series, stage, parent)
@@ -188,26 +198,83 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
         json.dumps({"stage": stage.id, "parent": parent, "inputs": inputs})
     )
     check = git(repo, "apply", "--check", "--verbose", str(patch_path), check=False)
-    if check.returncode != 0:
+    if check.returncode == 0:
+        git(repo, "apply", "--index", "--whitespace=nowarn", str(patch_path))
+    elif not carry:
         marker.unlink()
         where = failing_hunk(info, check.stderr.decode(errors="replace"))
         raise StageApplyError(
             f"stage {stage.id} ({stage.title}): {stage.patch} does not apply: "
-            f"{where}. The tree is left at the last good stage; rebase the stage "
-            "onto it (see README, 'Changing a stage')."
+            f"{where}. The tree is left at the last good stage. To carry the "
+            "stage onto it with a three-way merge (conflicts left to resolve), "
+            "run `nox -s apply -- --carry` (README, 'Changing a stage')."
         )
-    git(repo, "apply", "--index", "--whitespace=nowarn", str(patch_path))
+    else:
+        _carry_stage(series, repo, stage, parent, inputs)
+    _add_overlays(series, repo, stage, marker)
+    return _commit_stage(repo, stage, info.message, info.author, inputs, marker)
+
+
+def _carry_stage(
+    series: Series, repo: Path, stage: Stage, parent: str, inputs: str
+) -> None:
+    """Apply the stage's patch with a three-way merge against the blobs it
+    was made from; stop with the conflicts left in the tree."""
+    merged = git(
+        repo,
+        "apply",
+        "--3way",
+        "--index",
+        "--whitespace=nowarn",
+        str(series.patch_file(stage)),
+        check=False,
+    )
+    if merged.returncode == 0:
+        print(
+            f"stage {stage.id}: carried by a three-way merge; run refresh to "
+            "write its patch file"
+        )
+        return
+    unmerged = git_out(repo, "diff", "--name-only", "--diff-filter=U").split()
+    if not unmerged:  # git could not even start the merge: nothing to resolve
+        _undo(repo, in_progress_path(repo))
+        reason = merged.stderr.decode(errors="replace").strip().splitlines()
+        raise StageApplyError(
+            f"stage {stage.id}: {stage.patch} cannot be carried by a three-way "
+            f"merge ({reason[-1] if reason else 'git apply --3way failed'}); the "
+            "tree is left at the last good stage"
+        )
+    carry_path(repo).write_text(
+        json.dumps({"stage": stage.id, "parent": parent, "inputs": inputs})
+    )
+    in_progress_path(repo).unlink()
+    raise SeriesError(
+        f"stage {stage.id} ({stage.title}) carried with conflicts in "
+        f"{', '.join(unmerged)} (in {repo}); resolve them, then run "
+        "`nox -s apply -- --continue` (which commits the stage and goes on), or "
+        "`nox -s apply -- --abort` to go back to the stage below"
+    )
+
+
+def _add_overlays(
+    series: Series, repo: Path, stage: Stage, marker: Path, *, undo: bool = True
+) -> None:
+    """Copy the stage's overlays in. On a problem the stage's partial work is
+    undone, unless ``undo`` is off (a carried stage: the tree holds the
+    user's resolution)."""
     for overlay in stage.overlays:
         source = series.overlay_file(overlay)
         target = repo / overlay
         if not source.is_file():
-            _undo(repo, marker)
+            if undo:
+                _undo(repo, marker)
             raise StageApplyError(
                 f"stage {stage.id}: overlay {overlay} is missing "
                 f"({source} is not a file)"
             )
         if target.exists():
-            _undo(repo, marker)
+            if undo:
+                _undo(repo, marker)
             raise StageApplyError(
                 f"stage {stage.id}: overlay {overlay} would overwrite a file already "
                 "in the tree; overlays add new modules, change existing ones in the "
@@ -217,10 +284,51 @@ def _apply_stage(series: Series, repo: Path, stage: Stage, parent: str) -> str:
         shutil.copy2(source, target)
     if stage.overlays:
         git(repo, "add", "-f", "--", *stage.overlays)
-    commit = commit_verbatim(repo, info.message, info.author)
+
+
+def _commit_stage(
+    repo: Path, stage: Stage, message: str, author: Identity, inputs: str, marker: Path
+) -> str:
+    commit = commit_verbatim(repo, message, author)
     _record_stage(repo, stage, commit, inputs)
-    marker.unlink()
+    marker.unlink(missing_ok=True)
     return commit
+
+
+def _continue_carry(series: Series, repo: Path) -> str:
+    """``--continue``: the carried stage, resolved, becomes its commit (its
+    own message and author); its patch file is written by refresh."""
+    record = json.loads(carry_path(repo).read_text())
+    stage = series.stage(record["stage"])
+    changed = git_out(repo, "diff", "--name-only", "HEAD").split()
+    marked = git(
+        repo, "grep", "-l", "-E", "^(<<<<<<<|>>>>>>>)( |$)", "--", ".", check=False
+    )
+    leftover = sorted(set(marked.stdout.decode().split()) & set(changed))
+    if leftover:
+        raise SeriesError(
+            f"conflict markers are still in: {', '.join(leftover)} (in {repo}); "
+            "resolve them, then `nox -s apply -- --continue` again"
+        )
+    _add_overlays(series, repo, stage, in_progress_path(repo), undo=False)
+    git(repo, "add", "-A")
+    info = read_patch(series.patch_file(stage))
+    commit = _commit_stage(
+        repo, stage, info.message, info.author, record["inputs"], carry_path(repo)
+    )
+    print(
+        f"stage {stage.id}: carried as {commit[:12]}; run refresh to write its "
+        "patch file from it"
+    )
+    return commit
+
+
+def _abort_carry(repo: Path) -> None:
+    """``--abort``: drop the carried stage's merge; the tree is at the stage
+    below, as before the carry."""
+    git(repo, "reset", "-q", "--hard", "HEAD")
+    _remove_untracked(repo)
+    carry_path(repo).unlink()
 
 
 def _undo(repo: Path, marker: Path) -> None:
@@ -235,11 +343,34 @@ def apply(
     *,
     offline: bool = False,
     quiet: bool = False,
+    carry: bool = False,
+    resume: bool = False,
+    abort: bool = False,
 ) -> Path:
-    """Bring the work repo to ``upto`` (default: the last stage); return it."""
+    """Bring the work repo to ``upto`` (default: the last stage); return it.
+    ``carry``: a stage whose patch no longer applies is carried with a
+    three-way merge, stopping on its conflicts; ``resume`` (``--continue``)
+    commits the resolved stage and goes on; ``abort`` drops it."""
     target = series.stages_upto(upto)
     repo = prepare(series, offline=offline, quiet=quiet)
     _recover_interrupted(series, repo)
+    waiting = carry_path(repo).exists()
+    if (resume or abort) and not waiting:
+        raise SeriesError("no carried stage is waiting; nothing to continue or abort")
+    if abort:
+        _abort_carry(repo)
+        print("carry aborted; the tree is at the stage below it, as before")
+        return repo
+    if waiting and not resume:
+        stage = json.loads(carry_path(repo).read_text())["stage"]
+        raise SeriesError(
+            f"stage {stage} is carried and waits for its conflicts to be resolved "
+            f"in {repo}: then `nox -s apply -- --continue`, or "
+            "`nox -s apply -- --abort`"
+        )
+    if resume:
+        _continue_carry(series, repo)
+        carry = True  # a later stage may need carrying too
     chain = read_chain(series, repo)
     refuse_if_dirty(repo)
     _refuse_foreign_head(repo, chain)
@@ -262,7 +393,7 @@ def apply(
             f"{', '.join(above)} stay recorded and return with the next apply"
         )
     for stage in target[keep:]:
-        parent = _apply_stage(series, repo, stage, parent)
+        parent = _apply_stage(series, repo, stage, parent, carry=carry)
         if not quiet:
             print(f"stage {stage.id}: applied ({stage.title}) as {parent[:12]}")
     return repo

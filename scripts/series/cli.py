@@ -93,6 +93,21 @@ def _parser() -> argparse.ArgumentParser:
     app = sub.add_parser("apply", help="apply the stages, one commit each")
     app.add_argument("--upto", help="stop after this stage ('base' for none)")
     app.add_argument("--offline", action="store_true")
+    app.add_argument(
+        "--carry",
+        action="store_true",
+        help="carry a stage whose patch no longer applies with a three-way "
+        "merge, stopping on its conflicts",
+    )
+    app.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="commit the carried stage once its conflicts are resolved; go on",
+    )
+    app.add_argument(
+        "--abort", action="store_true", help="drop the carried stage's merge"
+    )
     refresh_cmd = sub.add_parser(
         "refresh", help="write patches/ and vllm_overlay/ from the tree"
     )
@@ -396,7 +411,14 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     elif args.command == "prepare":
         print(prepare(series, offline=args.offline))
     elif args.command == "apply":
-        repo = apply(series, args.upto, offline=args.offline)
+        repo = apply(
+            series,
+            args.upto,
+            offline=args.offline,
+            carry=args.carry,
+            resume=args.resume,
+            abort=args.abort,
+        )
         print(f"work tree: {repo}")
     elif args.command == "refresh":
         written = refresh(series, into_top=args.into_top)

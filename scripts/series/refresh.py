@@ -250,12 +250,18 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
             f"{len(new_stages)} stage(s) after it; add a [[stage]] entry for each "
             "commit, in order"
         )
-    for stage in new_stages[: len(extra)]:
-        if (series.patch_file(stage)).exists():
+    for stage, commit in zip(new_stages, extra, strict=False):
+        if not series.patch_file(stage).exists():
+            continue  # a new stage
+        # The stage itself, amended (`git commit --amend`) or carried: the
+        # commit has the stage's subject. Anything else would overwrite it.
+        subject = read_patch(series.patch_file(stage)).message.split("\n", 1)[0]
+        if git_out(repo, "log", "-1", "--format=%s", commit.decode()) != subject:
             raise SeriesError(
                 f"a commit on top of the tree would become stage {stage.id}, which "
-                f"already has {stage.patch}; apply up to the last stage and commit "
-                "on top of it"
+                f"already has {stage.patch}, but its subject is not the stage's "
+                f"({subject!r}); apply up to the last stage and commit on top of "
+                "it, or keep the stage's subject when amending it"
             )
     commits = list(below)
     commits += [(s, c.decode()) for s, c in zip(new_stages, extra, strict=False)]

@@ -257,6 +257,84 @@ def test_the_readme_flow_for_changing_an_earlier_stage(two_stages: Project):
     assert stale_files(series) == []
 
 
+def test_a_later_stage_that_no_longer_applies_is_carried_then_continued(
+    two_stages: Project,
+):
+    """README, 'Changing a stage': stage 0001 changes the line stage 0002
+    edits next to. apply stops naming --carry; --carry leaves the three-way
+    conflict; --continue commits the stage as its own; refresh writes its
+    patch; the next apply is a no-op and check finds nothing stale. --abort
+    goes back to stage 0001 as it was."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    apply(series, "0001")
+    envs = repo / "vllm/envs.py"
+    envs.write_text(envs.read_text().replace("CP_INDEXER = False", "CP_INDEXER = None"))
+    refresh(series)
+    with pytest.raises(SeriesError, match="apply -- --carry"):
+        apply(series)
+    with pytest.raises(SeriesError, match="carried with conflicts in vllm/envs.py"):
+        apply(series, carry=True)
+    assert "<<<<<<<" in envs.read_text()
+    with pytest.raises(SeriesError, match="waits for its conflicts"):
+        apply(series)
+    # --abort: back to stage 0001, then carry again.
+    apply(series, abort=True)
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(
+        repo, "rev-parse", "stage/0001"
+    )
+    assert not changed_files(repo) and "CP_INDEXER = None" in envs.read_text()
+    with pytest.raises(SeriesError, match="carried with conflicts"):
+        apply(series, carry=True)
+    with pytest.raises(
+        SeriesError, match="conflict markers are still in: vllm/envs.py"
+    ):
+        apply(series, resume=True)
+    text = envs.read_text()
+    resolved = text[: text.index("<<<<<<<")] + "CP_INDEXER = True\n"
+    resolved += text[text.index(">>>>>>>") :].split("\n", 1)[1]
+    envs.write_text(resolved)
+    apply(series, resume=True)
+    assert "return 2020" in (repo / "vllm/ops.py").read_text()
+    assert (repo / "vllm/cp_indexer.py").exists()
+    assert git_out(repo, "log", "-1", "--format=%s") == "Top-k gate"
+    assert [s.id for s in refresh(series)] == ["0002"]
+    top = (two_stages.root / "patches" / two_stages.stages[1]["patch"]).read_text()
+    assert "-CP_INDEXER = None\n+CP_INDEXER = True" in top
+    head = git_out(repo, "rev-parse", "HEAD")
+    apply(series)
+    assert git_out(repo, "rev-parse", "HEAD") == head
+    assert stale_files(series) == []
+    with pytest.raises(SeriesError, match="no carried stage is waiting"):
+        apply(series, resume=True)
+
+
+def test_an_amended_stage_commit_is_taken_as_the_stage(two_stages: Project):
+    """`git commit --amend` of the top stage's commit: refresh takes it as
+    that stage (same subject), not as a new stage; with another subject it
+    refuses, writing nothing."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    ops = repo / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 2020\n", "return 2021\n"))
+    sh(repo, "git", "commit", "-q", "-a", "--amend", "--no-edit")
+    with pytest.raises(SeriesError, match="not a stage commit"):
+        apply(series)
+    patch = two_stages.root / "patches" / two_stages.stages[1]["patch"]
+    assert [s.id for s in refresh(series)] == ["0002"]
+    assert "+    return 2021" in patch.read_text()
+    head = git_out(repo, "rev-parse", "HEAD")
+    apply(series)
+    assert git_out(repo, "rev-parse", "HEAD") == head and stale_files(series) == []
+    before = patch.read_bytes()
+    sh(repo, "git", "commit", "-q", "--amend", "-m", "something else")
+    with pytest.raises(SeriesError, match="its subject is not the stage's"):
+        refresh(series)
+    assert patch.read_bytes() == before
+
+
 def test_refresh_keeps_hand_edits_to_the_series_files(two_stages: Project):
     """A patch edited by hand after the tree was applied is newer than the
     tree: refresh must not overwrite it with the tree's older state."""
