@@ -27,6 +27,7 @@ import traceback
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 from scripts.harness import compiled_stub
 from scripts.harness.indexer_batch import ensure_workspace
@@ -68,6 +69,7 @@ def _start_as_rocm(stack: ExitStack) -> None:
 
     import vllm.engine.arg_utils  # noqa: F401
     import vllm.model_executor.model_loader.utils  # noqa: F401
+    from vllm.model_executor.models import registry
     from vllm.platforms import current_platform
 
     stack.enter_context(emulate_rocm(ARCH))
@@ -75,6 +77,14 @@ def _start_as_rocm(stack: ExitStack) -> None:
     # Every module holds the one platform object: give it the ROCm class.
     current_platform.__class__ = rocm.RocmPlatform
     torch.ops._C = _UncompiledOps(torch.ops._C)
+    # vLLM inspects a model class in a fresh interpreter (to keep CUDA out of
+    # the engine's process) unless its on-disk cache has it: ~15 s per
+    # architecture there, to import vLLM again, on every cold cache (CI's).
+    # There is no GPU to keep out here, so the same inspection runs in this
+    # process.
+    stack.enter_context(
+        patch.object(registry, "_run_in_subprocess", lambda inspect: inspect())
+    )
 
 
 def _run(scenario: dict[str, Any], workdir: Path) -> dict[str, Any]:
