@@ -337,6 +337,55 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
     assert "waiting for `python -m scripts.series test holder`" in err
 
 
+def test_adding_a_stage_in_the_readmes_order(two_stages: Project):
+    """README, 'Adding a stage', step by step through the command line: each
+    step works as written, and the project ends where CI passes (check)."""
+    from scripts.series.overview import BEGIN, END
+
+    assert _cli(two_stages, "apply").returncode == 0  # 1. the tree at the top
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    # 2. the change: glue in a vLLM file, logic and its unit test in new files
+    ops = repo / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 25\n", "return gate(25)\n"))
+    write_files(
+        repo,
+        {
+            "vllm/gate.py": "def gate(x):\n    return x + 1\n",
+            "tests/test_gate.py": "from vllm.gate import gate\n\n\n"
+            "def test_gate():\n    assert gate(1) == 2\n",
+        },
+    )
+    # 3. commit it there, with the PR's title and description, signed off
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-q", "-s", "-m", "Gate", "-m", "Why the gate.")
+    # 4. the [[stage]] entry, every key the README names
+    with two_stages.series_file.open("a") as series_file:
+        series_file.write(
+            '\n[[stage]]\nid = "0003"\ntitle = "Gate"\n'
+            'patch = "0003-gate.patch"\n'
+            'overlays = ["vllm/gate.py", "tests/test_gate.py"]\n'
+            'tests = "stage_0003"\ndepends_on = ["0002"]\n'
+            'upstream = { pr = "not opened yet", status = "not-submitted" }\n'
+            'switches = ["always on"]\nvalidated_on = "CPU"\n'
+        )
+    # 5. refresh: the commit becomes the stage's patch, its modules overlays
+    refreshed = _cli(two_stages, "refresh")
+    assert refreshed.returncode == 0, refreshed.stderr
+    assert (two_stages.root / "patches/0003-gate.patch").is_file()
+    assert (two_stages.root / "vllm_overlay/vllm/gate.py").is_file()
+    assert (two_stages.root / "vllm_overlay/tests/test_gate.py").is_file()
+    # 6.-7. its series tests and docs/stage_0003.md are the author's
+    # 8. the stage table pasted into the README, then check passes
+    overview = _cli(two_stages, "overview").stdout.strip()
+    readme = two_stages.root / "README.md"
+    readme.write_text(f"# Project\n\n{BEGIN}\n{overview}\n{END}\n")
+    checked = _cli(two_stages, "check")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "| **0003** Gate | `always on` | `ops.py` | `gate.py` |" in overview
+    again = _cli(two_stages, "apply")  # the series files rebuild the same tree
+    assert again.returncode == 0 and "stage 0003: up to date" in again.stdout
+
+
 def test_a_waiter_names_a_holder_that_writes_its_name_late(tmp_path):
     """A holder writes its name just after taking the lock: a waiter that
     reads the file in between still names it."""
