@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -49,9 +48,7 @@ STAGE_IDS = _stages.stdout.split()
 REBASED = sorted((ROOT / "patches" / "next").glob("*/series.toml"))
 REQUIREMENTS = ROOT / "tests" / "requirements-cpu.txt"
 
-# uv where it is installed; plain virtualenv otherwise (nox's "uv|virtualenv"
-# fallback prints "uv binary not found" at every session).
-nox.options.default_venv_backend = "uv" if shutil.which("uv") else "virtualenv"
+nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["apply-and-test"]
 
