@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import re
+import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -180,13 +181,14 @@ def _refuse_edits_to_lower_stages(
         for (path, stage_id), lines in sorted(found.items())
     )
     first = sorted(found)[0][1]
+    tree = shlex.quote(str(repo))
     raise SeriesError(
         f"the uncommitted edits change lines that a lower stage adds ({where}), "
         f"and would go into stage {top.id} as new hunks. To change the stage "
-        f"that owns them, make the edit there: stash it, `apply --upto {first}`, "
-        "edit, `refresh`, then `apply`. To have stage "
-        f"{top.id} change them on purpose, run `refresh --into-top`. Nothing "
-        "was written."
+        f"that owns them, make the edit there: `git -C {tree} stash`, "
+        f"`apply --upto {first}`, `git -C {tree} stash pop`, `refresh`, then "
+        f"`apply`. To have stage {top.id} change them on purpose, run "
+        "`refresh --into-top`. Nothing was written."
     )
 
 
