@@ -59,9 +59,12 @@ def _note_if_uncommitted(session: nox.Session, series_file: Path) -> None:
     tracked = subprocess.run(
         ["git", "-C", str(ROOT), "ls-files", "--error-unmatch", str(series_file)],
         capture_output=True,
+        text=True,
         check=False,
     )
-    if tracked.returncode != 0:
+    # Exit status 1 with git's "did not match" message: not tracked (any
+    # other failure, such as no git checkout, says nothing about it).
+    if tracked.returncode == 1 and "did not match" in tracked.stderr:
         folder = series_file.parent.relative_to(ROOT)
         session.warn(
             f"{folder}/ is not committed: it runs here, but CI (a clean clone) "
