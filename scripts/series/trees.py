@@ -13,7 +13,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series
-from scripts.series.git import changed_files, git, git_out, rev_parse
+from scripts.series.git import changed_files, git, rev_parse
 from scripts.series.layout import stage_tree_dir, workdir
 from scripts.series.prepare import extract_commit
 from scripts.series.state import read_chain
@@ -72,20 +72,26 @@ def copy_tree(series: Series, stage_id: str, dest: Path) -> Path:
     else:
         dest.mkdir(parents=True, exist_ok=True)
         extract_commit(repo, commit, dest)
-    files = git_out(repo, "ls-tree", "-r", "-z", "--name-only", commit).split("\0")
-    hashes = {name: _sha256(dest / name) for name in files if name}
-    text = json.dumps({"commit": commit, "files": hashes}, indent=1) + "\n"
+    # What copy-tree wrote: each file's git blob id at the commit (not the
+    # folder's contents, which may hold the user's edits).
+    listing = git(repo, "ls-tree", "-r", "-z", commit).stdout.decode()
+    blobs = {
+        entry.split("\t", 1)[1]: entry.split()[2]
+        for entry in listing.split("\0")
+        if entry
+    }
+    text = json.dumps({"commit": commit, "files": blobs}, indent=1) + "\n"
     record.with_suffix(".tmp").write_text(text)
     record.with_suffix(".tmp").replace(record)
     return dest
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    return _digest(path.read_bytes()) if path.is_file() else ""
+def _blob_id(path: Path) -> str:
+    """The git blob id of a file's contents ("" when it is absent)."""
+    if not path.is_file():
+        return ""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def _update_copy(repo: Path, commit: str, dest: Path, recorded: dict) -> None:
@@ -93,7 +99,7 @@ def _update_copy(repo: Path, commit: str, dest: Path, recorded: dict) -> None:
     then write (a refusal writes nothing; after a failed write, running
     again finishes the update, since a file that already has the new
     contents counts as unedited)."""
-    old, hashes = recorded["commit"], recorded["files"]
+    old, blobs = recorded["commit"], recorded["files"]
     if old == commit:
         return
     if rev_parse(repo, old) is None:
@@ -103,18 +109,18 @@ def _update_copy(repo: Path, commit: str, dest: Path, recorded: dict) -> None:
         )
     raw = git(repo, "diff", "--raw", "-z", "--no-renames", old, commit).stdout
     fields = [f.decode() for f in raw.split(b"\0") if f]
-    updates = []  # (path, new mode, new contents or None to delete)
+    updates = []  # (path, new mode, new blob id, new contents or None)
     for meta, name in zip(fields[::2], fields[1::2], strict=True):
-        mode, status = meta.split()[1], meta.split()[4]
+        _, mode, _, blob, status = meta.split()
         data = None if status == "D" else git(repo, "show", f"{commit}:{name}").stdout
-        updates.append((name, mode, data))
-    # A file may be replaced when absent ("", nothing to lose), or with its
-    # recorded or its new contents; other contents are the user's or a build's.
+        updates.append((name, mode, blob, data))
+    # A file may be replaced when absent (nothing to lose), or holding what
+    # copy-tree wrote or the new contents; anything else is the user's.
     edited = [
         name
-        for name, _, data in updates
-        if _sha256(dest / name)
-        not in {"", hashes.get(name, ""), "" if data is None else _digest(data)}
+        for name, _, blob, data in updates
+        if _blob_id(dest / name)
+        not in {"", blobs.get(name, ""), "" if data is None else blob}
     ]
     if edited:
         raise SeriesError(
@@ -122,7 +128,7 @@ def _update_copy(repo: Path, commit: str, dest: Path, recorded: dict) -> None:
             "and the new stage changes it too; move your edit away or copy "
             "into a new folder (nothing written)"
         )
-    for name, mode, data in updates:
+    for name, mode, _, data in updates:
         target = dest / name
         if data is None:
             target.unlink(missing_ok=True)

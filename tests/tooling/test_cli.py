@@ -449,6 +449,15 @@ def test_copy_tree_updates_a_copy_it_made(two_stages: Project, tmp_path):
     assert back.returncode == 0, back.stderr
     assert "CP_INDEXER = False" in (dest / "vllm/envs.py").read_text()
     assert "return 2020" not in (dest / "vllm/ops.py").read_text()
+    # An edit to a file the next update leaves alone is still the user's
+    # when a later update would change that file.
+    ops = dest / "vllm/ops.py"
+    ops.write_text(ops.read_text() + "# mine\n")
+    assert _cli(two_stages, "copy-tree", "base", str(dest)).returncode == 0
+    assert ops.read_text().endswith("# mine\n")
+    refused = _cli(two_stages, "copy-tree", "0002", str(dest))
+    _one_line_error(refused, "vllm/ops.py changed since copy-tree wrote it")
+    assert ops.read_text().endswith("# mine\n")
 
 
 def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path):
