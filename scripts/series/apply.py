@@ -27,7 +27,7 @@ from scripts.series.git import (
     rev_parse,
     untracked_files,
 )
-from scripts.series.layout import SERIES_BRANCH, SERIES_REF, stage_tag
+from scripts.series.layout import SERIES_BRANCH, SERIES_REF, carry_path, stage_tag
 from scripts.series.patchfile import failing_hunk, read_patch
 from scripts.series.prepare import prepare
 from scripts.series.state import (
@@ -179,12 +179,6 @@ def _refuse_foreign_head(repo: Path, chain: Chain) -> None:
             f"`python -m scripts.series refresh`, or {move}; then run again."
         )
     refuse_foreign_branch(repo, chain)
-
-
-def carry_path(repo: Path) -> Path:
-    """A stage carried by a three-way merge and waiting for its conflicts to
-    be resolved (``apply --carry``, then ``--continue``)."""
-    return repo / ".git" / "dsa-series-carry.json"
 
 
 def _apply_stage(

@@ -86,6 +86,12 @@ def export_dir(series: Series) -> Path:
     return build_dir(series) / "export" / series.base.label
 
 
+def carry_path(repo: Path) -> Path:
+    """A stage carried by a three-way merge and waiting for its conflicts to
+    be resolved (``apply --carry``, then ``--continue``)."""
+    return repo / ".git" / "dsa-series-carry.json"
+
+
 def rebase_dir(series: Series) -> Path:
     return build_dir(series) / "rebase"
 

@@ -25,6 +25,7 @@ from scripts.series.layout import (
     REFRESH_BACKUP_REF,
     REFRESH_JOURNAL_FILE,
     SERIES_BRANCH,
+    carry_path,
     git_file,
     stage_tag,
     stage_tag_ref,
@@ -231,6 +232,11 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
 
     repo = workdir(series)
     recover_interrupted_refresh(repo)
+    if carry_path(repo).exists():
+        raise SeriesError(
+            "a carried stage waits for its conflicts to be resolved; finish it "
+            "with `nox -s apply -- --continue` (or `--abort`) before refresh"
+        )
     chain = read_chain(series, repo)
     below = _stages_below_head(repo, chain)
     stale = below[chain.current :]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from scripts.series.config import Series
 from scripts.series.git import changed_files, git, rev_parse
-from scripts.series.layout import workdir
+from scripts.series.layout import carry_path, workdir
 from scripts.series.state import read_chain
 
 
@@ -72,6 +72,11 @@ def format_status(series: Series, status: TreeStatus) -> str:
         lines.append("  HEAD is at the base")
     elif status.head_stage is None:
         lines.append(f"  HEAD has {status.extra_commits} commit(s) beyond the stages")
+    if carry_path(repo).exists():
+        lines.append(
+            "  a carried stage waits for its conflicts to be resolved: "
+            "`nox -s apply -- --continue` or `--abort`"
+        )
     if status.edited_files:
         lines.append(f"  uncommitted edits in {len(status.edited_files)} file(s):")
         lines += [f"    {path}" for path in status.edited_files[:20]]

@@ -11,6 +11,7 @@ from scripts.series.check import stale_files
 from scripts.series.git import changed_files, git_out
 from scripts.series.patchfile import read_patch
 from scripts.series.refresh import FORMAT_PATCH_FLAGS, refresh
+from scripts.series.status import format_status, tree_status
 from tests.tooling.conftest import Project, sh
 
 
@@ -279,6 +280,9 @@ def test_a_later_stage_that_no_longer_applies_is_carried_then_continued(
     assert "<<<<<<<" in envs.read_text()
     with pytest.raises(SeriesError, match="waits for its conflicts"):
         apply(series)
+    with pytest.raises(SeriesError, match="carried stage waits"):
+        refresh(series)  # would fold the conflict markers into a stage
+    assert "a carried stage waits" in format_status(series, tree_status(series))
     # --abort: back to stage 0001, then carry again.
     apply(series, abort=True)
     assert git_out(repo, "rev-parse", "HEAD") == git_out(
