@@ -22,6 +22,7 @@ from scripts.series.git import (
     changed_files,
     commit_tree,
     commit_verbatim,
+    files_with_conflict_markers,
     git,
     git_out,
     rev_parse,
@@ -294,12 +295,7 @@ def _continue_carry(series: Series, repo: Path) -> str:
     own message and author); its patch file is written by refresh."""
     record = json.loads(carry_path(repo).read_text())
     stage = series.stage(record["stage"])
-    changed = git_out(repo, "diff", "--name-only", "HEAD").split()
-    marked = git(
-        repo, "grep", "-l", "-E", "^(<<<<<<<|>>>>>>>)( |$)", "--", ".", check=False
-    )
-    leftover = sorted(set(marked.stdout.decode().split()) & set(changed))
-    if leftover:
+    if leftover := files_with_conflict_markers(repo):
         raise SeriesError(
             f"conflict markers are still in: {', '.join(leftover)} (in {repo}); "
             "resolve them, then `nox -s apply -- --continue` again"

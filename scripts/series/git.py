@@ -112,6 +112,18 @@ def changed_files(repo: Path) -> list[str]:
     return [e[3:] for e in entries if len(e) > 3]
 
 
+def files_with_conflict_markers(repo: Path) -> list[str]:
+    """The files changed since HEAD that still hold a merge's conflict
+    markers (lines starting <<<<<<< or >>>>>>>)."""
+    changed = git_out(repo, "diff", "--name-only", "HEAD").split()
+    if not changed:
+        return []
+    marked = git(
+        repo, "grep", "-l", "-E", "^(<<<<<<<|>>>>>>>)( |$)", "--", *changed, check=False
+    )
+    return sorted(set(marked.stdout.decode().split()))
+
+
 def untracked_files(repo: Path) -> list[str]:
     """Files git does not track and does not ignore."""
     out = git(repo, "ls-files", "-z", "--others", "--exclude-standard")

@@ -42,7 +42,13 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.apply import apply
 from scripts.series.config import Base, GitBase, Series, Stage
-from scripts.series.git import commit_verbatim, git, git_out, rev_parse
+from scripts.series.git import (
+    commit_verbatim,
+    files_with_conflict_markers,
+    git,
+    git_out,
+    rev_parse,
+)
 from scripts.series.layout import (
     BASE_REF,
     REBASE_OLD_REF,
@@ -338,13 +344,7 @@ def _discard_merge(repo: Path) -> None:
 def _refuse_conflict_markers(repo: Path) -> None:
     """Before anything is staged, so git's unmerged state (for `git
     mergetool`, `git diff`) stays while markers are left."""
-    changed = git_out(repo, "diff", "--name-only", "HEAD").split()
-    if not changed:
-        return
-    marked = git(
-        repo, "grep", "-l", "-E", "^(<<<<<<<|>>>>>>>)( |$)", "--", *changed, check=False
-    )
-    if leftover := sorted(set(marked.stdout.decode().split())):
+    if leftover := files_with_conflict_markers(repo):
         raise SeriesError(
             "conflict markers are still in: " + ", ".join(leftover) + f" (in {repo})"
         )
@@ -382,10 +382,13 @@ def abort(series: Series) -> None:
     kept = ""
     if (repo / ".git" / "rr-cache").is_dir():
         git(repo, "rerere", check=False)  # records a resolution not continued
+        # Only those made in this rebase: the recorded ones it was offered
+        # are kept where they came from.
+        offered = {entry.name for d in resolution_dirs(series) for entry in d.iterdir()}
         resolved = [
             entry
             for entry in (repo / ".git" / "rr-cache").iterdir()
-            if (entry / "postimage").is_file()
+            if (entry / "postimage").is_file() and entry.name not in offered
         ]
         if resolved:
             out = aborted_resolutions_dir(series, target)

@@ -263,7 +263,9 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
             continue  # a new stage
         # The stage itself, amended (`git commit --amend`) or carried: the
         # commit has the stage's subject. Anything else would overwrite it.
-        subject = read_patch(series.patch_file(stage)).message.split("\n", 1)[0]
+        message = read_patch(series.patch_file(stage)).message
+        # git's %s: the first paragraph, its lines joined by spaces
+        subject = " ".join(message.split("\n\n", 1)[0].splitlines())
         if git_out(repo, "log", "-1", "--format=%s", commit.decode()) != subject:
             raise SeriesError(
                 f"a commit on top of the tree would become stage {stage.id}, which "

@@ -161,6 +161,11 @@ def test_abort_keeps_a_hand_resolution_for_the_next_rebase(two_stages, capsys):
     assert load_state(two_stages.series()).reports[0].outcome == (
         "conflicted, recorded resolution replayed"
     )
+    # Aborted again with nothing new resolved: the replayed one is not
+    # counted or copied a second time.
+    capsys.readouterr()
+    rebase.abort(two_stages.series())
+    assert "kept in" not in capsys.readouterr().out
 
 
 def test_abort_restores_everything(two_stages):
