@@ -52,7 +52,12 @@ def select_topk(
 ) -> torch.Tensor:
     """int32 ``[rows, k]``: each row's top-k column set, then -1. With
     ``gen`` the set's order and the choice among tied k-th values are random;
-    without it, sorted by score with the lowest tied column first."""
+    without it, sorted by score.
+
+    fp32 throughout, in place where it can be (the rows of a long context
+    are hundreds of MB): a valid column at NaN or -inf is keyed as fp32's
+    lowest finite value, so that it ranks above every invalid column (-inf)
+    and rows no longer than k return all their columns."""
     rows, width = logits.shape
     device = logits.device
     starts = row_starts.to(device, torch.int64).reshape(-1)[:rows]
@@ -61,30 +66,37 @@ def select_topk(
     # Unclamped ends: columns past the width are read, and they are poison.
     span = max(width, int(ends.max()) if rows else 0)
     keyed = torch.full(
-        (rows, span), adversary.POISON, dtype=torch.float64, device=device
+        (rows, span), adversary.POISON, dtype=torch.float32, device=device
     )
-    # float64 so that every valid column (even one at -inf) ranks above every
-    # invalid one: rows no longer than k must return all their columns.
-    keyed[:, :width] = logits.detach().to(torch.float64)
-    keyed = keyed.nan_to_num(nan=-1e300, neginf=-1e300)
+    keyed[:, :width] = logits.detach()
+    lowest = torch.finfo(torch.float32).min
+    keyed.nan_to_num_(nan=lowest, neginf=lowest)
     cols = torch.arange(span, device=device)
-    valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
-    keyed = keyed.masked_fill(~valid, float("-inf"))
+    outside = cols[None, :] < starts[:, None]
+    outside |= cols[None, :] >= ends[:, None]
+    keyed.masked_fill_(outside, float("-inf"))
+    del outside
     take = min(k, span)
-    top = torch.topk(keyed, take, dim=1)
-    picked = top.indices
+    # One more than k: a row whose (k+1)-th value equals its k-th has more
+    # columns at the k-th value than places for them.
+    top = torch.topk(keyed, min(take + 1, span), dim=1)
+    picked = top.indices[:, :take]
     if gen is not None and take:
-        # Keep every column above the k-th value; among those equal to it,
-        # a random subset.
-        kth = top.values[:, -1:]
-        tied = keyed == kth
-        score = torch.where(keyed > kth, 2.0, -1.0).to(torch.float32)
-        # Random draws only for the tied columns (a row's noise is all the
-        # choice needs, and drawing for every column costs a full copy).
-        score[tied] = torch.rand(
-            int(tied.sum()), generator=gen, dtype=torch.float32, device=device
-        )
-        picked = torch.topk(score, take, dim=1).indices
+        # Keep every column above the k-th value; among those equal to it, a
+        # random subset (only the rows that have to choose).
+        kth = top.values[:, take - 1 : take]
+        choosing = torch.zeros(0, dtype=torch.int64, device=device)
+        if top.values.shape[1] > take:
+            choosing = torch.nonzero(top.values[:, take] == kth[:, 0]).flatten()
+        if choosing.numel():
+            sub, sub_kth = keyed[choosing], kth[choosing]
+            tied = sub == sub_kth
+            score = torch.where(sub > sub_kth, 2.0, -1.0)
+            score[tied] = torch.rand(
+                int(tied.sum()), generator=gen, dtype=torch.float32, device=device
+            )
+            picked = picked.clone()
+            picked[choosing] = torch.topk(score, take, dim=1).indices
         # Atomic order: permute each row's valid prefix.
         order_key = torch.rand((rows, take), generator=gen, device=device)
         n = torch.clamp(lengths, max=take)[:, None]
