@@ -270,6 +270,9 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
     device = torch.device(device_kind, rank if device_kind != "cpu" else None)
     monkeypatch = pytest.MonkeyPatch()
     if device.type == "cpu":
+        # Forked: OpenMP's pool does not survive a fork (a parallel op would
+        # hang), and the ranks share the CPUs anyway.
+        torch.set_num_threads(1)
         _stand_in_for_rocm(monkeypatch, rank)
     else:
         torch.accelerator.set_device_index(device)
@@ -335,8 +338,17 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
 def _run(world_size: int, device_kind: str) -> None:
     from vllm.utils.network_utils import get_open_port
 
-    torch.multiprocessing.spawn(
-        _worker, args=(world_size, get_open_port(), device_kind), nprocs=world_size
+    if device_kind == "cpu":
+        # Forked: the ranks share the vLLM this process has imported instead
+        # of importing it again each. GPU ranks must not inherit a CUDA
+        # context, so they are spawned.
+        import vllm.v1.attention.backends.mla.indexer  # noqa: F401
+        import vllm.v1.attention.ops.rocm_aiter_mla_sparse  # noqa: F401
+    torch.multiprocessing.start_processes(
+        _worker,
+        args=(world_size, get_open_port(), device_kind),
+        nprocs=world_size,
+        start_method="fork" if device_kind == "cpu" else "spawn",
     )
 
 
