@@ -201,6 +201,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="pytest runs at once (default: one per CPU)",
     )
+    test.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="start each pytest run as a fresh interpreter (default: the stage "
+        "trees' runs fork from one that has imported torch and the like)",
+    )
     reb = sub.add_parser(
         "rebase",
         help="rebase the stages onto a newer vLLM (sdist or git checkout)",
@@ -313,6 +319,7 @@ def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         jobs=args.jobs,
         extra=extra,
         rerun=args.rerun,
+        preloaded=not args.no_preload,
     )
     rows = results.rows
     compiled = [(stage_id, compile_summary(series, stage_id)) for stage_id in stage_ids]

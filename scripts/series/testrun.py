@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.series import SeriesError, testcache
+from scripts.series import SeriesError, preload, testcache
 from scripts.series.config import REPO_ROOT, Series, Stage
 from scripts.series.contract import (
     BASE_TREE_ENV,
@@ -197,15 +197,21 @@ def run_pr_tests(
     return read_junit(junit)
 
 
-def tooling_run(series: Series) -> PytestRun:
-    junit = results_dir(series) / "tooling.xml"
-    return PytestRun(
-        "tooling",
-        "tooling tests",
-        (str(series.tests_dir / "tooling"), f"--junitxml={junit}", "-q"),
-        {},
-        junit,
-    )
+def tooling_runs(series: Series) -> list[PytestRun]:
+    """The tool's tests, one run per file: they import no vLLM (a run starts
+    in half a second), and the longest-first order then keeps both CPUs
+    busy to the end."""
+    out = results_dir(series) / "tooling"
+    return [
+        PytestRun(
+            "tooling",
+            f"tooling tests ({path.name})",
+            (str(path), f"--junitxml={out / f'{path.stem}.xml'}", "-q"),
+            {},
+            out / f"{path.stem}.xml",
+        )
+        for path in sorted((series.tests_dir / "tooling").glob("test_*.py"))
+    ]
 
 
 @dataclass(frozen=True)
@@ -367,6 +373,7 @@ def _run_one(
     cwd: Path,
     project: str,
     rerun: bool,
+    servers: preload.Servers | None,
 ) -> tuple[Tally, str | None]:
     """Run one pytest run, or (unless ``rerun``) report its last green
     result if none of its inputs changed. Returns the tally and, for a
@@ -398,10 +405,37 @@ def _run_one(
     if summary := run.env.get(COMPILE_SUMMARY_ENV):
         Path(summary).unlink(missing_ok=True)
     started = time.monotonic()
+    args = [*run.args, *extra]
+    if servers is not None and TREE_ENV in run.env:
+        done = servers.run(args, env, run.cwd or cwd)
+    else:
+        done = _subprocess_run(python, args, env, run.cwd or cwd)
+    timing = RunTiming(
+        f"{run.row}: {run.label}", time.monotonic() - started, done.cpu_s
+    )
+    output = done.output
+    tally = read_junit(run.junit)
+    tally.timings.append(timing)
+    # 0: passed, 1: some failed, 5: nothing collected; the rest is pytest
+    # itself failing (usage, internal error, interrupted).
+    if done.returncode not in (0, 1, 5):
+        tally.failed += 1
+        tally.failures.append(f"{run.row} {run.label}: pytest exited {done.returncode}")
+    if key is not None and not tally.failed and done.returncode in (0, 5):
+        cached.record(key, time.strftime("%Y-%m-%d %H:%M:%S"))
+    with _PRINT_LOCK:
+        print(f"=== {run.row}: {run.label}\n{output}", flush=True)
+    return tally, None
+
+
+def _subprocess_run(
+    python: str, args: Sequence[str], env: dict[str, str], cwd: Path
+) -> preload.Finished:
+    """``python -m pytest ARGS`` as a fresh process."""
     process = subprocess.Popen(
-        [python, "-m", "pytest", *run.args, *extra],
+        [python, "-m", "pytest", *args],
         env=env,
-        cwd=run.cwd or cwd,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -411,26 +445,9 @@ def _run_one(
     output = process.stdout.read()
     # wait4: the run's own CPU time, its forked ranks included.
     _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    timing = RunTiming(
-        f"{run.row}: {run.label}",
-        time.monotonic() - started,
-        usage.ru_utime + usage.ru_stime,
+    return preload.Finished(
+        os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime, output
     )
-    tally = read_junit(run.junit)
-    tally.timings.append(timing)
-    # 0: passed, 1: some failed, 5: nothing collected; the rest is pytest
-    # itself failing (usage, internal error, interrupted).
-    if process.returncode not in (0, 1, 5):
-        tally.failed += 1
-        tally.failures.append(
-            f"{run.row} {run.label}: pytest exited {process.returncode}"
-        )
-    if key is not None and not tally.failed and process.returncode in (0, 5):
-        cached.record(key, time.strftime("%Y-%m-%d %H:%M:%S"))
-    with _PRINT_LOCK:
-        print(f"=== {run.row}: {run.label}\n{output}", flush=True)
-    return tally, None
 
 
 @dataclass
@@ -453,25 +470,35 @@ def run_tests(
     jobs: int = 0,
     extra: Sequence[str] = (),
     rerun: bool = False,
+    preloaded: bool = True,
 ) -> TestResults:
     """Run the tooling tests (if asked) and each stage's runs, ``jobs`` at a
     time (0: one per CPU). A run whose inputs are unchanged since its last
-    green run is reported from it (``testcache``), unless ``rerun``."""
+    green run is reported from it (``testcache``), unless ``rerun``. With
+    ``preloaded`` the stage trees' runs are forked from a process that has
+    imported torch and the like (``preload``)."""
     base_tree = stage_tree(series, "base")
-    runs = [tooling_run(series)] if tooling else []
+    runs = tooling_runs(series) if tooling else []
     for stage_id in stage_ids:
         runs += stage_runs(series, stage_id, stage_tree(series, stage_id), base_tree)
     project = testcache.project_files(series.root)
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        outcomes = list(
-            pool.map(
-                lambda run: _run_one(run, python, extra, series.root, project, rerun),
-                order,
+    servers = preload.Servers(python) if preloaded else None
+    try:
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            outcomes = list(
+                pool.map(
+                    lambda run: _run_one(
+                        run, python, extra, series.root, project, rerun, servers
+                    ),
+                    order,
+                )
             )
-        )
+    finally:
+        if servers is not None:
+            servers.close()
     wall_s = time.monotonic() - started
     print(f"{len(runs)} pytest runs took {wall_s:.0f} s")
     rows: dict[str, Tally] = {run.row: Tally() for run in runs}

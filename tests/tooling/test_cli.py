@@ -216,6 +216,21 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
                     tree = Path(os.environ["DSA_VLLM_TREE"])
                     assert (tree / "vllm" / "cp_indexer.py").exists()
                     assert os.environ["DSA_STAGES"].startswith("base,0001")
+
+
+                def test_starts_as_python_m_pytest():
+                    import importlib.util
+                    import sys
+
+                    import pytest
+
+                    main = importlib.util.find_spec("pytest.__main__")
+                    assert sys.argv[0] == main.origin
+                    # The folder first (python -m), site-packages after it.
+                    assert sys.path.index(os.getcwd()) < sys.path.index(
+                        os.path.dirname(os.path.dirname(pytest.__file__))
+                    )
+                    assert os.environ["TRITON_INTERPRET"] == "1"
                 """),
             "stage_0002/test_two.py": (
                 "def test_fails():\n    assert False\n\n\n"
@@ -228,15 +243,21 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == [
         "| base | 1 | 0 | 0 | - |",
-        "| 0001 | 2 | 0 | 0 | - |",
-        "| 0002 | 3 | 1 | 0 | - |",
+        "| 0001 | 3 | 0 | 0 | - |",
+        "| 0002 | 4 | 1 | 0 | - |",
     ]
     assert "test_two::test_fails" in result.stdout.split("Failed:")[1]
     assert "=== 0002: series tests" in result.stdout
+    # Forked from the preload server or started fresh, a run sees the same.
+    fresh = _cli(two_stages, "test", "--jobs", "2", "--no-preload")
+    assert fresh.returncode == 1
+    assert [line for line in fresh.stdout.splitlines() if line.startswith("| ")] == rows
     # Arguments after -- go to every pytest run.
-    only = _cli(two_stages, "test", "0002", "--", "-k", "not test_fails")
+    only = _cli(
+        two_stages, "test", "0002", "--no-preload", "--", "-k", "not test_fails"
+    )
     assert only.returncode == 0, only.stdout
-    assert "| 0002 | 3 | 0 | 0 | - |" in only.stdout
+    assert "| 0002 | 4 | 0 | 0 | - |" in only.stdout
     assert _cli(two_stages, "test", "0009").returncode == 1
 
 
@@ -490,7 +511,8 @@ def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path)
 def test_an_unchanged_green_run_is_reported_from_its_last_result(two_stages: Project):
     """A green run whose inputs are all unchanged is not run again; a change
     to any input (a test file, the tree, the environment), a failure or
-    --rerun runs it."""
+    --rerun runs it. (Fresh interpreters: a preload server would import
+    torch for each of these small runs.)"""
     assert _cli(two_stages, "apply").returncode == 0
     marker = two_stages.tmp / "ran.log"  # outside the project: not an input
     test = two_stages.root / "tests" / "base" / "test_base.py"
@@ -508,23 +530,24 @@ def test_an_unchanged_green_run_is_reported_from_its_last_result(two_stages: Pro
     def runs() -> int:
         return len(marker.read_text().splitlines()) if marker.exists() else 0
 
-    first = _cli(two_stages, "test", "base")
+    def test_base(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+        return _cli(two_stages, "test", "base", "--no-preload", *args, **kwargs)
+
+    first = _cli(two_stages, "test", "base", "--no-preload")
     assert first.returncode == 0 and runs() == 1
-    again = _cli(two_stages, "test", "base")
+    again = _cli(two_stages, "test", "base", "--no-preload")
     assert again.returncode == 0 and runs() == 1, "unchanged: reported"
     assert "| base | 1 | 0 | 0 | - |" in again.stdout
     assert "1 of 1 pytest runs are reported from their last green run" in again.stdout
-    assert _cli(two_stages, "test", "base", "--rerun").returncode == 0
-    assert runs() == 2
+    assert test_base("--rerun").returncode == 0 and runs() == 2
     test.write_text(test.read_text() + "\n\ndef test_more():\n    pass\n")
-    assert _cli(two_stages, "test", "base").returncode == 0 and runs() == 3
+    assert test_base().returncode == 0 and runs() == 3
     # The environment is an input.
-    env_change = _cli(two_stages, "test", "base", env={"DSA_STANDIN_SEED": "7"})
-    assert env_change.returncode == 0 and runs() == 4
+    assert test_base(env={"DSA_STANDIN_SEED": "7"}).returncode == 0 and runs() == 4
     # A failing run keeps no key: it runs again next time.
     test.write_text(test.read_text() + "\n\ndef test_fails():\n    assert False\n")
-    assert _cli(two_stages, "test", "base").returncode == 1 and runs() == 5
-    assert _cli(two_stages, "test", "base").returncode == 1 and runs() == 6
+    assert test_base().returncode == 1 and runs() == 5
+    assert test_base().returncode == 1 and runs() == 6
 
 
 def test_a_tree_with_changes_beyond_its_commit_has_no_key(tmp_path: Path):

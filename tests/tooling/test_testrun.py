@@ -11,6 +11,7 @@ from scripts.series.testrun import (
     format_summary,
     read_junit,
     stage_runs,
+    tooling_runs,
 )
 from tests.tooling.conftest import Project
 
@@ -157,3 +158,18 @@ def test_junit_counts_only_the_modules_asked_for(tmp_path: Path):
         '<error message="collection failure"/></testcase></testsuite></testsuites>'
     )
     assert read_junit(junit, ["t.x"]).failed == 1
+
+
+def test_the_tools_tests_run_one_file_each():
+    """Each tooling test file is a run of its own (with its own results), so
+    the longest-first order spreads them over the CPUs; none is left out."""
+    from scripts.series.config import load_series
+
+    series = load_series()
+    runs = tooling_runs(series)
+    files = sorted((series.tests_dir / "tooling").glob("test_*.py"))
+    assert [[a for a in r.args if not a.startswith("-")] for r in runs] == [
+        [str(f)] for f in files
+    ]
+    assert len({r.junit for r in runs}) == len(files) > 1
+    assert {r.row for r in runs} == {"tooling"}
