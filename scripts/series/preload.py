@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.series import SeriesError
 from scripts.series.contract import (
     BASE_TREE_ENV,
     COMPILE_SUMMARY_ENV,
@@ -116,9 +117,10 @@ class Server:
                 text=True,
             )
             assert process.stdout is not None
-            if process.stdout.readline().strip() != "ready":
+            # A module may print on import: "ready" is the last line.
+            if not any(line.strip() == "ready" for line in process.stdout):
                 process.wait()
-                raise RuntimeError(
+                raise SeriesError(
                     f"the preload server exited {process.returncode} before "
                     "serving (run with --no-preload to see the runs' own errors)"
                 )
@@ -135,13 +137,22 @@ class Server:
             "cwd": str(cwd),
             "output": str(output),
         }
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(str(self._socket))
-            conn.sendall((json.dumps(request) + "\n").encode())
-            with conn.makefile("r") as lines:
-                answer = lines.readline()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(str(self._socket))
+                conn.sendall((json.dumps(request) + "\n").encode())
+                with conn.makefile("r") as lines:
+                    answer = lines.readline()
+        except OSError as exc:
+            answer = ""
+            cause = f": {exc}"
+        else:
+            cause = ""
         if not answer:
-            raise RuntimeError("the preload server's supervisor died mid-run")
+            raise SeriesError(
+                f"the preload server stopped answering{cause} (run again, or "
+                "with --no-preload)"
+            )
         result = json.loads(answer)
         return Finished(
             result["returncode"],

@@ -173,3 +173,23 @@ def test_the_tools_tests_run_one_file_each():
     ]
     assert len({r.junit for r in runs}) == len(files) > 1
     assert {r.row for r in runs} == {"tooling"}
+
+
+def test_a_preload_server_that_does_not_start_is_a_clear_error(tmp_path: Path):
+    """An interpreter that prints and exits instead of serving: the run
+    stops with the exit status and the way around it, not a traceback."""
+    import os
+
+    import pytest
+
+    from scripts.series import SeriesError, preload
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho importing...\nexit 3\n")
+    python.chmod(0o755)
+    servers = preload.Servers(str(python))
+    try:
+        with pytest.raises(SeriesError, match="exited 3 before serving.*--no-preload"):
+            servers.run(["-q"], dict(os.environ), tmp_path)
+    finally:
+        servers.close()
