@@ -2,7 +2,7 @@
 """A stand-in ``aiter`` package holding the functions the indexer calls.
 
 Each function keeps AITER's documented contract (argument order, dtypes,
--1 padding, chunk-global prefill indices) and computes with the float64-keyed
+-1 padding, chunk-global prefill indices) and computes with the fp32-keyed
 references in ``topk_reference`` and vLLM's own torch logits reference. Only
 the entry points a stage calls are present: calling anything else fails, as
 it should, instead of silently succeeding.

@@ -4,7 +4,7 @@ benchmarks that must see host costs (stage 0001's whole-op benchmark and its
 no-sync test).
 
 The harness's reference stand-ins (vLLM's torch ``fp8_mqa_logits_torch``,
-a float64 top-k with adversarial ties) are correct but 10-100x slower than
+an fp32-keyed top-k with adversarial ties) are correct but 10-100x slower than
 AITER, which hides every host cost behind GPU time. These are written for
 speed, not for adversarial contracts:
 

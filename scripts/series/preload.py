@@ -4,7 +4,7 @@ other third-party dependencies once.
 
 A fresh interpreter spends about 6 of the 8-10 s it takes to import vLLM's
 indexer op in torch, torch._inductor, transformers and the like; a warm run
-of every stage's tests starts 20 of them. Those modules do not depend on
+of every stage's tests starts 18 of them. Those modules do not depend on
 which vLLM tree a run tests, so the runs that share every environment
 variable but the tree's (``TREE_VARS``) are forked from one server process
 (``preload_server.py``) that imported them under that environment. Nothing
