@@ -12,6 +12,10 @@ of the project or of a run's PYTHONPATH is imported before the fork; the
 run then gets its own environment, folder and ``sys.path`` as ``python -m
 pytest`` would, and its output and CPU time come back as from a
 subprocess.
+
+A test can start a Python command of its own the same way: ``python_command``
+runs it through ``preload_client.py``, which the run finds its server for in
+``$DSA_PRELOAD_SOCKET``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
@@ -34,6 +39,8 @@ from scripts.series.contract import (
     STAGES_ENV,
     TREE_ENV,
 )
+from scripts.series.preload_client import CPU_LOG_ENV, SOCKET_ENV
+from scripts.series.testcache import VOLATILE_ENV
 
 # Third-party modules vLLM's import pulls in, the slowest first (measured
 # with ``python -X importtime`` on vLLM 0.32.0's indexer op).
@@ -69,8 +76,26 @@ TREE_VARS = (
     COMPILE_SUMMARY_ENV,
     PLUGIN_FILES_ENV,
     "PYTHONPATH",
+    SOCKET_ENV,
+    CPU_LOG_ENV,
+)
+# What a test process sets in its own environment after it starts, which a
+# command it runs inherits: pytest's variables and vLLM's (env_override.py
+# sets its at import, after importing torch; its compilation sets the
+# Inductor cache folder). The preloaded modules read them when used, not
+# when imported, all but TORCHINDUCTOR_COMPILE_THREADS, which only
+# torch.compile uses, and which the pytest runs see the same way.
+SET_BY_THE_RUN = (
+    "PYTEST_CURRENT_TEST",
+    "PYTEST_VERSION",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TORCHINDUCTOR_COMPILE_THREADS",
+    "TRITON_CACHE_AUTOTUNING",
+    "TILELANG_CLEANUP_TEMP_FILES",
 )
 _SERVER = Path(__file__).with_name("preload_server.py")
+_CLIENT = Path(__file__).with_name("preload_client.py")
 # transformers imports anyio, whose pytest plugin pytest then cannot rewrite
 # the asserts of (it warns, once per run). Only that plugin's own asserts
 # lose pytest's introspection; the tests' are rewritten as ever.
@@ -86,6 +111,15 @@ class Finished:
     returncode: int
     cpu_s: float
     output: str
+
+
+def python_command(*argv: str) -> list[str]:
+    """``python ARGV`` (``-c CODE ...`` or ``SCRIPT ...``) as a command line
+    that, inside a run forked from a preload server, is forked from that
+    server too; otherwise it is that command."""
+    if os.environ.get(SOCKET_ENV):
+        return [sys.executable, str(_CLIENT), *argv]
+    return [sys.executable, *argv]
 
 
 def server_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -109,7 +143,14 @@ class Server:
             if self._process is not None:
                 return
             process = subprocess.Popen(
-                [self._python, "-c", _SERVER.read_text(), str(self._socket), *MODULES],
+                [
+                    self._python,
+                    "-c",
+                    _SERVER.read_text(),
+                    str(self._socket),
+                    ",".join(TREE_VARS + SET_BY_THE_RUN + tuple(sorted(VOLATILE_ENV))),
+                    *MODULES,
+                ],
                 env=self._env,
                 cwd=self._socket.parent,
                 stdin=subprocess.DEVNULL,
@@ -129,11 +170,13 @@ class Server:
     def run(
         self, args: Sequence[str], env: Mapping[str, str], cwd: Path, output: Path
     ) -> Finished:
-        """``python -m pytest ARGS`` with ``env`` in ``cwd``, forked."""
+        """``python -m pytest ARGS`` with ``env`` in ``cwd``, forked; its CPU
+        time includes that of the commands it had forked here."""
         self._start()
+        cpu_log = output.with_suffix(".cpu")
         request = {
             "args": [*_ALREADY_IMPORTED, *args],
-            "env": dict(env),
+            "env": {**env, SOCKET_ENV: str(self._socket), CPU_LOG_ENV: str(cpu_log)},
             "cwd": str(cwd),
             "output": str(output),
         }
@@ -154,9 +197,14 @@ class Server:
                 "with --no-preload)"
             )
         result = json.loads(answer)
+        try:
+            commands_cpu_s = sum(float(line) for line in cpu_log.read_text().split())
+            cpu_log.unlink()
+        except FileNotFoundError:
+            commands_cpu_s = 0.0
         return Finished(
             result["returncode"],
-            result["cpu_s"],
+            result["cpu_s"] + commands_cpu_s,
             output.read_text(errors="replace"),
         )
 

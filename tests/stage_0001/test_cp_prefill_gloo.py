@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from scripts.harness import adversary, indexer_batch, topk_reference
 from scripts.harness.multiproc import run_ranks
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
+from scripts.series import preload
 from scripts.series.contract import BASE_TREE_ENV, tree_env
 
 TREE = applied_tree("0001")
@@ -327,8 +327,9 @@ def base_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
         "PYTHONPATH": f"{base_tree}:{project}",
     }
     requests = {name: SCENARIOS[name][0] for name in BYTE_IDENTITY_SCENARIOS}
+    # Forked from the run's preload server when it has one (preload.py).
     subprocess.run(
-        [sys.executable, "-c", _BASE_RUN, str(out_file), repr(requests)],
+        preload.python_command("-c", _BASE_RUN, str(out_file), repr(requests)),
         env=env,
         check=True,
         cwd=out_file.parent,
@@ -394,43 +395,74 @@ def test_the_profiling_run_makes_no_collective(monkeypatch):
     assert out is buffer and buffer.eq(7).all()  # untouched by the dummy run
 
 
+# vLLM's chunker at its default 512 MiB logits budget splits a 6,711-row
+# slice over 40,000 keys into 3,355 / 3,355 / 1 rows: the layout that exposed
+# the duplicate-row bug. The ranks run it over 10,000 keys (a 3,289-key
+# cached prefix) at the budget that gives the same rows, a quarter of the
+# work.
+TAIL_ROWS = 6711
+TAIL_LAYOUT = [3355, 3355, 1]
+TAIL_CONTEXT = 3289
+
+
+def test_the_default_budget_makes_the_tail_layout_at_40000_keys():
+    import vllm.envs as envs
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerMetadataBuilder,
+    )
+
+    chunks = DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks(
+        torch.tensor([40000]),
+        torch.tensor([TAIL_ROWS]),
+        # Any workspace that holds the keys: serving's is far larger.
+        workspace_size=40000,
+        max_logits_bytes=envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB * 1024 * 1024,
+    )
+    assert envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB == 512
+    assert [q.stop - q.start for _, q in chunks] == TAIL_LAYOUT
+
+
 def _tail_batch():
-    """The layout that exposed the duplicate-row bug: vLLM's chunker, at its
-    default 512 MiB logits budget, splits a 6,711-row slice at 40,000 keys
-    into 3,355 / 3,355 / 1 rows. One indexer head keeps the CPU cost down."""
+    """The tail layout at tp 8 through vLLM's builder; one indexer head
+    keeps the CPU cost down."""
+    keys = TAIL_CONTEXT + TAIL_ROWS
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+        # 3,355 rows of logits over ``keys``, as 512 MiB is over 40,000.
+        indexer_batch.shrink_logits_budget(monkeypatch, TAIL_LAYOUT[0] * keys + 1)
         with emulate_rocm("gfx950"):
             config = indexer_batch.make_vllm_config(
-                tp_size=8, max_len=40960, max_tokens=8192
+                tp_size=8, max_len=10240, max_tokens=8192
             )
             builder = indexer_batch.make_builder(config, monkeypatch)
             return indexer_batch.build_batch(
                 builder,
-                [(33289, 6711)],
+                [(TAIL_CONTEXT, TAIL_ROWS)],
                 cache_new_keys=True,
                 torch_context=True,
                 heads=1,
             )
 
 
-def test_the_3355_3355_1_layout_at_tp8_and_40000_keys():
+def test_the_3355_3355_1_layout_at_tp8():
     batch = _tail_batch()
     chunks = batch.metadata.prefill.chunks
-    assert [c.token_end - c.token_start for c in chunks] == [3355, 3355, 1]
+    assert [c.token_end - c.token_start for c in chunks] == TAIL_LAYOUT
     ranks = run_ranks(8, _run_all, {"tail": batch})
     written = torch.stack(
         [(r["tail"]["before_merge"] >= 0).any(dim=1) for r in ranks]
     ).sum(dim=0)
     assert written.eq(1).all(), "each of the 6,711 rows needs exactly one writer"
     # Every 97th row and the last ones, against vLLM's torch logits.
-    rows = torch.cat([torch.arange(0, 6711, 97), torch.tensor([6709, 6710])])
+    rows = torch.cat(
+        [torch.arange(0, TAIL_ROWS, 97), torch.tensor([TAIL_ROWS - 2, TAIL_ROWS - 1])]
+    )
     logits = batch.reference_logits(rows)
     expected = logits.topk(TOPK, dim=1).indices.to(torch.int32)
     for result in ranks:
         assert result["tail"]["reduces"] == []
         [(_, sizes)] = result["tail"]["gathers"]
-        assert sum(sizes) == 6711
+        assert sum(sizes) == TAIL_ROWS
         topk_reference.assert_same_selection(
             logits, result["tail"]["out"][rows], expected, batch.row_ends[rows], TOPK
         )
