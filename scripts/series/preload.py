@@ -80,14 +80,17 @@ TREE_VARS = (
     CPU_LOG_ENV,
 )
 # What a test process sets in its own environment after it starts, which a
-# command it runs inherits: pytest's variables and vLLM's (env_override.py
-# sets its at import, after importing torch; its compilation sets the
-# Inductor cache folder). The preloaded modules read them when used, not
-# when imported, all but TORCHINDUCTOR_COMPILE_THREADS, which only
-# torch.compile uses, and which the pytest runs see the same way.
+# command it runs inherits: variables of pytest's, vLLM's and AITER's own
+# namespaces (``*`` ends a prefix), which none of the preloaded modules
+# reads, and those vLLM's env_override.py sets at import, after importing
+# torch (and its compilation's Inductor cache folder). The preloaded modules
+# read those when used, not when imported, all but
+# TORCHINDUCTOR_COMPILE_THREADS, which only torch.compile uses and which the
+# pytest runs see the same way.
 SET_BY_THE_RUN = (
-    "PYTEST_CURRENT_TEST",
-    "PYTEST_VERSION",
+    "PYTEST_*",
+    "VLLM_*",
+    "AITER_*",
     "PYTORCH_NVML_BASED_CUDA_CHECK",
     "TORCHINDUCTOR_CACHE_DIR",
     "TORCHINDUCTOR_COMPILE_THREADS",
@@ -114,9 +117,9 @@ class Finished:
 
 
 def python_command(*argv: str) -> list[str]:
-    """``python ARGV`` (``-c CODE ...`` or ``SCRIPT ...``) as a command line
-    that, inside a run forked from a preload server, is forked from that
-    server too; otherwise it is that command."""
+    """``python ARGV`` (``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``)
+    as a command line that, inside a run forked from a preload server, is
+    forked from that server too; otherwise it is that command."""
     if os.environ.get(SOCKET_ENV):
         return [sys.executable, str(_CLIENT), *argv]
     return [sys.executable, *argv]

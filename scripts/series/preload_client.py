@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``python preload_client.py ARGV...``: ``python ARGV...`` (``-c CODE ...``
-or ``SCRIPT ...``) forked from the test run's preload server
+"""``python preload_client.py ARGV...``: ``python ARGV...`` (``-c CODE ...``,
+``-m MODULE ...`` or ``SCRIPT ...``) forked from the test run's preload server
 (``preload_server.py``), on this process's stdin, stdout and stderr, with
 its environment and folder; its exit status is this process's.
 
@@ -45,7 +45,9 @@ def forked(path: str, argv: list[str]) -> int | None:
 
 def main(argv: list[str]) -> None:
     if not argv:
-        sys.exit("usage: python preload_client.py (-c CODE | SCRIPT) [ARG...]")
+        sys.exit(
+            "usage: python preload_client.py (-c CODE | -m MODULE | SCRIPT) [ARG...]"
+        )
     path = os.environ.get(SOCKET_ENV)
     code = forked(path, argv) if path else None
     if code is not None and code < 0:

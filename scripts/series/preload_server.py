@@ -1,18 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """The process pytest runs are forked from (see ``preload.py``).
 
-Run as ``python -c <this file's text> SOCKET MODULE...``: it imports the
-given third-party modules, then serves one request per connection on the
-Unix socket SOCKET. A request (one JSON line) is either a pytest run (its
-arguments, environment, folder and output file) or, from
-``preload_client.py``, a ``python -c CODE ...`` or ``python SCRIPT ...``
-command that brings its stdin, stdout and stderr along (SCM_RIGHTS) and is
-served only if its environment is the server's, less the per-run variables
-(``TREE_VARS``). A supervisor is forked for it, which forks the run, waits
-for it and answers with its exit status and CPU time (children included).
-This process imports nothing of the project and nothing from a run's
-PYTHONPATH, so what a run sees differs from a fresh interpreter only in
-modules already being imported.
+Run as ``python -c <this file's text> SOCKET PER_RUN MODULE...``: it
+imports the given third-party modules, then serves one request per
+connection on the Unix socket SOCKET. A request (one JSON line) is either a
+pytest run (its arguments, environment, folder and output file) or, from
+``preload_client.py``, a ``python -c CODE ...``, ``-m MODULE ...`` or
+``SCRIPT ...`` command that brings its stdin, stdout and stderr along
+(SCM_RIGHTS) and is served only if its environment is the server's, less
+the per-run variables (PER_RUN: comma-separated names, and prefixes ending
+in ``*``). A supervisor is forked for it, which forks the run, waits for it
+and answers with its exit status and CPU time (children included). This
+process imports nothing of the project and nothing from a run's PYTHONPATH,
+so what a run sees differs from a fresh interpreter only in modules already
+being imported.
 """
 
 import contextlib
@@ -26,10 +27,17 @@ import sys
 
 # The interpreter's own path, less the first entry (set by main).
 _SITE_PATH: list[str] = []
-# The variables set per run (preload.TREE_VARS, passed by the tool) and the
-# server's environment less those: a command must match it to be served.
+# The variables set per run (passed by the tool; a name ending in "*" is a
+# prefix) and the server's environment less those: a command's must match
+# it to be served.
 _PER_RUN: list[str] = []
 _OWN_ENV: dict[str, str] = {}
+
+
+def _per_run(name: str) -> bool:
+    return any(
+        name.startswith(p[:-1]) if p.endswith("*") else name == p for p in _PER_RUN
+    )
 
 
 def _become(cwd: str, env: dict, first_path: str) -> None:
@@ -86,8 +94,10 @@ def _run_pytest(request: dict) -> None:
 
 
 def _run_python(request: dict, fds: list[int]) -> None:
-    """In the forked run: become ``python ARGV`` (``-c CODE ...`` or
-    ``SCRIPT ...``) on the client's stdin, stdout and stderr."""
+    """In the forked run: become ``python ARGV`` (``-c CODE ...``, ``-m
+    MODULE ...`` or ``SCRIPT ...``) on the client's stdin, stdout and
+    stderr."""
+    import runpy
     import types
 
     for target, fd in enumerate(fds):
@@ -98,39 +108,55 @@ def _run_python(request: dict, fds: list[int]) -> None:
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = open(1, "w", buffering=1 if os.isatty(1) else -1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
-    argv = request["argv"]
-    if argv[0] == "-c":
-        code, sys.argv, first_path = argv[1], ["-c", *argv[2:]], ""
-        filename = "<string>"
+    argv, cwd, env = request["argv"], request["cwd"], request["env"]
+    if argv[0] == "-m":
+        # The folder first; runpy sets argv[0] and __main__ as ``-m`` does.
+        sys.argv = argv[1:]
+        _become(cwd, env, cwd)
+
+        def main() -> None:
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+
     else:
-        filename = os.path.abspath(os.path.join(request["cwd"], argv[0]))
-        with open(filename) as source:
-            code = source.read()
-        sys.argv, first_path = list(argv), os.path.dirname(filename)
-    _become(request["cwd"], request["env"], first_path)
-    main_module = types.ModuleType("__main__")
-    if argv[0] != "-c":
-        main_module.__file__ = filename
-    main_module.__dict__["__builtins__"] = __builtins__
-    sys.modules["__main__"] = main_module
+        if argv[0] == "-c":
+            code, filename, first_path = argv[1], "<string>", ""
+            sys.argv = ["-c", *argv[2:]]
+        else:
+            filename = os.path.abspath(os.path.join(cwd, argv[0]))
+            with open(filename) as source:
+                code = source.read()
+            first_path, sys.argv = os.path.dirname(filename), list(argv)
+        _become(cwd, env, first_path)
+        main_module = types.ModuleType("__main__")
+        if argv[0] != "-c":
+            main_module.__file__ = filename
+        main_module.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = main_module
+
+        def main() -> None:
+            exec(compile(code, filename, "exec"), main_module.__dict__)
+
     try:
-        exec(compile(code, filename, "exec"), main_module.__dict__)
+        main()
         result = 0
     except SystemExit as exc:
         result = _exit_code(exc)
     except BaseException as exc:
         import traceback
 
-        # As a fresh interpreter prints it: from the command's own frames.
-        own = exc.__traceback__
-        traceback.print_exception(exc.with_traceback(own and own.tb_next))
+        # As a fresh interpreter prints it: from the command's own frames,
+        # past this function's and main's.
+        frames = exc.__traceback__
+        for _ in range(2):
+            frames = frames and frames.tb_next
+        traceback.print_exception(exc.with_traceback(frames))
         result = 1
     _exit(result)
 
 
 def _refusal(request: dict) -> str | None:
     """Why a command is not served here, if it is not."""
-    env = {k: v for k, v in request["env"].items() if k not in _PER_RUN}
+    env = {k: v for k, v in request["env"].items() if not _per_run(k)}
     if env != _OWN_ENV:
         differ = sorted(set(env.items()) ^ set(_OWN_ENV.items()))
         return "environment differs in " + ", ".join(sorted({k for k, _ in differ}))
@@ -174,7 +200,7 @@ def _supervise(conn: socket.socket) -> None:
 
 def main(socket_path: str, per_run: list[str], modules: list[str]) -> None:
     _PER_RUN[:] = per_run
-    _OWN_ENV.update({k: v for k, v in os.environ.items() if k not in per_run})
+    _OWN_ENV.update({k: v for k, v in os.environ.items() if not _per_run(k)})
     for name in modules:
         # A module missing here is the run's to import, or fail to.
         with contextlib.suppress(ImportError):

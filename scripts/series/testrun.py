@@ -53,7 +53,8 @@ COMPILE_SUMMARY = "gfx-compile.json"
 class PytestRun:
     """One pytest invocation: arguments (after ``python -m pytest``), env,
     where it writes its JUnit XML and the folder it runs in (None: the
-    project). ``row`` is its line in the summary."""
+    project). ``row`` is its line in the summary. ``preload``: forked from a
+    preload server (``preload.py``) unless the tool is told not to."""
 
     row: str
     label: str
@@ -61,6 +62,7 @@ class PytestRun:
     env: dict[str, str]
     junit: Path
     cwd: Path | None = None
+    preload: bool = True
 
 
 def stage_runs(
@@ -209,6 +211,8 @@ def tooling_runs(series: Series) -> list[PytestRun]:
             (str(path), f"--junitxml={out / f'{path.stem}.xml'}", "-q"),
             {},
             out / f"{path.stem}.xml",
+            # No torch here: a server would cost more than it saves.
+            preload=False,
         )
         for path in sorted((series.tests_dir / "tooling").glob("test_*.py"))
     ]
@@ -406,7 +410,7 @@ def _run_one(
         Path(summary).unlink(missing_ok=True)
     started = time.monotonic()
     args = [*run.args, *extra]
-    if servers is not None and TREE_ENV in run.env:
+    if servers is not None and run.preload:
         done = servers.run(args, env, run.cwd or cwd)
     else:
         done = _subprocess_run(python, args, env, run.cwd or cwd)

@@ -140,6 +140,36 @@ def test_a_command_is_a_script_too(tmp_path, monkeypatch):
     assert done.returncode == 0, done.output
 
 
+def test_a_command_is_a_module_too_and_reads_its_stdin(tmp_path, monkeypatch):
+    (tmp_path / "tool").mkdir()
+    (tmp_path / "tool" / "probe.py").write_text(
+        "import csv, json, os, sys\n"
+        "forked = 'csv' in sys.modules\n"
+        "print(json.dumps([forked, sys.argv, sys.path[0], sys.stdin.read()]))\n"
+    )
+    test_file = textwrap.dedent(
+        f"""
+        import json, subprocess, sys
+        from scripts.series import preload
+
+        def test_module():
+            done = subprocess.run(
+                preload.python_command("-m", "probe", "x"),
+                input="from stdin", capture_output=True, text=True,
+                cwd={str(tmp_path / "tool")!r},
+            )
+            assert done.returncode == 0, done.stderr
+            forked, argv, path0, read = json.loads(done.stdout)
+            assert forked
+            assert argv == [{str(tmp_path / "tool" / "probe.py")!r}, "x"]
+            assert path0 == {str(tmp_path / "tool")!r}
+            assert read == "from stdin"
+        """
+    )
+    done = _serve_one_run(tmp_path, monkeypatch, test_file)
+    assert done.returncode == 0, done.output
+
+
 def test_a_command_whose_caller_is_killed_is_killed(tmp_path, monkeypatch):
     pid_file = tmp_path / "command.pid"
     test_file = textwrap.dedent(
