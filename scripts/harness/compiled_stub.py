@@ -25,14 +25,20 @@ _LIBRARIES: list = []
 
 
 def install() -> None:
-    """Register an empty module for each compiled module that is missing."""
+    """Register an empty module for each compiled module that is missing,
+    and answer the capability probes."""
     for name in COMPILED_MODULES:
         if name in sys.modules or importlib.util.find_spec(name) is not None:
             continue
         module = types.ModuleType(name)
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         sys.modules[name] = module
-    _answer_capability_probes()
+    # Finding the modules above imported the vllm package, and vLLM's imports
+    # torch first thing (vllm/env_override.py). A package that does not (the
+    # tool's synthetic trees) has nothing that asks the probes, and is not
+    # made to import torch for them.
+    if "torch" in sys.modules:
+        _answer_capability_probes()
 
 
 def _answer_capability_probes() -> None:

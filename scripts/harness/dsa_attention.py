@@ -18,6 +18,7 @@ call (recorded, not run) and the MLA kernel (not reached).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
@@ -193,7 +194,7 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
         # torch.bmm's path (the seeds serve with VLLM_ROCM_USE_AITER_FP8BMM=0).
         is_aiter_triton_fp4_bmm_enabled=False,
         is_aiter_triton_fp8_bmm_enabled=False,
-        W_UK_T=_bf16(local_heads, model.qk_nope_head_dim, model.kv_lora_rank),
+        W_UK_T=_weight(local_heads, model.qk_nope_head_dim, model.kv_lora_rank),
         # RMSNorm weights are in the model dtype (layernorm.py line 61).
         q_a_layernorm=SimpleNamespace(
             weight=torch.ones(model.q_lora_rank, dtype=torch.bfloat16),
@@ -223,6 +224,14 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
 
 def _bf16(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(torch.bfloat16)
+
+
+@cache
+def _weight(*shape: int) -> torch.Tensor:
+    """One random bf16 weight per shape, made once: the layer reads its
+    weights and never writes them, and the compile matrix builds hundreds of
+    layers (W_UK_T at TP 1 is 8M values)."""
+    return _bf16(*shape)
 
 
 def run_attention(monkeypatch, layer, tokens: int) -> AttentionCall:

@@ -113,13 +113,28 @@ def _compile_only_driver(target: Any) -> Any:
     return CompileOnlyDriver()
 
 
+# Set inside ``recorded_only``: launches are recorded, not interpreted.
+_RECORDED_ONLY: list[bool] = [False]
+
+
+@contextmanager
+def recorded_only() -> Iterator[None]:
+    """Inside ``recording(interpret=True)``: record the launches made here
+    without interpreting them (the caller computes their results)."""
+    _RECORDED_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _RECORDED_ONLY[0] = False
+
+
 @contextmanager
 def recording(
     arch: str, *, interpret: bool = False, into: Recorder | None = None
 ) -> Iterator[Recorder]:
     """Record every Triton launch as a variant for ``arch`` (into ``into``,
     or a new recorder); launch nothing, or (``interpret``) run each launch
-    through the interpreter."""
+    through the interpreter, but within ``recorded_only``."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -155,7 +170,7 @@ def recording(
         if self.device_caches and self.device_caches[0][2] != target:
             self.device_caches.clear()
         real_run(self, *args, grid=grid, warmup=True, **kwargs)
-        if interpret and not warmup:
+        if interpret and not warmup and not _RECORDED_ONLY[0]:
             with _language_restored():
                 as_interpreted(self).run(*args, grid=grid, warmup=False, **kwargs)
         return None

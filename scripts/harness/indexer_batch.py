@@ -183,6 +183,7 @@ def build_batch(
     heads: int = HEADS,
     torch_context: bool = False,
     write_cache: bool = True,
+    random_inputs: bool = True,
 ) -> IndexerBatch:
     """Fill the cache with each request's context and build the step's
     metadata; ``padding`` rows mimic a CUDA-graph padded batch.
@@ -193,8 +194,9 @@ def build_batch(
     is for long contexts: the context (and such new keys) is written with
     the torch writer, and the builder's prefill chunk metadata is computed
     by the torch equivalent of its kernel (both checked against the Triton
-    kernels in tests/base). Without ``write_cache`` the cache stays zero
-    (dispatch-only tests)."""
+    kernels in tests/base). Without ``write_cache`` the cache stays zero,
+    and without ``random_inputs`` so do the step's queries, keys and weights
+    (dispatch-only tests: a 131,072-token step's queries are 1 GiB)."""
     from vllm.v1.attention.backends.utils import CommonAttentionMetadata
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         FP8_DTYPE,
@@ -238,9 +240,14 @@ def build_batch(
         row_requests.append(torch.full((query,), req))
     num_tokens = sum(q for _, q in requests)
     rows = num_tokens + padding
-    q_fp8 = torch.randn(rows, heads, HEAD_DIM, generator=gen).to(FP8_DTYPE)
-    k = torch.randn(rows, HEAD_DIM, generator=gen).to(torch.bfloat16)
-    weights = torch.randn(rows, heads, generator=gen)
+    if random_inputs:
+        q_fp8 = torch.randn(rows, heads, HEAD_DIM, generator=gen).to(FP8_DTYPE)
+        k = torch.randn(rows, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        weights = torch.randn(rows, heads, generator=gen)
+    else:
+        q_fp8 = torch.zeros(rows, heads, HEAD_DIM, dtype=FP8_DTYPE)
+        k = torch.zeros(rows, HEAD_DIM, dtype=torch.bfloat16)
+        weights = torch.zeros(rows, heads)
     q_fp8, k, weights = q_fp8.to(device), k.to(device), weights.to(device)
     slot_mapping = torch.cat(new_slots).to(device)
     if cache_new_keys and torch_context:

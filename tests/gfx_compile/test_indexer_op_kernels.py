@@ -9,16 +9,21 @@ The specialisations come from vLLM's own code: the metadata builder and the
 op run on a step of decodes (next_n rows each) and prefills, with Triton's
 compile-only driver recording every launch (the builder's decode kernel, the
 K gather, the localisation) and the interpreter computing its results, so
-the host code after each kernel sees real values. The cache is filled by
+the host code after each kernel sees real values; the K gather's results
+come from its torch equivalent, which tests/base checks against it (the
+interpreter took most of the matrix's time there). The cache is filled by
 the torch equivalent of vLLM's K-cache writer, which the stages do not call.
 The split runs on two forked gloo ranks of a real TP group. AITER's own
 kernels (logits, top-k) are stand-ins here and are not compiled."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 
-from scripts.harness import gfx_compile, indexer_batch
+from scripts.harness import gfx_compile, indexer_batch, indexer_k_cache
 from scripts.harness.multiproc import run_ranks
 from scripts.harness.rocm_platform import emulate_rocm, use_rocm_fp8_encoding
 from scripts.harness.tree import applied_tree
@@ -56,7 +61,10 @@ def _run_op(recorder, arch, heads, page, next_n, tp=1, requests=None, label="") 
         with set_current_vllm_config(config):
             builder = indexer_batch.make_builder(config, monkeypatch, block_size=page)
         recorder.label = label
-        with gfx_compile.recording(arch, interpret=not long, into=recorder):
+        with (
+            gfx_compile.recording(arch, interpret=not long, into=recorder),
+            _gather_recorded_computed_in_torch(),
+        ):
             # The cache is filled by the torch writer (the stages do not call
             # vLLM's); the builder's own kernels are recorded.
             batch = indexer_batch.build_batch(
@@ -69,6 +77,29 @@ def _run_op(recorder, arch, heads, page, next_n, tp=1, requests=None, label="") 
             indexer_batch.run_indexer(
                 batch, TOPK, skip_k_cache_insert=True, torch_gather=long
             )
+
+
+@contextmanager
+def _gather_recorded_computed_in_torch() -> Iterator[None]:
+    """The op's K gather: vLLM's Triton kernel is launched (recorded, not
+    interpreted), and its torch equivalent writes the results."""
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse as op_module
+
+    name = "cp_gather_indexer_k_quant_cache_triton"
+    triton_gather = getattr(op_module, name)
+
+    def gather(*args, **kwargs):
+        with gfx_compile.recorded_only():
+            triton_gather(*args, **kwargs)
+        kwargs.pop("block_tile_size", None)
+        kwargs.pop("head_tile_size", None)
+        indexer_k_cache.gather_paged_k(*args, **kwargs)
+
+    setattr(op_module, name, gather)
+    try:
+        yield
+    finally:
+        setattr(op_module, name, triton_gather)
 
 
 def _kinds():

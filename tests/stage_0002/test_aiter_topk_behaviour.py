@@ -13,6 +13,7 @@ stage, and a pass there marks the stage upstreamed.
 Only dispatch is observed here, so the work each kernel would do is skipped:
 the K insert, the K gather, the logits and the top-k calls are recorded, not
 computed (results of both kernels are tested in test_aiter_topk_paths.py),
+the cache and the step's inputs stay zero,
 and the builder's chunk metadata comes from the torch equivalent of its
 kernel (checked against it in tests/base). Recording
 the table anew: ``DSA_RECORD_GATE_TABLE=1`` writes it instead of comparing.
@@ -76,7 +77,7 @@ def _dispatch(monkeypatch: pytest.MonkeyPatch, requests) -> list[str]:
     config = indexer_batch.make_vllm_config(max_len=MAX_LEN, max_tokens=MAX_LEN)
     builder = indexer_batch.make_builder(config, monkeypatch)
     batch = indexer_batch.build_batch(
-        builder, requests, write_cache=False, torch_context=True
+        builder, requests, write_cache=False, random_inputs=False, torch_context=True
     )
     indexer_batch.run_indexer(batch, K, skip_k_cache_insert=True)
     return [label for label in taken if label != "gather"]
