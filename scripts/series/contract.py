@@ -21,11 +21,15 @@ PLUGIN_FILES_ENV = "DSA_PLUGIN_FILES"
 COMPILE_SUMMARY_ENV = "DSA_COMPILE_SUMMARY"
 
 # CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
-# Triton kernels through the interpreter, and bytecode written so a tree is
-# compiled once rather than on every import.
+# Triton kernels through the interpreter, bytecode written so a tree is
+# compiled once rather than on every import, and one OpenMP thread per test
+# process: the tool runs one process per CPU side by side, and more threads
+# only contend for the same CPUs (stage 0002's and 0003's tests alone: 11 %
+# less CPU time at one thread, at the same wall time).
 CPU_ENV = {
     "CUDA_VISIBLE_DEVICES": "",
     "TRITON_INTERPRET": "1",
+    "OMP_NUM_THREADS": "1",
     "PYTHONDONTWRITEBYTECODE": "",
     "VLLM_LOGGING_LEVEL": "WARNING",
     "PYTHONWARNINGS": "ignore:`torch.jit.script_method` is deprecated",
