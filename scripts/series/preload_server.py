@@ -175,6 +175,7 @@ def _supervise(conn: socket.socket) -> None:
         return
     pid = os.fork()
     if pid == 0:
+        conn.close()  # the supervisor's, to answer on
         if fds:
             _run_python(request, fds)
         _run_pytest(request)
