@@ -8,6 +8,8 @@ A test run forked from a server finds the server's socket in
 ``$DSA_PRELOAD_SOCKET``. Without one, or if the server will not serve the
 command (its environment differs, less the per-run variables), this process
 becomes ``python ARGV...`` itself: the same command, only slower to start.
+A server that started the command and then stopped answering is an error
+(exit status 1): the command may have run, and it is not run twice.
 Standard library only: it runs from any folder, with nothing on its path.
 """
 
@@ -24,23 +26,31 @@ CPU_LOG_ENV = "DSA_PRELOAD_CPU_LOG"
 
 def forked(path: str, argv: list[str]) -> int | None:
     """The command's exit status, run by the server at ``path``; None if it
-    was not run there."""
+    was not started there. A server that started it and then stopped
+    answering is an error: the command may have run, so it is not run again."""
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    started = False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(path)
             socket.send_fds(conn, [b"F"], [0, 1, 2])
             conn.sendall((json.dumps(request) + "\n").encode())
             with conn.makefile("r") as lines:
+                first = json.loads(lines.readline() or "{}")
+                if "refused" in first or not first.get("started"):
+                    return None
+                started = True
                 answer = lines.readline()
     except OSError:
+        answer = ""
+    if not started:
         return None
     if not answer:
-        return None
-    result = json.loads(answer)
-    if "refused" in result:
-        return None
-    return result["returncode"]
+        sys.exit(
+            f"preload_client.py: the preload server at {path} stopped answering "
+            "while it ran the command; it is not run again"
+        )
+    return json.loads(answer)["returncode"]
 
 
 def main(argv: list[str]) -> None:

@@ -181,6 +181,10 @@ def _supervise(conn: socket.socket) -> None:
         _run_pytest(request)
     for fd in fds:
         os.close(fd)
+    if fds:
+        # From here on the command runs: a client that gets no answer must
+        # not run it again.
+        conn.sendall(b'{"started": true}\n')
     # A client that goes away (killed at a timeout) takes its run along.
     finished = os.pidfd_open(pid)
     ready, _, _ = select.select([finished, conn.fileno()], [], [])

@@ -170,6 +170,39 @@ def test_a_command_is_a_module_too_and_reads_its_stdin(tmp_path, monkeypatch):
     assert done.returncode == 0, done.output
 
 
+def test_a_server_that_stops_answering_does_not_run_the_command_twice(
+    tmp_path, monkeypatch
+):
+    """The command kills its supervisor (the server side of the client's
+    connection) after it has run: the client says so and exits 1; it does
+    not start the command again on its own."""
+    ran = tmp_path / "ran.log"
+    command = tmp_path / "command.py"
+    command.write_text(
+        "import os, signal\n"
+        f"open({str(ran)!r}, 'a').write('ran\\n')\n"
+        "os.kill(os.getppid(), signal.SIGKILL)\n"
+    )
+    test_file = textwrap.dedent(
+        f"""
+        import subprocess
+        from pathlib import Path
+        from scripts.series import preload
+
+        def test_once():
+            done = subprocess.run(
+                preload.python_command({str(command)!r}),
+                capture_output=True, text=True,
+            )
+            assert done.returncode == 1
+            assert "stopped answering" in done.stderr, done.stderr
+            assert Path({str(ran)!r}).read_text().splitlines() == ["ran"]
+        """
+    )
+    done = _serve_one_run(tmp_path, monkeypatch, test_file)
+    assert done.returncode == 0, done.output
+
+
 def test_a_command_whose_caller_is_killed_is_killed(tmp_path, monkeypatch):
     pid_file = tmp_path / "command.pid"
     test_file = textwrap.dedent(
