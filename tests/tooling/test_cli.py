@@ -314,18 +314,31 @@ def _cli_process(project: Project, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def _stderr_until(process: subprocess.Popen[str], text: str) -> str:
+    """What ``process`` wrote to stderr up to the line holding ``text``
+    (all of it, if it exits first)."""
+    assert process.stderr is not None
+    said = ""
+    while line := process.stderr.readline():
+        said += line
+        if text in line:
+            break
+    return said
+
+
 def test_two_first_applies_at_once_build_one_good_base(two_stages: Project):
     """Released together on a fresh checkout (both wait on a lock held here
     first, so they truly start at once): one prepares and applies, the other
     waits for it, then finds the tree up to date."""
-    import time
-
     from scripts.series.lock import project_lock
 
     with project_lock(two_stages.series(), "test holder"):
         runs = [_cli_process(two_stages, "apply") for _ in range(2)]
-        time.sleep(2)
-    outputs = [run.communicate(timeout=120) for run in runs]
+        said = [_stderr_until(run, "waiting for") for run in runs]
+    outputs = []
+    for run, before in zip(runs, said, strict=True):
+        out, err = run.communicate(timeout=120)
+        outputs.append((out, before + err))
     assert [run.returncode for run in runs] == [0, 0], outputs
     assert all(
         "waiting for `python -m scripts.series test holder`" in e for _, e in outputs
@@ -351,11 +364,13 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
     with project_lock(two_stages.series(), "test holder"):
         waiting = _cli_process(two_stages, "apply")
         assert _cli(two_stages, "stages").stdout.split() == ["base", "0001", "0002"]
-        time.sleep(3)
+        said = _stderr_until(waiting, "waiting for")
+        # Long enough for an apply that did not wait to finish.
+        time.sleep(1)
         assert waiting.poll() is None, "apply ran while another held the lock"
     out, err = waiting.communicate(timeout=120)
-    assert waiting.returncode == 0, err
-    assert "waiting for `python -m scripts.series test holder`" in err
+    assert waiting.returncode == 0, said + err
+    assert "waiting for `python -m scripts.series test holder`" in said
 
 
 def test_adding_a_stage_in_the_readmes_order(two_stages: Project):

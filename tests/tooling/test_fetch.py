@@ -91,7 +91,10 @@ class Index:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}/simple"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # A short poll: ``stop`` waits for the serving loop's next turn.
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+        )
         self.thread.start()
 
     def stop(self):
