@@ -50,7 +50,7 @@ BATCHES = {
 MAX_LEN = 133120  # GLM-5.2's serving length in the PR text
 
 
-def _dispatch(monkeypatch: pytest.MonkeyPatch, requests) -> list[str]:
+def _dispatch(monkeypatch: pytest.MonkeyPatch, builder, requests) -> list[str]:
     """Which top-k kernel each call of one indexer op took, in call order:
     ``prefill aiter`` / ``prefill in-tree`` per chunk, then the decode's."""
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
@@ -74,8 +74,6 @@ def _dispatch(monkeypatch: pytest.MonkeyPatch, requests) -> list[str]:
     )
     monkeypatch.setattr(rocm_aiter_ops, "indexer_top_k_decode", record("decode aiter"))
     monkeypatch.setattr(torch.ops._C, "top_k_per_row_decode", record("decode in-tree"))
-    config = indexer_batch.make_vllm_config(max_len=MAX_LEN, max_tokens=MAX_LEN)
-    builder = indexer_batch.make_builder(config, monkeypatch)
     batch = indexer_batch.build_batch(
         builder, requests, write_cache=False, random_inputs=False, torch_context=True
     )
@@ -86,8 +84,12 @@ def _dispatch(monkeypatch: pytest.MonkeyPatch, requests) -> list[str]:
 @pytest.fixture(scope="module")
 def table() -> dict[str, list[str]]:
     with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm("gfx950"):
+        # One builder for every step, as vLLM keeps one per layer group (its
+        # buffers for 133,120 tokens take seconds to allocate).
+        config = indexer_batch.make_vllm_config(max_len=MAX_LEN, max_tokens=MAX_LEN)
+        builder = indexer_batch.make_builder(config, monkeypatch)
         got = {
-            name: indexer_batch.run_lengths(_dispatch(monkeypatch, b))
+            name: indexer_batch.run_lengths(_dispatch(monkeypatch, builder, b))
             for name, b in BATCHES.items()
         }
     if os.environ.get(RECORD_ENV) == "1":
