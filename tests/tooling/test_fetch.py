@@ -93,7 +93,9 @@ class Index:
         self.url = f"http://127.0.0.1:{self.server.server_port}/simple"
         # A short poll: ``stop`` waits for the serving loop's next turn.
         self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+            target=self.server.serve_forever,
+            kwargs={"poll_interval": 0.01},
+            daemon=True,
         )
         self.thread.start()
 
