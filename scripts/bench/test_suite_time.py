@@ -4,8 +4,9 @@
 Warm: ``nox -s apply-and-test -- --rerun`` in this checkout, which must have
 run ``nox -s apply-and-test`` before (its venv, trees and caches exist).
 Cold: a fresh ``git clone`` of HEAD in a temporary folder, then
-``nox -s apply-and-test`` there (a new venv, the sdist downloaded, no
-caches), as the README's quick start does; the clone is deleted after.
+``nox -s apply-and-test`` there (a new venv, the sdist downloaded, nothing
+under build/), as the README's quick start does; the clone is deleted
+after. Caches outside the clone (pip's, Triton's in ~/.triton) stay.
 Each run's per-run times are the tool's own (``timings.md`` beside the
 summary: wall time, and CPU time with the run's children). Writes
 ``docs/test_suite_time.{md,json}``.
@@ -97,9 +98,13 @@ def write_report(result: dict, out: Path) -> None:
         f"Measured {result['date']} on {result['machine']}, commit "
         f"{result['commit']}, with `{result['command']}`. Warm: "
         "`nox -s apply-and-test -- --rerun` in a checkout that ran it before; "
-        "cold: a fresh clone's first `nox -s apply-and-test` (new venv, sdist "
-        "download, no caches). Per run: the tool's own figures (wall; CPU "
-        "with the run's children), each of the runs in order, seconds.",
+        "cold: a fresh clone's first `nox -s apply-and-test` (new venv, the "
+        "sdist and vLLM's wheel fetched, nothing under build/). What lives "
+        "outside the clone stays: pip's cache, and Triton's kernel cache "
+        "(~/.triton), keyed by the clone's path, which is the same for every "
+        "cold run: the first compiles the kernels the others reuse. Per run: "
+        "the tool's own figures (wall; CPU with the run's children), each of "
+        "the runs in order, seconds.",
         "",
         "| | " + " | ".join(f"{k} wall s | {k} CPU s" for k in kinds) + " |",
         "|---|" + "---:|---:|" * len(kinds),
