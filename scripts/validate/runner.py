@@ -37,6 +37,13 @@ class ServerError(Exception):
     """The server did not come up (or went away); its log says why."""
 
 
+def _sigint_by_default() -> None:
+    """In the server's process, before it runs: SIGINT at its default. A
+    command started from a background job (``&``, nohup) inherits SIGINT
+    ignored, and ``stop`` asks the server to shut down with SIGINT first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Server:
     """``vllm serve`` in its own process group, logged to a file; healthy on
     entry, stopped on exit whatever happened."""
@@ -56,6 +63,7 @@ class Server:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=_sigint_by_default,
                 )
             except FileNotFoundError:
                 raise ServerError(_not_found(self.command[0])) from None
@@ -100,11 +108,7 @@ class Server:
         """SIGINT, then SIGTERM, then SIGKILL to the whole process group."""
         if self.process is None:
             return
-        for sig, wait_s in (
-            (signal.SIGINT, 60),
-            (signal.SIGTERM, 30),
-            (signal.SIGKILL, 10),
-        ):
+        for sig, wait_s in STOP_SIGNALS:
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:

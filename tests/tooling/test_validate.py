@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -277,6 +278,31 @@ def test_ctrl_c_stops_the_server_and_keeps_the_summary(tmp_path, monkeypatch):
         runner.run_experiment(experiment, tmp_path / "out")
     assert serving.port_is_free(port)
     assert (tmp_path / "out" / "summary.json").exists()
+
+
+def test_a_server_started_from_a_background_job_stops_on_sigint(
+    tmp_path, monkeypatch
+):
+    """Started from a background job (``&``, nohup), the kit inherits SIGINT
+    ignored; the server it starts must not, or stopping it waits out
+    SIGINT's minute and then kills it."""
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
+    monkeypatch.setattr(
+        runner, "STOP_SIGNALS", ((signal.SIGINT, 10), (signal.SIGKILL, 10))
+    )
+    port = serving.free_port()
+    command = [sys.executable, "-c", serving.SERVER, str(port)]
+    server = runner.Server(command, {}, port, tmp_path / "server.log")
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with server:
+            pass
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    # The stand-in ends on KeyboardInterrupt with status 0; SIGKILL is -9.
+    assert server.process is not None
+    assert server.process.returncode == 0
+    assert serving.port_is_free(port)
 
 
 def _outcome(variant: str, isl: int, conc: int, tput: float, problems=()) -> dict:
