@@ -280,9 +280,7 @@ def test_ctrl_c_stops_the_server_and_keeps_the_summary(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "summary.json").exists()
 
 
-def test_a_server_started_from_a_background_job_stops_on_sigint(
-    tmp_path, monkeypatch
-):
+def test_a_server_started_from_a_background_job_stops_on_sigint(tmp_path, monkeypatch):
     """Started from a background job (``&``, nohup), the kit inherits SIGINT
     ignored; the server it starts must not, or stopping it waits out
     SIGINT's minute and then kills it."""
