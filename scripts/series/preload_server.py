@@ -214,7 +214,7 @@ def main(socket_path: str, per_run: list[str], modules: list[str]) -> None:
     # ``-c`` puts "" first; a run's own path replaces it.
     _SITE_PATH[:] = sys.path[1:]
     # What is imported now lives as long as the runs: their collections
-    # (pytest runs several as it exits) need not walk it again.
+    # (pytest runs two as it exits) need not walk it again.
     gc.collect()
     gc.freeze()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
