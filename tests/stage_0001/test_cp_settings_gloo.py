@@ -33,7 +33,8 @@ def _start(rank: int, world_size: int, settings: list[tuple[str, str]]):
             builder = indexer_batch.make_builder(config, monkeypatch)
         except ValueError as error:
             return "error", str(error)
-    return "ok", builder.cp_indexer_stripe
+    planner = builder.cp_indexer
+    return "ok", None if planner is None else planner.stripe
 
 
 def _on_every_rank(settings: list[tuple[str, str]]) -> list[tuple[str, object]]:

@@ -29,7 +29,7 @@ def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
     prefill rows only."""
     config = indexer_batch.make_vllm_config(tp_size=4)
     builder = indexer_batch.make_builder(config, monkeypatch)
-    assert builder.cp_indexer_stripe == 512
+    assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(tp_size=4, stripe=512)
     # Decode row 0; prefill rows 1-290: a fresh 200-token prompt, then 90
     # new tokens over 50 cached ones.
     requests = [(30, 1), (0, 200), (50, 90)]

@@ -60,7 +60,7 @@ def _builder(monkeypatch, kv_dtype: str):
 def test_the_mxfp4_builder_plans_no_split_and_says_so(monkeypatch):
     builder, logged = _builder(monkeypatch, "mxfp4")
     assert builder.indexer_uses_fp4
-    assert builder.cp_indexer_stripe is None
+    assert builder.cp_indexer is None
     assert logged == [
         "CP indexer stays off (replicated prefill): the MXFP4 indexer cache's op "
         "does not split prefill rows."
@@ -69,7 +69,7 @@ def test_the_mxfp4_builder_plans_no_split_and_says_so(monkeypatch):
 
 def test_the_fp8_builder_still_splits(monkeypatch):
     builder, logged = _builder(monkeypatch, "fp8")
-    assert builder.cp_indexer_stripe == 512
+    assert builder.cp_indexer is not None and builder.cp_indexer.stripe == 512
     assert logged == [
         f"CP indexer on: {TP} TP ranks, cost-balanced row ranges in stripes of 512 "
         "rows."

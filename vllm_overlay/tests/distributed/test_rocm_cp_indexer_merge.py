@@ -17,6 +17,7 @@ since csrc/sampler.cu places outputs by atomicAdd: here random on each rank
 and call, so that a row merged from two ranks' copies shows up).
 """
 
+import json
 import os
 from fractions import Fraction
 from types import SimpleNamespace
@@ -37,6 +38,32 @@ PADDING_ROWS = 5
 STRIPE = 4
 # Logits per prefill chunk, so that this batch makes several chunks.
 CHUNK_LOGITS = 2048
+# A DeepSeek-V3.2 checkpoint's config.json, cut to one small layer (the
+# attention and indexer shape of the published one, HEADS indexer heads).
+TINY_DSV32 = {
+    "model_type": "deepseek_v32",
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "torch_dtype": "bfloat16",
+    "hidden_size": 256,
+    "num_hidden_layers": 1,
+    "vocab_size": 1024,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "index_n_heads": HEADS,
+    "index_head_dim": HEAD_DIM,
+    "index_topk": 2048,
+    "max_position_embeddings": 163840,
+}
 
 
 # Keeps the stand-in op registered for the process.
@@ -118,10 +145,19 @@ def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
         _LIBRARIES.append(library)
 
 
-def _vllm_config(world_size: int, device: torch.device):
+def _model_config(checkpoint: str):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(
+        model=checkpoint, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
+    )
+
+
+def _vllm_config(world_size: int, device: torch.device, checkpoint: str):
     from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
     config = VllmConfig(
+        model_config=_model_config(checkpoint),
         device_config=DeviceConfig(device=device.type),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=512,
@@ -255,7 +291,9 @@ def _run_step(
     return buffer.cpu(), row_scores
 
 
-def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, device_kind: str, checkpoint: str
+) -> None:
     import vllm.envs as envs
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
@@ -288,16 +326,12 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
         raising=False,
     )
     backend = "gloo" if device.type == "cpu" else current_platform.dist_backend
-    config = _vllm_config(world_size, device)
+    config = _vllm_config(world_size, device, checkpoint)
     with set_current_vllm_config(config):
         init_distributed_environment(
             world_size, rank, f"tcp://localhost:{port}", rank, backend=backend
         )
         ensure_model_parallel_initialized(world_size, 1)
-    # The builder reads only max_model_len from the model config; a real
-    # ModelConfig needs a checkpoint.
-    model = SimpleNamespace(max_model_len=MAX_MODEL_LEN)
-    object.__setattr__(config, "model_config", model)
     # What VllmConfig sets for a sparse MLA model.
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     workspace.init_workspace_manager(device)
@@ -335,18 +369,21 @@ def _worker(rank: int, world_size: int, port: int, device_kind: str) -> None:
     assert torch.equal(split[tokens:], replicated[tokens:]), "padding rows"
 
 
-def _run(world_size: int, device_kind: str) -> None:
+def _run(world_size: int, device_kind: str, folder) -> None:
     from vllm.utils.network_utils import get_open_port
 
+    (folder / "config.json").write_text(json.dumps(TINY_DSV32))
     if device_kind == "cpu":
-        # Forked: the ranks share the vLLM this process has imported instead
-        # of importing it again each. GPU ranks must not inherit a CUDA
-        # context, so they are spawned.
+        # Forked: the ranks share the vLLM this process has imported (and
+        # the model class it inspected) instead of doing it again each. GPU
+        # ranks must not inherit a CUDA context, so they are spawned.
         import vllm.v1.attention.backends.mla.indexer  # noqa: F401
         import vllm.v1.attention.ops.rocm_aiter_mla_sparse  # noqa: F401
+
+        _model_config(str(folder))
     torch.multiprocessing.start_processes(
         _worker,
-        args=(world_size, get_open_port(), device_kind),
+        args=(world_size, get_open_port(), device_kind, str(folder)),
         nprocs=world_size,
         start_method="fork" if device_kind == "cpu" else "spawn",
     )
@@ -354,17 +391,17 @@ def _run(world_size: int, device_kind: str) -> None:
 
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
-def test_split_prefill_equals_the_replicated_one_on_cpu(monkeypatch):
-    """Three gloo ranks (an odd count: the rows do not divide evenly)."""
+def test_split_prefill_equals_the_replicated_one_on_cpu(tmp_path):
+    """Two gloo ranks (the 93 prefill rows do not divide evenly)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs vLLM's Triton kernels on a CPU: needs TRITON_INTERPRET=1")
-    _run(3, "cpu")
+    _run(2, "cpu", tmp_path)
 
 
 @pytest.mark.skipif(
     not current_platform.is_rocm() or torch.accelerator.device_count() < 2,
     reason="ROCm-only, needs 2 GPUs",
 )
-def test_split_prefill_equals_the_replicated_one_on_gpus():
+def test_split_prefill_equals_the_replicated_one_on_gpus(tmp_path):
     """The same over the TP device group of two GPUs (RCCL), with AITER."""
-    _run(2, "cuda")
+    _run(2, "cuda", tmp_path)

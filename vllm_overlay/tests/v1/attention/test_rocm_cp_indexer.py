@@ -20,12 +20,12 @@ import torch
 import vllm._aiter_ops as aiter_ops
 import vllm.envs as envs
 from vllm._aiter_ops import rocm_aiter_ops
-from vllm.config import CUDAGraphMode
+from vllm.config import CUDAGraphMode, DeviceConfig, ParallelConfig, VllmConfig
 from vllm.v1.attention.ops import rocm_cp_indexer
 from vllm.v1.attention.ops.rocm_cp_indexer import (
     CPIndexerPrefill,
     CPIndexerSplit,
-    cp_indexer_stripe_at_startup,
+    cp_indexer_at_startup,
     plan_cp_indexer_split,
     unsafe_config_reason,
 )
@@ -52,13 +52,23 @@ def cp_on(rocm_aiter: pytest.MonkeyPatch):
     return rocm_aiter
 
 
-def _config(graphs: str | None = None):
-    mode = CUDAGraphMode[graphs] if graphs else None
-    return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+def _config(graphs: str | None = None, tp: int = 1) -> VllmConfig:
+    config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+    )
+    # Set after construction: VllmConfig adjusts the mode to the platform.
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[graphs] if graphs else None
+    return config
 
 
 def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None) -> int | None:
-    return cp_indexer_stripe_at_startup(_config(graphs), tp, dcp, pcp)
+    """The stripe size the planner made at startup uses, or None (no split)."""
+    planner = cp_indexer_at_startup(_config(graphs, tp), dcp, pcp)
+    if planner is None:
+        return None
+    assert planner.tp_size == tp
+    return planner.stripe
 
 
 FILL = rocm_cp_indexer.LOGITS_FILL_DIVISOR
@@ -397,7 +407,7 @@ def test_an_fp4_indexer_cache_keeps_the_prefill_replicated_and_says_so(cp_on):
         "info_once",
         lambda msg, *args: logged.append(msg % args),
     )
-    assert cp_indexer_stripe_at_startup(_config(), 4, 1, False, fp4_cache=True) is None
+    assert cp_indexer_at_startup(_config(tp=4), 1, False, fp4_cache=True) is None
     assert logged == [
         "CP indexer stays off (replicated prefill): the MXFP4 indexer cache's op "
         "does not split prefill rows."

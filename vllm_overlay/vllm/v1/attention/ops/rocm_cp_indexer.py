@@ -104,15 +104,15 @@ def _check_ranks_agree(enabled: bool, stripe: int | str) -> None:
             )
 
 
-def cp_indexer_stripe_at_startup(
+def cp_indexer_at_startup(
     vllm_config: VllmConfig,
-    tp_size: int,
     dcp_world_size: int,
     use_pcp: bool,
     *,
     fp4_cache: bool = False,
-) -> int | None:
-    """The stripe size when this engine splits the indexer prefill, else None.
+) -> CPIndexerPlanner | None:
+    """The planner of each step's split when this engine splits the indexer
+    prefill, else None.
 
     Called once per indexer metadata builder at engine start, on every rank:
     it checks that the TP ranks agree on the settings (a collective on the
@@ -123,6 +123,7 @@ def cp_indexer_stripe_at_startup(
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
 
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
     if tp_size < 2 or not current_platform.is_rocm():
         return None
     enabled = bool(rocm_aiter_ops.is_cp_indexer_enabled())
@@ -153,7 +154,7 @@ def cp_indexer_stripe_at_startup(
         tp_size,
         stripe,
     )
-    return stripe
+    return CPIndexerPlanner(tp_size, stripe)
 
 
 # A step whose rows cost less than this in all (in key-rows, as
@@ -275,6 +276,33 @@ def plan_cp_indexer_split(
     for rank in range(tp_size - 1, 0, -1):
         bounds[rank] = min(bounds[rank], bounds[rank + 1] - 1)
     return CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
+
+
+@dataclass(frozen=True)
+class CPIndexerPlanner:
+    """The settings every step's split is planned with, fixed at startup."""
+
+    tp_size: int
+    stripe: int
+
+    def plan(
+        self,
+        num_decode_tokens: int,
+        seq_lens_cpu: torch.Tensor,
+        query_lens_cpu: torch.Tensor,
+        compress_ratio: int,
+        chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+    ) -> CPIndexerSplit | None:
+        """This step's split (``plan_cp_indexer_split``)."""
+        return plan_cp_indexer_split(
+            self.stripe,
+            self.tp_size,
+            num_decode_tokens,
+            seq_lens_cpu,
+            query_lens_cpu,
+            compress_ratio,
+            chunks,
+        )
 
 
 @dataclass(frozen=True)
