@@ -15,10 +15,16 @@ vLLM orders them.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from types import SimpleNamespace
+from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -55,6 +61,61 @@ def max_model_len(vllm_config) -> int:
     return vllm_config.model_config.max_model_len
 
 
+# A DeepSeek-V3.2 with the published config's attention and indexer shape
+# (deepseek-ai/DeepSeek-V3.2-Exp config.json: 128 heads, kv_lora_rank 512,
+# index_head_dim 128, index_topk 2048, one MTP layer) and one small layer;
+# the tests' queries use HEADS indexer heads. vLLM's own ModelConfig reads it
+# from disk, as it would a checkpoint's.
+TINY_DSV32 = {
+    "model_type": "deepseek_v32",
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "torch_dtype": "bfloat16",
+    "hidden_size": 256,
+    "num_hidden_layers": 1,
+    "num_nextn_predict_layers": 1,
+    "vocab_size": 1024,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "index_n_heads": HEADS,
+    "index_head_dim": HEAD_DIM,
+    "index_topk": 2048,
+    "max_position_embeddings": 163840,
+}
+
+
+@functools.cache
+def _tiny_checkpoint(max_len: int) -> str:
+    """Its config.json, with room for ``max_len`` positions (the long-context
+    tests go to 1M tokens; vLLM refuses a longer max_model_len)."""
+    folder = Path(tempfile.mkdtemp(prefix="dsa-tiny-dsv32-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    positions = max(TINY_DSV32["max_position_embeddings"], max_len)
+    config = {**TINY_DSV32, "max_position_embeddings": positions}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@contextmanager
+def _inspect_models_in_process() -> Iterator[None]:
+    """vLLM inspects a model class in a fresh interpreter (to keep CUDA out
+    of the engine's process) unless its on-disk cache has it; there is no
+    GPU to keep out here, so the same inspection runs in this process."""
+    from vllm.model_executor.models import registry
+
+    with patch.object(registry, "_run_in_subprocess", lambda inspect: inspect()):
+        yield
+
+
 def make_vllm_config(
     tp_size: int = 1,
     cudagraph_mode=None,
@@ -63,10 +124,14 @@ def make_vllm_config(
     max_tokens: int = MAX_TOKENS,
     num_speculative_tokens: int = 0,
 ):
+    """vLLM's own VllmConfig of the tiny DeepSeek-V3.2 (``TINY_DSV32``),
+    with MTP drafts when ``num_speculative_tokens`` is set."""
     from vllm.config import (
         DeviceConfig,
+        ModelConfig,
         ParallelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
 
@@ -74,7 +139,26 @@ def make_vllm_config(
     # benchmarks): vLLM checks the size against the GPUs it sees, so the
     # size is set after the check.
     one_gpu = device.startswith("cuda") and torch.cuda.device_count() < tp_size
+    parallel = ParallelConfig(tensor_parallel_size=1 if one_gpu else tp_size)
+    with _inspect_models_in_process():
+        model = ModelConfig(
+            model=_tiny_checkpoint(max_len),
+            skip_tokenizer_init=True,
+            max_model_len=max_len,
+        )
+        speculative = (
+            SpeculativeConfig(
+                method="mtp",
+                num_speculative_tokens=num_speculative_tokens,
+                target_model_config=model,
+                target_parallel_config=parallel,
+            )
+            if num_speculative_tokens
+            else None
+        )
     config = VllmConfig(
+        model_config=model,
+        speculative_config=speculative,
         device_config=DeviceConfig(device=device),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_tokens,
@@ -82,23 +166,12 @@ def make_vllm_config(
             max_model_len=max_len,
             is_encoder_decoder=False,
         ),
-        parallel_config=ParallelConfig(tensor_parallel_size=1 if one_gpu else tp_size),
+        parallel_config=parallel,
     )
     if one_gpu:
         object.__setattr__(config.parallel_config, "tensor_parallel_size", tp_size)
     # Set after construction: VllmConfig adjusts it to the platform.
     config.compilation_config.cudagraph_mode = cudagraph_mode
-    # The builder reads only max_model_len from the model config; a real
-    # ModelConfig would need a Hugging Face checkpoint.
-    model = SimpleNamespace(max_model_len=max_len)
-    object.__setattr__(config, "model_config", model)
-    if num_speculative_tokens:
-        # MTP: the builder reads the draft count and the verification mode.
-        spec = SimpleNamespace(
-            num_speculative_tokens=num_speculative_tokens,
-            enable_adaptive_verification=False,
-        )
-        object.__setattr__(config, "speculative_config", spec)
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     return config
 

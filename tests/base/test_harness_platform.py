@@ -164,6 +164,52 @@ def test_the_torch_chunk_metadata_matches_vllms_kernel(
         assert torch.equal(kernel_out, torch_out)
 
 
+def test_the_torch_chunk_metadata_follows_token_positions():
+    """From vLLM 0.34.0 the kernel also takes each query token's position
+    (ShardQ's tokens are not their request's contiguous last ones): the torch
+    copy must write what the kernel writes for shuffled positions too."""
+    import inspect
+
+    from scripts.harness.chunk_metadata import torch_chunk_metadata
+    from vllm.v1.attention.backends.mla.indexer import build_prefill_chunk_metadata
+
+    if "positions" not in inspect.signature(build_prefill_chunk_metadata).parameters:
+        pytest.skip("this vLLM's chunk metadata takes no token positions")
+    query_lens = torch.tensor([40, 300, 7], dtype=torch.int32)
+    seq_lens = query_lens + torch.tensor([500, 0, 64], dtype=torch.int32)
+    query_start_loc = torch.zeros(4, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.cat(
+        [
+            (seq_len - query_len + torch.randperm(int(query_len), generator=gen))
+            for seq_len, query_len in zip(seq_lens, query_lens, strict=True)
+        ]
+    ).to(torch.int64)
+
+    def build():
+        chunk = build_prefill_chunk_metadata(
+            0,
+            3,
+            query_start_loc,
+            query_start_loc,
+            seq_lens,
+            seq_lens,
+            seq_lens,
+            torch.zeros(3, 64, dtype=torch.int32),
+            1,
+            positions=positions,
+        )
+        assert chunk is not None
+        return chunk.cu_seqlen_ks, chunk.cu_seqlen_ke, chunk.token_to_seq
+
+    by_kernel = build()
+    with torch_chunk_metadata():
+        by_torch = build()
+    for kernel_out, torch_out in zip(by_kernel, by_torch, strict=True):
+        assert torch.equal(kernel_out, torch_out)
+
+
 def _aiter_modules(logits_params: str) -> dict:
     """Stand-in AITER modules: the MXFP4 launcher's ``paged_mxfp4_mqa_logits``
     takes ``logits_params``; the rest of the API is there."""
