@@ -73,7 +73,7 @@ from scripts.series.rebase_state import (
     target_from,
     work_repo,
 )
-from scripts.series.review import series_digest, write_review
+from scripts.series.review import project_snapshot, series_digest, write_review
 from scripts.series.state import read_chain
 from scripts.series.testrun import TreeTester, check_log, probe_paths
 
@@ -110,6 +110,17 @@ def start(
     git(work, "config", "rerere.enabled", "true")
     git(work, "config", "rerere.autoUpdate", "true")
     _offer_recorded_resolutions(series, work)
+    gone = [
+        path
+        for suite in series.regression
+        for path in suite.paths
+        if not (work / path).is_file()
+    ]
+    if gone:
+        print(
+            "vLLM's own tests in [[regression]] that the target no longer has "
+            "(left out of the rebased series.toml): " + ", ".join(gone)
+        )
     state = RebaseState(
         target_dict(target),
         old_tip,
@@ -120,6 +131,8 @@ def start(
         target_commit=(
             resolve_git_rev(target) if isinstance(target, GitBase) else None
         ),
+        regression_gone=gone,
+        project_start=project_snapshot(series),
     )
     save_state(series, state)
     print(f"rebasing {len(series.stages)} stage(s) onto {target.label} in {work}")
@@ -202,7 +215,9 @@ def resume(
         _take_commits_since(repo, before)
         _commit_stage(series, repo, stage, state)
         report.outcome = "merged, fixed by hand after its checks"
-        report.evidence = ""
+        report.evidence = report.evidence.replace(
+            CHECKS_FAILED_NOTE, "fixed by hand after its checks failed: "
+        )
         _stop_unless_checked(series, repo, stage, state, report, tester)
     else:
         _refuse_conflict_markers(repo)
@@ -221,7 +236,10 @@ def resume(
         else:
             _discard_merge(repo)
             report.outcome = "already upstream"
-            report.evidence = "resolved to the target's version of every file: left out"
+            report.evidence = _evidence(
+                report.evidence,
+                "resolved to the target's version of every file: left out",
+            )
     state.pending = False
     state.next += 1
     save_state(series, state)
@@ -229,6 +247,11 @@ def resume(
 
 
 CHECKS_FAILED = "merged, but fails its checks"
+CHECKS_FAILED_NOTE = "its checks failed: "
+
+
+def _evidence(before: str, more: str) -> str:
+    return f"{before}; {more}" if before else more
 
 
 def _stage_start(series: Series, state: RebaseState) -> str:
@@ -290,24 +313,48 @@ def _stage_problem(
         for p in python
         if p.startswith(f"{series.base.name}/")
     ]
+    _progress(stage, f"importing the {len(modules)} vLLM module(s) it touches")
     if failure := tester.imports(series, repo, claimed, modules):
         return f"does not import: {failure}"
     tallies = []
     if (series.tests_dir / stage.tests).is_dir():  # config names the folder
+        _progress(stage, f"its tests (tests/{stage.tests}/)")
         tally = tester.pytest(series, repo, claimed, [stage.tests])
         tallies.append(("its tests", tally, check_log(repo, "tests")))
     if stage.vllm_tests:
+        _progress(stage, f"its PR's tests ({', '.join(stage.vllm_tests)})")
         tally = tester.pr_tests(repo, stage.vllm_tests)
         tallies.append(("its PR's tests", tally, check_log(repo, "pr-tests")))
     for what, tally, log in tallies:
         if tally.failed or not tally.passed:
             failed = ", ".join(tally.failures[:5]) or "no test passed"
             first = f"; first error: {tally.first_error}" if tally.first_error else ""
+            ours = _project_files_in(series, log)
+            where = (
+                "; its tracebacks go through the project's "
+                + ", ".join(ours)
+                + " (a break there is fixed in the project, not the work repo)"
+                if ours
+                else ""
+            )
             return (
                 f"{what} fail on the target ({tally.failed} failed: {failed}"
-                f"{first}; output in {log})"
+                f"{first}; output in {log}){where}"
             )
     return None
+
+
+def _progress(stage: Stage, what: str) -> None:
+    print(f"  checking stage {stage.id} on the target: {what}", flush=True)
+
+
+def _project_files_in(series: Series, log: Path) -> list[str]:
+    """The project's own files (its test harness and tests, not the vLLM
+    tree) named in a check's output, in order of first mention."""
+    text = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
+    root = re.escape(str(series.root))
+    found = re.findall(rf"(?:{root}/)?((?:scripts|tests)/[\w/.-]+\.py):\d+", text)
+    return list(dict.fromkeys(p for p in found if (series.root / p).is_file()))
 
 
 def _stop_unless_checked(
@@ -323,7 +370,7 @@ def _stop_unless_checked(
     if problem is None:
         return
     report.outcome = CHECKS_FAILED
-    report.evidence = problem
+    report.evidence = _evidence(report.evidence, f"{CHECKS_FAILED_NOTE}{problem}")
     state.pending = True
     save_state(series, state)
     print(format_report(state.reports))

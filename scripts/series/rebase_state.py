@@ -48,6 +48,12 @@ class RebaseState:
     drop: list[str] = field(default_factory=list)
     target_commit: str | None = None  # a git target's commit, pinned
     commits: dict[str, str] = field(default_factory=dict)
+    # [[regression]] test paths the target no longer has (left out of the
+    # review's series.toml, and reported).
+    regression_gone: list[str] = field(default_factory=list)
+    # The project's commit and its uncommitted files' blob ids when the
+    # rebase started: the review names the project files it needed changed.
+    project_start: dict[str, str] = field(default_factory=dict)
 
 
 def state_file(series: Series) -> Path:

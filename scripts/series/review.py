@@ -9,14 +9,16 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.check import hunk_budget
 from scripts.series.config import GitBase, Series, Stage
+from scripts.series.git import changed_files, git, git_out, is_repo
 from scripts.series.layout import NEXT_DIR, RESOLUTIONS, review_dir, workdir
 from scripts.series.overview import BEGIN as README_TABLE_BEGIN
 from scripts.series.overview import END as README_TABLE_END
@@ -28,8 +30,9 @@ from scripts.series.rebase_state import (
     target_from,
     work_repo,
 )
+from scripts.series.patchfile import read_patch
 from scripts.series.refresh import format_stage_patch, overlay_bytes
-from scripts.series.series_toml import series_toml, updated_series_file
+from scripts.series.series_toml import base_fields, series_toml, updated_series_file
 
 
 def series_digest(series: Series) -> str:
@@ -46,6 +49,77 @@ def series_digest(series: Series) -> str:
     return digest.hexdigest()
 
 
+# What the review's own bookkeeping writes, not a fix the rebase needed.
+_NOT_FIXES = ("patches/", "vllm_overlay/", "build/")
+
+
+def project_snapshot(series: Series) -> dict[str, str]:
+    """The project's commit and each uncommitted file's blob id (empty for a
+    project outside git), to tell later which files a rebase needed changed."""
+    if not is_repo(series.root):
+        return {}
+    snapshot = {"HEAD": git_out(series.root, "rev-parse", "HEAD")}
+    for path in changed_files(series.root):
+        snapshot[path] = _blob_id(series.root, path)
+    return snapshot
+
+
+def _blob_id(root: Path, path: str) -> str:
+    if not (root / path).is_file():
+        return "<none>"
+    return git_out(root, "hash-object", "--", path)
+
+
+def project_changes(series: Series, start: dict[str, str]) -> list[str]:
+    """The project's files (not the series files) that differ from what
+    they were when the rebase started: fixes it needed outside vLLM."""
+    if "HEAD" not in start or not is_repo(series.root):
+        return []
+    head = start["HEAD"]
+    candidates = set(changed_files(series.root)) | set(start) - {"HEAD"}
+    committed = git(series.root, "diff", "--name-only", head, check=False)
+    candidates |= set(committed.stdout.decode().split())
+    changed = []
+    for path in sorted(candidates):
+        if path.startswith(_NOT_FIXES):
+            continue
+        if path in start:
+            was = start[path]
+        else:
+            blob = git(series.root, "rev-parse", f"{head}:{path}", check=False)
+            was = blob.stdout.decode().strip() if blob.returncode == 0 else "<none>"
+        if _blob_id(series.root, path) != was:
+            changed.append(path)
+    return changed
+
+
+def _hunks_note(old_patch: Path, new_patch: Path, stage: Stage) -> str:
+    """Every hunk of the rebased stage, the ones the rebase added (a hand
+    fix, or a change the merge made) marked."""
+    old_added = {
+        line
+        for hunk in read_patch(old_patch).hunks
+        for line in hunk.text.splitlines()[1:]
+        if line.startswith("+") and not line.startswith("+++")
+    }
+    rows = []
+    for hunk in read_patch(new_patch).hunks:
+        added = [
+            line
+            for line in hunk.text.splitlines()[1:]
+            if line.startswith("+") and not line.startswith("+++")
+        ]
+        new_lines = [line for line in added if line not in old_added]
+        mark = f"{len(new_lines)} line(s) new in the rebase" if new_lines else "-"
+        rows.append(f"| {hunk.path} | `{hunk.header}` | +{hunk.added} -{hunk.removed} | {mark} |")
+    return (
+        f"Stage {stage.id} as rebased, every hunk:\n\n"
+        "| file | hunk | lines | added by the rebase |\n|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n\n"
+    )
+
+
 def write_review(series: Series, state: RebaseState) -> Path:
     target = target_from(state.target)
     repo = work_repo(series, state)
@@ -59,10 +133,16 @@ def write_review(series: Series, state: RebaseState) -> Path:
     # it (review_is_current).
     if state.target_commit and isinstance(target, GitBase):
         target = replace(target, rev=state.target_commit)
+    regression = tuple(
+        replace(suite, paths=kept_paths)
+        for suite in series.regression
+        if (kept_paths := tuple(p for p in suite.paths if p not in state.regression_gone))
+    )
     new = replace(
         series,
         base=target,
         stages=tuple(kept),
+        regression=regression,
         patches_dir=out,
         overlay_dirs=(out / "vllm_overlay", *series.overlay_dirs),
     )
@@ -95,10 +175,34 @@ def write_review(series: Series, state: RebaseState) -> Path:
         if changed_overlays
         else "No overlay changed: all are read from the project's vllm_overlay/.\n"
     )
+    gone_note = (
+        "vLLM's own tests in `[[regression]]` that the target deleted, left out "
+        "of this folder's series.toml (add the target's tests that cover the "
+        "same code there): " + ", ".join(f"`{p}`" for p in state.regression_gone)
+        + ".\n\n"
+        if state.regression_gone
+        else ""
+    )
+    fixes = project_changes(series, state.project_start)
+    fixes_note = (
+        "Project files (outside patches/ and vllm_overlay/) changed while the "
+        "rebase ran, which the rebased series needs: "
+        + ", ".join(f"`{p}`" for p in fixes)
+        + ". Commit them with the review.\n\n"
+        if fixes
+        else ""
+    )
+    hunks_notes = "".join(
+        _hunks_note(series.patch_file(stage), out / stage.patch, stage)
+        for stage in kept
+    )
     (out / "REBASE.md").write_text(
         f"# Rebase onto {target.label}\n\n"
         + format_report(state.reports)
         + "\n\n"
+        + hunks_notes
+        + gone_note
+        + fixes_note
         + overlays_note
         + "\n"
         + _after_accept(load_review(out))
@@ -141,16 +245,10 @@ def accept(series: Series, label: str | None = None) -> None:
     series and pin."""
     if state_file(series).exists():
         raise SeriesError("a rebase is in progress; finish it (--continue) first")
-    folders = sorted(
+    reviews = sorted(
         p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
     )
-    if label:
-        folders = [f for f in folders if f.name == label]
-    if len(folders) != 1:
-        found = ", ".join(f.name for f in folders) or "none"
-        where = series.patches_dir / NEXT_DIR
-        raise SeriesError(f"name the rebased series to accept (under {where}: {found})")
-    review = folders[0]
+    review = _review_to_accept(series, reviews, label)
     if not review_is_current(series, review):
         raise SeriesError(
             "patches/ or vllm_overlay/ changed since this rebase started; refusing "
@@ -175,7 +273,9 @@ def accept(series: Series, label: str | None = None) -> None:
             files[series.overlay_file(overlay)] = new.overlay_file(overlay).read_bytes()
     series_file = series.patches_dir / "series.toml"
     text = series_file.read_text(encoding="utf-8")
-    files[series_file] = updated_series_file(text, new, series.patches_dir).encode()
+    review_text = (review / "series.toml").read_text(encoding="utf-8")
+    pin = base_fields(new.base, series.patches_dir)
+    files[series_file] = updated_series_file(text, review_text, pin).encode()
     if (review / RESOLUTIONS).is_dir():
         for path in sorted((review / RESOLUTIONS).rglob("*")):
             if path.is_file():
@@ -201,14 +301,25 @@ def accept(series: Series, label: str | None = None) -> None:
     old_files = [series.patch_file(stage) for stage in series.stages] + [
         series.overlay_file(o) for stage in series.stages for o in stage.overlays
     ]
+    # Reviews of releases the new pin has reached are of no more use.
+    passed = [
+        other
+        for other in reviews
+        if other != review
+        and _release(load_review(other)) is not None
+        and _release(load_review(other)) <= _release(new)  # type: ignore[operator]
+    ]
     journal = AcceptJournal(
         series.patches_dir,
         writes={path: data for path, data in files.items()},
         deletes=[path for path in old_files if path not in files],
         review=review,
+        removed=passed,
     )
     journal.start()
     journal.finish()
+    for other in passed:
+        print(f"removed {other.relative_to(series.root)}: the new pin is past it")
     print(
         f"the series is now on {new.base.label}; run apply to build its tree "
         f"(the old tree {workdir(series)} is left as it was); its conflict "
@@ -222,6 +333,35 @@ def accept(series: Series, label: str | None = None) -> None:
                 f"{other.parent} was rebased from the series before this one: "
                 "rebase it again (its resolutions are replayed)"
             )
+
+
+def _release(series: Series) -> tuple[int, ...] | None:
+    """A release pin's version as numbers (``0.34.0`` -> (0, 34, 0)); None
+    for a git checkout."""
+    if isinstance(series.base, GitBase):
+        return None
+    return tuple(int(part) for part in re.findall(r"\d+", series.base.version))
+
+
+def _review_to_accept(series: Series, reviews: list[Path], label: str | None) -> Path:
+    """The review named, or else the newest release's review (a git
+    checkout's must be named when there is one beside it)."""
+    where = series.patches_dir / NEXT_DIR
+    found = ", ".join(r.name for r in reviews) or "none"
+    if label:
+        named = [r for r in reviews if r.name == label]
+        if not named:
+            raise SeriesError(f"no rebased series {label!r} under {where} ({found})")
+        return named[0]
+    if len(reviews) == 1:
+        return reviews[0]
+    releases = [(_release(load_review(r)), r) for r in reviews]
+    if not reviews or any(version is None for version, _ in releases):
+        raise SeriesError(
+            f"name the rebased series to accept, `nox -s rebase -- --accept "
+            f"NAME` (under {where}: {found})"
+        )
+    return max(releases)[1]
 
 
 ACCEPT_JOURNAL = ".dsa-accept-journal.json"
@@ -238,6 +378,7 @@ class AcceptJournal:
     writes: dict[Path, bytes]
     deletes: list[Path]
     review: Path
+    removed: list[Path] = field(default_factory=list)  # older reviews
 
     @property
     def path(self) -> Path:
@@ -250,6 +391,7 @@ class AcceptJournal:
             },
             "deletes": [str(p) for p in self.deletes],
             "review": str(self.review),
+            "removed": [str(p) for p in self.removed],
         }
         partial = self.path.with_suffix(".partial")
         partial.write_text(json.dumps(record))
@@ -263,7 +405,8 @@ class AcceptJournal:
             partial = path.with_name(path.name + ".dsa-partial")
             partial.write_bytes(data)
             os.replace(partial, path)
-        shutil.rmtree(self.review, ignore_errors=True)
+        for folder in (self.review, *self.removed):
+            shutil.rmtree(folder, ignore_errors=True)
         next_dir = self.patches_dir / NEXT_DIR
         if next_dir.is_dir() and not any(next_dir.iterdir()):
             next_dir.rmdir()
@@ -286,6 +429,7 @@ class AcceptJournal:
             writes={Path(p): base64.b64decode(d) for p, d in record["writes"].items()},
             deletes=[Path(p) for p in record["deletes"]],
             review=Path(record["review"]),
+            removed=[Path(p) for p in record.get("removed", [])],
         )
 
 

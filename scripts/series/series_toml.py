@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from pathlib import Path
 
 from scripts.series import SeriesError
@@ -81,10 +82,12 @@ def series_toml(
     return "\n".join(lines) + "\n"
 
 
-def updated_series_file(text: str, new: Series, folder: Path) -> str:
-    """The series file ``text`` edited to ``new``'s pin and stages: stages it
-    left out removed, dependencies updated, everything else (comments
-    included) as it was."""
+def updated_series_file(text: str, review_text: str, base: dict[str, str]) -> str:
+    """The series file ``text`` made to say what the reviewed series file
+    ``review_text`` says (its regression tests and stages, whole: a fix made
+    in the review survives the accept) on the pin ``base`` (``[base]``'s
+    fields, a git path relative to ``text``'s folder), with every comment
+    and unchanged value of ``text`` kept where it was."""
     try:
         import tomlkit
     except ImportError:
@@ -93,19 +96,51 @@ def updated_series_file(text: str, new: Series, folder: Path) -> str:
             "lacks: `pip install tomlkit` (the nox sessions install it)"
         ) from None
     doc = tomlkit.parse(text)
-    base = doc["base"]
-    pin = base_fields(new.base, folder)
-    for key in ("version", "sha256", "git", "rev"):
-        if key in base and key not in pin:
-            del base[key]
-    for key, value in pin.items():
-        base[key] = value
-    kept = {stage.id: stage for stage in new.stages}
-    stages = doc["stage"]
-    for index in reversed(range(len(stages))):
-        stage_id = stages[index]["id"]
-        if stage_id not in kept:
-            del stages[index]
-        elif tuple(stages[index].get("depends_on", [])) != kept[stage_id].depends_on:
-            stages[index]["depends_on"] = list(kept[stage_id].depends_on)
+    review = tomllib.loads(review_text)
+    _sync_table(doc["base"], {"name": review["base"]["name"], **base})
+    if "regression" in review:
+        _sync_array(doc, "regression", review["regression"], key=None)
+    elif "regression" in doc:
+        del doc["regression"]
+    _sync_array(doc, "stage", review.get("stage", []), key="id")
     return tomlkit.dumps(doc)
+
+
+def _sync_table(table, want: dict) -> None:
+    for name in [k for k in table if k not in want]:
+        del table[name]
+    for name, value in want.items():
+        if name not in table or table[name].unwrap() != value:
+            table[name] = value
+
+
+def _sync_array(doc, name: str, want: list[dict], key: str | None) -> None:
+    """An array of tables made equal to ``want``; tables are matched by
+    ``key`` (or by position), so a kept one keeps its comments."""
+    import tomlkit
+
+    have = doc.get(name)
+    if have is None:
+        have = doc[name] = tomlkit.aot()
+    wanted = [w[key] if key else i for i, w in enumerate(want)]
+    for index in reversed(range(len(have))):
+        if (have[index][key] if key else index) not in wanted:
+            del have[index]
+    current = [t[key] if key else i for i, t in enumerate(have)]
+    if current != wanted[: len(current)] or len(have) > len(want):
+        # Reordered: rebuild in the review's order (comments of moved
+        # tables go with their values only where tomlkit keeps them).
+        rebuilt = tomlkit.aot()
+        for w in want:
+            table = tomlkit.table()
+            table.update(w)
+            rebuilt.append(table)
+        doc[name] = rebuilt
+        return
+    for index, w in enumerate(want):
+        if index < len(have):
+            _sync_table(have[index], w)
+        else:
+            table = tomlkit.table()
+            table.update(w)
+            have.append(table)

@@ -5,6 +5,8 @@ dropped hunk, then --accept."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -14,7 +16,7 @@ from conftest import Project, sh, write_files
 
 from scripts.series import SeriesError, rebase
 from scripts.series.apply import apply
-from scripts.series.config import GitBase, load_series
+from scripts.series.config import GitBase, SdistBase, load_series
 from scripts.series.layout import review_dir
 from scripts.series.patchfile import read_patch
 from scripts.series.rebase_state import format_report, load_state
@@ -841,3 +843,77 @@ def test_accept_of_a_dropped_stage_edits_the_series_file_in_place(two_stages):
     assert [(s.id, s.depends_on) for s in series.stages] == [("0002", ())]
     assert not (two_stages.root / "patches" / two_stages.stages[0]["patch"]).exists()
     assert not (two_stages.root / "vllm_overlay/vllm/cp_indexer.py").exists()
+
+
+def test_regression_tests_the_target_deleted_leave_the_review(two_stages):
+    """A [[regression]] test the target deleted is reported and left out of
+    the review's series.toml (vLLM 0.34.0 deleted one the series ran), so
+    `rebased` runs the rest instead of failing to collect it."""
+    text = two_stages.series_file.read_text()
+    two_stages.series_file.write_text(
+        "# vLLM's own tests\n[[regression]]\nname = \"upstream\"\n"
+        'paths = ["tests/test_kept.py", "tests/test_gone.py"]\n\n' + text
+    )
+    target = _target(
+        two_stages,
+        {"vllm/ops.py": ("return 5\n", "return 55\n")},
+        files={"tests/test_kept.py": "def test_it():\n    pass\n"},
+    )
+    rebase.start(two_stages.series(), target)
+    folder = review_dir(two_stages.series(), target)
+    review = load_series(folder / "series.toml")
+    assert [s.paths for s in review.regression] == [("tests/test_kept.py",)]
+    assert "`tests/test_gone.py`" in (folder / "REBASE.md").read_text()
+
+
+def test_accept_carries_the_reviews_series_file_whole(two_stages):
+    """A fix made in the review's series.toml (a regression test the target
+    added, a stage's new field) reaches the project's series.toml; the
+    project file's comments stay."""
+    text = two_stages.series_file.read_text()
+    two_stages.series_file.write_text(
+        "# vLLM's own tests\n[[regression]]\nname = \"upstream\"\n"
+        'paths = ["tests/test_kept.py"]\n\n' + text
+    )
+    target = _target(
+        two_stages,
+        {"vllm/ops.py": ("return 5\n", "return 55\n")},
+        files={"tests/test_kept.py": "", "tests/test_new.py": ""},
+    )
+    rebase.start(two_stages.series(), target)
+    review_file = review_dir(two_stages.series(), target) / "series.toml"
+    review_file.write_text(
+        review_file.read_text()
+        .replace('"tests/test_kept.py"]', '"tests/test_kept.py", "tests/test_new.py"]')
+        .replace('title = "Top-k gate"', 'title = "Top-k gate, reviewed"')
+    )
+    accept(two_stages.series())
+    accepted = two_stages.series()
+    assert accepted.regression[0].paths == ("tests/test_kept.py", "tests/test_new.py")
+    assert accepted.stages[1].title == "Top-k gate, reviewed"
+    assert accepted.base == _pinned(target)
+    assert "# vLLM's own tests\n" in two_stages.series_file.read_text()
+
+
+def test_accept_takes_the_newest_release_and_removes_older_reviews(
+    two_stages, capsys
+):
+    """With reviews onto two releases, a plain --accept takes the newest; the
+    review of the release the new pin has passed is removed, not left to be
+    rebased "again"."""
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    made = review_dir(two_stages.series(), target)
+    for version in ("0.33.0", "0.34.0"):
+        copy = made.parent / f"vllm-{version}"
+        shutil.copytree(made, copy)
+        text = (copy / "series.toml").read_text()
+        pin = f'version = "{version}"\nsha256 = "{"ab" * 32}"\n'
+        (copy / "series.toml").write_text(re.sub(r"git = .*\nrev = .*\n", pin, text))
+    shutil.rmtree(made)
+    accept(two_stages.series())
+    assert two_stages.series().base == SdistBase("vllm", "0.34.0", "ab" * 32)
+    assert not (two_stages.root / "patches" / "next").exists()
+    assert "removed patches/next/vllm-0.33.0: the new pin is past it" in (
+        capsys.readouterr().out
+    )
