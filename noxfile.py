@@ -10,6 +10,7 @@ nox -s lint               pre-commit on every file
 nox -s check-patches      committed patches == a fresh export
 nox -s refresh | status   write patches/ from the tree | show the tree
 nox -s rebase -- TARGET   rebase the stages onto a newer vLLM (see README)
+nox -s roll               rebase onto the newest vLLM release, if newer
 nox -s refresh-reviews    rebase each review under patches/next/ again
                           after a stage change
 nox -s rebased            apply and test each rebased series under review
@@ -195,6 +196,16 @@ def rebase(session: nox.Session) -> None:
     _install_cpu_deps(session)
     python = str(Path(session.virtualenv.location) / "bin" / "python")
     _series(session, "rebase", "--test-python", python, *session.posargs)
+
+
+@nox.session
+def roll(session: nox.Session) -> None:
+    """Rebase onto the newest vLLM release when it is newer than the pin, and
+    print what needs a person (made to run on a schedule)."""
+    _series(session, "apply")
+    _install_cpu_deps(session)
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    _series(session, "roll", "--test-python", python)
 
 
 @nox.session(name="refresh-reviews")

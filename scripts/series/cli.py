@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from scripts.series import SeriesError, rebase, review
+from scripts.series import SeriesError, rebase, review, roll
 from scripts.series.apply import apply
 from scripts.series.check import (
     HUNK_BUDGET,
@@ -207,6 +207,19 @@ def _parser() -> argparse.ArgumentParser:
         help="start each pytest run as a fresh interpreter (default: the stage "
         "trees' runs fork from one that has imported torch and the like)",
     )
+    rolled = sub.add_parser(
+        "roll",
+        help="rebase onto the newest vLLM release, if newer than the pin",
+        description="Asks the package index for the newest vLLM release; if it "
+        "is newer than the pin, rebases the series onto it for review "
+        "(patches/next/) and prints what needs a person. Exit status 1 when "
+        "the rebase stopped on a conflict or a failed check.",
+    )
+    rolled.add_argument(
+        "--test-python",
+        help="a Python with the test dependencies, to check each stage on the "
+        "release (the nox session passes its own)",
+    )
     reb = sub.add_parser(
         "rebase",
         help="rebase the stages onto a newer vLLM (sdist or git checkout)",
@@ -271,6 +284,14 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
             target = GitBase(name, args.git.resolve(), args.rev)
         elif args.version and args.sha256 and not (args.git or args.rev):
             target = SdistBase(name, args.version, args.sha256.lower())
+        elif args.version and not (args.sha256 or args.git or args.rev):
+            sha256 = roll.sdist_sha256(name, args.version)
+            raise SeriesError(
+                f"--version needs the sdist's --sha256 as well; the package "
+                f"index lists {sha256} for {name} {args.version}. Check it "
+                "against the release page, then run "
+                + rebase_command(f"--version {args.version} --sha256 {sha256}")
+            )
         else:
             raise SeriesError(
                 "give a target: --version V --sha256 H, or --git PATH --rev REV"
@@ -490,4 +511,6 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         return _test(series, args, extra)
     elif args.command == "rebase":
         return _rebase(series, args)
+    elif args.command == "roll":
+        return roll.roll(series, test_python=args.test_python)
     return 0

@@ -77,7 +77,7 @@ class _Links(html.parser.HTMLParser):
             self._href = None
 
 
-def _listed_files(project_url: str) -> dict[str, tuple[str, str | None, int | None]]:
+def listed_files(project_url: str) -> dict[str, tuple[str, str | None, int | None]]:
     """{filename: (url, sha256, size)} from the index's JSON (PEP 691) or
     HTML (PEP 503) project page; an HTML page gives the hash in the link's
     ``#sha256=`` fragment and no size."""
@@ -106,7 +106,7 @@ def _listed_files(project_url: str) -> dict[str, tuple[str, str | None, int | No
 def _find_file_url(base: SdistBase) -> tuple[str, str | None, int | None]:
     """Where the index keeps the sdist: its URL, listed sha256 and size."""
     project_url = f"{index_url()}/{base.name}/"
-    files = _listed_files(project_url)
+    files = listed_files(project_url)
     if base.filename not in files:
         raise SeriesError(f"{project_url} has no file named {base.filename}")
     url, listed, size = files[base.filename]

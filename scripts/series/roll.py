@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``roll``: follow vLLM's releases. Ask the package index for the newest
+release; when it is newer than the pin, rebase the series onto it (the
+recorded conflict resolutions replay) and say in one report what needs a
+person: conflicts or failed checks, stages found upstream, tests the release
+deleted. Made to run on a schedule: an up-to-date pin, or a review already
+written for the newest release, is a no-op."""
+
+from __future__ import annotations
+
+import re
+
+from scripts.series import SeriesError, rebase
+from scripts.series.config import SdistBase, Series
+from scripts.series.fetch import index_url, listed_files
+from scripts.series.layout import review_dir
+from scripts.series.rebase_state import rebase_command
+from scripts.series.review import review_is_current
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def releases(name: str) -> dict[str, str]:
+    """{version: sdist sha256} of the final releases the index lists with an
+    sdist and its hash (pre-releases and post-releases are not followed)."""
+    pattern = re.compile(rf"{re.escape(name)}-(\d+(?:\.\d+)*)\.tar\.gz")
+    found = {}
+    for filename, (_, sha256, _) in listed_files(f"{index_url()}/{name}/").items():
+        if (match := pattern.fullmatch(filename)) and sha256:
+            found[match.group(1)] = sha256.lower()
+    return found
+
+
+def sdist_sha256(name: str, version: str) -> str:
+    """The index's sha256 of ``name``'s ``version`` sdist."""
+    listed = releases(name)
+    if version not in listed:
+        raise SeriesError(
+            f"{index_url()}/{name}/ lists no sdist (with its sha256) of "
+            f"{name} {version}"
+        )
+    return listed[version]
+
+
+def roll(series: Series, *, test_python: str | None = None) -> int:
+    """Rebase onto the newest release if it is newer than the pin; 0 when
+    nothing needs a person beyond reviewing what was written, 1 when the
+    rebase stopped."""
+    pin = series.base
+    if not isinstance(pin, SdistBase):
+        raise SeriesError(
+            "roll follows vLLM's releases; this series is pinned to a git "
+            f"checkout ({pin.label}): rebase it with "
+            f"{rebase_command('--git PATH --rev REV')}"
+        )
+    listed = releases(pin.name)
+    if not listed:
+        raise SeriesError(f"{index_url()}/{pin.name}/ lists no release sdist")
+    newest = max(listed, key=version_key)
+    if version_key(newest) <= version_key(pin.version):
+        print(f"{pin.name} {pin.version} is the newest release: nothing to do")
+        return 0
+    target = SdistBase(pin.name, newest, listed[newest])
+    folder = review_dir(series, target)
+    if (folder / "series.toml").is_file() and review_is_current(series, folder):
+        print(
+            f"{pin.name} {newest} is out and the series is already rebased onto "
+            f"it for review in {folder.relative_to(series.root)}: test it with "
+            f"`nox -s rebased`, adopt it with {rebase_command('--accept')}"
+        )
+        return 0
+    print(f"{pin.name} {newest} is out (sdist sha256 {target.sha256}): rebasing")
+    try:
+        reports = rebase.start(series, target, test_python=test_python)
+    except SeriesError as error:
+        print(f"\nNeeds a person: the rebase onto {pin.name} {newest} stopped.\n{error}")
+        return 1
+    needs = [
+        f"stage {r.id} is already upstream ({r.evidence}): it leaves the series"
+        for r in reports
+        if r.outcome == "already upstream"
+    ]
+    needs += [
+        f"stage {r.id}: {h.path} `{h.header}` was dropped by the merge"
+        for r in reports
+        for h in r.hunks
+        if h.outcome == "dropped"
+    ]
+    print(f"\nNeeds a person: review {folder.relative_to(series.root)}/REBASE.md")
+    for line in needs:
+        print(f"- {line}")
+    print(
+        f"then `nox -s rebased` and {rebase_command('--accept')} (commit the "
+        "review first if others should see it)"
+    )
+    return 0

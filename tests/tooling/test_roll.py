@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`roll`: the newest release from a package index on loopback, a rebase
+onto it when it is newer than the pin, and a no-op otherwise; `rebase
+--version` without a hash says the index's."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import subprocess
+import threading
+
+import pytest
+from conftest import sh
+
+from scripts.series import SeriesError, roll
+from scripts.series.cli import main
+from scripts.series.config import SdistBase
+from scripts.series.fetch import CACHE_ENV, INDEX_ENV
+from scripts.series.layout import review_dir
+
+
+class Releases:
+    """A simple-API index (JSON) listing sdists, plus a wheel and a
+    pre-release that roll must not follow."""
+
+    def __init__(self, sdists: dict[str, bytes]):
+        self.sdists = sdists
+        releases = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                store = {f"/files/vllm-{v}.tar.gz": d for v, d in sdists.items()}
+                if self.path == "/simple/vllm/":
+                    kind, body = "application/vnd.pypi.simple.v1+json", releases.page()
+                elif self.path in store:
+                    kind, body = "application/octet-stream", store[self.path]
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/simple"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+        ).start()
+
+    def page(self) -> bytes:
+        files = [
+            {
+                "filename": f"vllm-{version}.tar.gz",
+                "url": f"../../files/vllm-{version}.tar.gz",
+                "hashes": {"sha256": self.sha(version)},
+                "size": len(data),
+            }
+            for version, data in self.sdists.items()
+        ]
+        files += [
+            {"filename": "vllm-9.0.0rc1.tar.gz", "url": "/x", "hashes": {"sha256": "0" * 64}},
+            {"filename": "vllm-9.0.0-cp38-abi3-manylinux_2_28_x86_64.whl", "url": "/x"},
+        ]
+        return json.dumps({"files": files}).encode()
+
+    def sha(self, version: str) -> str:
+        return hashlib.sha256(self.sdists[version]).hexdigest()
+
+
+def _sdist(project, rev: str, version: str) -> bytes:
+    """The synthetic upstream at ``rev`` as a release's sdist."""
+    return subprocess.run(
+        ["git", "-C", str(project.upstream), "archive", "--format=tar.gz",
+         f"--prefix=vllm-{version}/", rev],
+        capture_output=True, check=True,
+    ).stdout
+
+
+@pytest.fixture
+def released(two_stages, monkeypatch, tmp_path):
+    """The series pinned to release 0.1.0 (upstream v1); 0.2.0 (v1 plus an
+    upstream change) is on the index too."""
+    up = two_stages.upstream
+    (up / "vllm/ops.py").write_text((up / "vllm/ops.py").read_text().replace("return 5\n", "return 55\n", 1))
+    sh(up, "git", "commit", "-qam", "upstream 0.2.0")
+    sh(up, "git", "tag", "v2")
+    index = Releases({"0.1.0": _sdist(two_stages, "v1", "0.1.0"), "0.2.0": _sdist(two_stages, "v2", "0.2.0")})
+    monkeypatch.setenv(INDEX_ENV, index.url)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    text = two_stages.series_file.read_text()
+    pin = f'version = "0.1.0"\nsha256 = "{index.sha("0.1.0")}"\n'
+    two_stages.series_file.write_text(text.replace(f'git = "{up}"\nrev = "v1"\n', pin))
+    yield two_stages, index
+    index.server.shutdown()
+    index.server.server_close()
+
+
+def test_roll_rebases_onto_a_newer_release_once(released, capsys):
+    project, index = released
+    assert roll.roll(project.series()) == 0
+    out = capsys.readouterr().out
+    assert f"vllm 0.2.0 is out (sdist sha256 {index.sha('0.2.0')}): rebasing" in out
+    assert "Needs a person: review patches/next/vllm-0.2.0/REBASE.md" in out
+    folder = review_dir(project.series(), SdistBase("vllm", "0.2.0", index.sha("0.2.0")))
+    assert (folder / "series.toml").is_file()
+    # On a schedule: the next run finds the review and does nothing.
+    assert roll.roll(project.series()) == 0
+    assert "already rebased onto it for review" in capsys.readouterr().out
+
+
+def test_roll_is_a_no_op_on_the_newest_release(released, capsys):
+    project, index = released
+    text = project.series_file.read_text()
+    project.series_file.write_text(
+        text.replace('"0.1.0"', '"0.2.0"').replace(index.sha("0.1.0"), index.sha("0.2.0"))
+    )
+    assert roll.roll(project.series()) == 0
+    assert "vllm 0.2.0 is the newest release: nothing to do" in capsys.readouterr().out
+    assert not (project.root / "patches/next").exists()
+
+
+def test_roll_reports_a_stopped_rebase_as_needing_a_person(released, capsys):
+    """A conflict stops the rebase: roll says so and exits 1."""
+    project, index = released
+    up = project.upstream
+    envs = up / "vllm/envs.py"
+    envs.write_text(envs.read_text().replace("VAR_3 = 3\n", "VAR_3 = 33\n", 1))
+    sh(up, "git", "commit", "-qam", "upstream 0.3.0")
+    index.sdists["0.3.0"] = _sdist(project, "HEAD", "0.3.0")
+    assert roll.roll(project.series()) == 1
+    out = capsys.readouterr().out
+    assert "Needs a person: the rebase onto vllm 0.3.0 stopped." in out
+    assert "stage 0001 has conflicts" in out
+
+
+def test_rebase_version_without_a_hash_names_the_index_hash(released, capsys):
+    project, index = released
+    code = main(["--series", str(project.series_file), "rebase", "--version", "0.2.0"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"the package index lists {index.sha('0.2.0')} for vllm 0.2.0" in err
+    assert f"--version 0.2.0 --sha256 {index.sha('0.2.0')}" in err
+    with pytest.raises(SeriesError, match="lists no sdist"):
+        roll.sdist_sha256("vllm", "7.7.7")
