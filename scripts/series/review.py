@@ -111,7 +111,9 @@ def _hunks_note(old_patch: Path, new_patch: Path, stage: Stage) -> str:
         ]
         new_lines = [line for line in added if line not in old_added]
         mark = f"{len(new_lines)} line(s) new in the rebase" if new_lines else "-"
-        rows.append(f"| {hunk.path} | `{hunk.header}` | +{hunk.added} -{hunk.removed} | {mark} |")
+        rows.append(
+            f"| {hunk.path} | `{hunk.header}` | +{hunk.added} -{hunk.removed} | {mark} |"
+        )
     return (
         f"Stage {stage.id} as rebased, every hunk:\n\n"
         "| file | hunk | lines | added by the rebase |\n|---|---|---|---|\n"
@@ -136,7 +138,11 @@ def write_review(series: Series, state: RebaseState) -> Path:
     regression = tuple(
         replace(suite, paths=kept_paths)
         for suite in series.regression
-        if (kept_paths := tuple(p for p in suite.paths if p not in state.regression_gone))
+        if (
+            kept_paths := tuple(
+                p for p in suite.paths if p not in state.regression_gone
+            )
+        )
     )
     new = replace(
         series,
@@ -178,7 +184,8 @@ def write_review(series: Series, state: RebaseState) -> Path:
     gone_note = (
         "vLLM's own tests in `[[regression]]` that the target deleted, left out "
         "of this folder's series.toml (add the target's tests that cover the "
-        "same code there): " + ", ".join(f"`{p}`" for p in state.regression_gone)
+        "same code there): "
+        + ", ".join(f"`{p}`" for p in state.regression_gone)
         + ".\n\n"
         if state.regression_gone
         else ""

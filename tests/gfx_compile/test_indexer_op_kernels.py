@@ -2,7 +2,7 @@
 """The Triton kernels of the ROCm indexer op (``rocm_aiter_sparse_attn_
 indexer`` with the FP8 K cache) compiled for the AMD targets, with the
 shapes the stages route into them: stage 0001's split scores each rank's own
-rows of every chunk, stage 0002 sends decode and long prefill chunks to
+rows of every chunk, vLLM's k=2048 gate (0.33.0 on) sends decode and long prefill chunks to
 AITER's top-k (and its prefill indices through vLLM's Triton localisation).
 
 The specialisations come from vLLM's own code: the metadata builder and the
@@ -38,7 +38,7 @@ NEXT_N = (1, 2, 4)
 # DeepSeek-V3.2's 64 and GLM-5.x's 32 index heads (published configs; see
 # scripts/harness/dsa_attention.py).
 HEADS = (64, 32)
-LONG_PREFILL = [(32760, 8)]  # 32,768 keys: AITER's prefill top-k from stage 0002
+LONG_PREFILL = [(32760, 8)]  # 32,768 keys: AITER's prefill top-k (vLLM's k=2048 gate)
 
 
 def _step(next_n: int) -> list[tuple[int, int]]:
@@ -149,9 +149,8 @@ def test_split_prefill_kernels_compile(compile_matrix, arch):
 @pytest.mark.parametrize("heads", HEADS)
 def test_long_prefill_localisation_compiles(compile_matrix, heads):
     """A chunk whose requests reach 32K keys takes AITER's prefill top-k on
-    gfx950 (stage 0002), whose chunk-global indices vLLM's Triton kernel
-    makes sequence-local."""
-    applied_tree("0002")
+    gfx950 (upstream's gate since vLLM 0.33.0, once our stage 0002), whose
+    chunk-global indices vLLM's Triton kernel makes sequence-local."""
     recorder = gfx_compile.Recorder()
     _run_op(
         recorder, "gfx950", heads, 64, 1, requests=LONG_PREFILL,

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Small synthetic series projects: a base, stages made by plain git, and the
-tooling pointed at them; and a real vLLM 0.32.0 install (the one thing
+tooling pointed at them; and a real install of the pinned vLLM (the one thing
 here that downloads: its wheel, once, into build/cache/)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from scripts.series.config import REPO_ROOT, SERIES_FILE, Series, load_series
+from scripts.series.fetch import index_url, listed_files
 from scripts.series.git import git_env
 from scripts.series.install import stage_files
 
@@ -186,11 +187,11 @@ def two_stages(project: Project) -> Project:
     return project
 
 
-# vLLM 0.32.0 as pip installs it from the package index (a CUDA build: the
-# compiled parts do not matter, install changes only Python files).
-VLLM_WHEEL = "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-VLLM_WHEEL_SHA256 = "5e2ecdc5b0baf72921c288486417ca82778456a448e4fe60b62ee43c0dfc8611"
-WHEEL_CACHE = REPO_ROOT / "build" / "cache" / "vllm-0.32.0-wheel"
+# The pinned vLLM as pip installs it from the package index (a CUDA build:
+# the compiled parts do not matter, install changes only Python files).
+PINNED = load_series(SERIES_FILE).base.version
+VLLM_WHEEL = f"vllm-{PINNED}-cp38-abi3-manylinux_2_28_x86_64.whl"
+WHEEL_CACHE = REPO_ROOT / "build" / "cache" / f"vllm-{PINNED}-wheel"
 
 
 def _unavailable(reason: str) -> None:
@@ -202,9 +203,10 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def wheel_site() -> Path:
-    """vLLM 0.32.0's wheel installed with ``pip install --no-deps --target``,
-    kept under build/cache/ (326 MB download, 800 MB installed). Never
-    written to: tests take ``installed_vllm``, a copy."""
+    """The pinned vLLM's wheel installed with ``pip install --no-deps
+    --target``, kept under build/cache/ (about 240 MB download for 0.34.0).
+    Never written to: tests take ``installed_vllm``, a copy. Its sha256 is
+    checked against the one the package index lists."""
     site = WHEEL_CACHE / "site"
     if (site / "vllm" / "__init__.py").is_file():
         return site
@@ -215,7 +217,7 @@ def wheel_site() -> Path:
             [
                 *pip,
                 "download",
-                "vllm==0.32.0",
+                f"vllm=={PINNED}",
                 "--no-deps",
                 "--only-binary=:all:",
                 "--platform",
@@ -231,10 +233,14 @@ def wheel_site() -> Path:
         )
         if fetched.returncode or not wheel.is_file():
             _unavailable(f"cannot download {VLLM_WHEEL}: {fetched.stderr[-500:]}")
+    try:
+        listed = listed_files(f"{index_url()}/vllm/")[VLLM_WHEEL][1]
+    except (OSError, KeyError) as error:
+        _unavailable(f"the package index does not list {VLLM_WHEEL}'s hash: {error}")
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != VLLM_WHEEL_SHA256:
+    if digest != listed:
         wheel.unlink()
-        pytest.fail(f"{VLLM_WHEEL} has sha256 {digest}, not {VLLM_WHEEL_SHA256}")
+        pytest.fail(f"{VLLM_WHEEL} has sha256 {digest}, the index lists {listed}")
     partial = WHEEL_CACHE / "site.partial"
     shutil.rmtree(partial, ignore_errors=True)
     installed = subprocess.run(

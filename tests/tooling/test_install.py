@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``install`` on a real vLLM 0.32.0 (pip's install of the wheel from the
+"""``install`` on a real install of the pinned vLLM (pip's install of the wheel from the
 package index): it writes exactly the stage trees' package files, re-runs as
 a no-op, moves between stages, and undoes to the wheel's own bytes (checked
 against the wheel's RECORD); it refuses an edited file, an unexpected file
@@ -28,6 +28,7 @@ from scripts.series.trees import stage_tree
 
 SERIES = load_series(SERIES_FILE)
 STAGES = ["base", *(s.id for s in SERIES.stages)]
+PINNED = SERIES.base.version
 
 
 def _wheel_hashes(site: Path) -> dict[str, str]:
@@ -96,7 +97,7 @@ def test_install_writes_each_stage_trees_package_and_undo_restores_the_wheel(
 ):
     site = installed_vllm
     chain = read_chain(SERIES, workdir(SERIES))
-    for stage in ("0001", "0003", "0002", "0003"):
+    for stage in ("0001", "0003", "0001", "0003"):
         outcome = install(site, wanted[stage])
         assert outcome.changed, stage
         assert _not_as_shipped(site, wheel_site) == _tree_package(stage), stage
@@ -155,10 +156,10 @@ def _append(path: Path, text: str) -> None:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ("vllm/envs.py", r"vllm/envs.py differs from vLLM 0.32.0's"),
+        ("vllm/envs.py", rf"vllm/envs.py differs from vLLM {PINNED}'s"),
         (
             "vllm/v1/attention/ops/rocm_cp_indexer.py",
-            r"rocm_cp_indexer.py exists, though vLLM 0.32.0 has no such file",
+            rf"rocm_cp_indexer.py exists, though vLLM {PINNED} has no such file",
         ),
     ],
 )
@@ -191,21 +192,21 @@ def test_a_file_edited_after_the_install_is_left_alone(
 def _set_version(site: Path, wheel_site: Path, version: str) -> None:
     (metadata,) = site.glob("vllm-*.dist-info/METADATA")
     text = (wheel_site / metadata.relative_to(site)).read_text()
-    assert "\nVersion: 0.32.0\n" in text
+    assert f"\nVersion: {PINNED}\n" in text
     metadata.unlink()  # a hard link to the cache: write a new file
-    metadata.write_text(text.replace("Version: 0.32.0", f"Version: {version}", 1))
+    metadata.write_text(text.replace(f"Version: {PINNED}", f"Version: {version}", 1))
 
 
 def test_another_vllm_is_refused(installed_vllm, wheel_site, wanted, tmp_path):
     site = installed_vllm
-    _set_version(site, wheel_site, "0.33.0")
+    _set_version(site, wheel_site, "0.1.0")
     with pytest.raises(
-        SeriesError, match=r"holds vLLM 0.33.0; .* pinned to vLLM 0.32.0"
+        SeriesError, match=rf"holds vLLM 0.1.0; .* pinned to vLLM {PINNED}"
     ):
         install(site, wanted["0003"])
     assert _not_as_shipped(site, wheel_site) == {}
     # A local build label (ROCm images add one) is the same release.
-    _set_version(site, wheel_site, "0.32.0+rocm700")
+    _set_version(site, wheel_site, f"{PINNED}+rocm700")
     install(site, wanted["0003"])
     assert installed_record(site)["stage"] == "0003"
     with pytest.raises(SeriesError, match="holds no vllm package"):

@@ -851,7 +851,7 @@ def test_regression_tests_the_target_deleted_leave_the_review(two_stages):
     `rebased` runs the rest instead of failing to collect it."""
     text = two_stages.series_file.read_text()
     two_stages.series_file.write_text(
-        "# vLLM's own tests\n[[regression]]\nname = \"upstream\"\n"
+        '# vLLM\'s own tests\n[[regression]]\nname = "upstream"\n'
         'paths = ["tests/test_kept.py", "tests/test_gone.py"]\n\n' + text
     )
     target = _target(
@@ -872,7 +872,7 @@ def test_accept_carries_the_reviews_series_file_whole(two_stages):
     project file's comments stay."""
     text = two_stages.series_file.read_text()
     two_stages.series_file.write_text(
-        "# vLLM's own tests\n[[regression]]\nname = \"upstream\"\n"
+        '# vLLM\'s own tests\n[[regression]]\nname = "upstream"\n'
         'paths = ["tests/test_kept.py"]\n\n' + text
     )
     target = _target(
@@ -895,9 +895,7 @@ def test_accept_carries_the_reviews_series_file_whole(two_stages):
     assert "# vLLM's own tests\n" in two_stages.series_file.read_text()
 
 
-def test_accept_takes_the_newest_release_and_removes_older_reviews(
-    two_stages, capsys
-):
+def test_accept_takes_the_newest_release_and_removes_older_reviews(two_stages, capsys):
     """With reviews onto two releases, a plain --accept takes the newest; the
     review of the release the new pin has passed is removed, not left to be
     rebased "again"."""

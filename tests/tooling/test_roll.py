@@ -51,7 +51,9 @@ class Releases:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}/simple"
         threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+            target=self.server.serve_forever,
+            kwargs={"poll_interval": 0.01},
+            daemon=True,
         ).start()
 
     def page(self) -> bytes:
@@ -65,7 +67,11 @@ class Releases:
             for version, data in self.sdists.items()
         ]
         files += [
-            {"filename": "vllm-9.0.0rc1.tar.gz", "url": "/x", "hashes": {"sha256": "0" * 64}},
+            {
+                "filename": "vllm-9.0.0rc1.tar.gz",
+                "url": "/x",
+                "hashes": {"sha256": "0" * 64},
+            },
             {"filename": "vllm-9.0.0-cp38-abi3-manylinux_2_28_x86_64.whl", "url": "/x"},
         ]
         return json.dumps({"files": files}).encode()
@@ -77,9 +83,17 @@ class Releases:
 def _sdist(project, rev: str, version: str) -> bytes:
     """The synthetic upstream at ``rev`` as a release's sdist."""
     return subprocess.run(
-        ["git", "-C", str(project.upstream), "archive", "--format=tar.gz",
-         f"--prefix=vllm-{version}/", rev],
-        capture_output=True, check=True,
+        [
+            "git",
+            "-C",
+            str(project.upstream),
+            "archive",
+            "--format=tar.gz",
+            f"--prefix=vllm-{version}/",
+            rev,
+        ],
+        capture_output=True,
+        check=True,
     ).stdout
 
 
@@ -88,10 +102,17 @@ def released(two_stages, monkeypatch, tmp_path):
     """The series pinned to release 0.1.0 (upstream v1); 0.2.0 (v1 plus an
     upstream change) is on the index too."""
     up = two_stages.upstream
-    (up / "vllm/ops.py").write_text((up / "vllm/ops.py").read_text().replace("return 5\n", "return 55\n", 1))
+    (up / "vllm/ops.py").write_text(
+        (up / "vllm/ops.py").read_text().replace("return 5\n", "return 55\n", 1)
+    )
     sh(up, "git", "commit", "-qam", "upstream 0.2.0")
     sh(up, "git", "tag", "v2")
-    index = Releases({"0.1.0": _sdist(two_stages, "v1", "0.1.0"), "0.2.0": _sdist(two_stages, "v2", "0.2.0")})
+    index = Releases(
+        {
+            "0.1.0": _sdist(two_stages, "v1", "0.1.0"),
+            "0.2.0": _sdist(two_stages, "v2", "0.2.0"),
+        }
+    )
     monkeypatch.setenv(INDEX_ENV, index.url)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     text = two_stages.series_file.read_text()
@@ -108,7 +129,9 @@ def test_roll_rebases_onto_a_newer_release_once(released, capsys):
     out = capsys.readouterr().out
     assert f"vllm 0.2.0 is out (sdist sha256 {index.sha('0.2.0')}): rebasing" in out
     assert "Needs a person: review patches/next/vllm-0.2.0/REBASE.md" in out
-    folder = review_dir(project.series(), SdistBase("vllm", "0.2.0", index.sha("0.2.0")))
+    folder = review_dir(
+        project.series(), SdistBase("vllm", "0.2.0", index.sha("0.2.0"))
+    )
     assert (folder / "series.toml").is_file()
     # On a schedule: the next run finds the review and does nothing.
     assert roll.roll(project.series()) == 0
@@ -119,7 +142,9 @@ def test_roll_is_a_no_op_on_the_newest_release(released, capsys):
     project, index = released
     text = project.series_file.read_text()
     project.series_file.write_text(
-        text.replace('"0.1.0"', '"0.2.0"').replace(index.sha("0.1.0"), index.sha("0.2.0"))
+        text.replace('"0.1.0"', '"0.2.0"').replace(
+            index.sha("0.1.0"), index.sha("0.2.0")
+        )
     )
     assert roll.roll(project.series()) == 0
     assert "vllm 0.2.0 is the newest release: nothing to do" in capsys.readouterr().out

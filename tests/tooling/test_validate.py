@@ -124,7 +124,7 @@ def test_the_dry_run_is_the_seeds_matrix_for_stage_0003(tmp_path):
     assert "--attention-config" not in serves[0]
     # The seed's baseline: the FP8 indexer with AITER top-k, without the stage.
     installs = [line[-1] for line in lines if line[:2] == ["python", "-m"]]
-    assert installs == ["0002", "0003"]
+    assert installs == ["0001", "0003"]
     benches = [line for line in lines if line[:3] == ["vllm", "bench", "serve"]]
     first = _without(benches[0], "--save-result", "--result-dir", "--result-filename")
     # 128K/1K at c1: num-prompts max(C, 3)

@@ -1,22 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stage 0002's behaviour, stated without its own modules: which top-k
-kernel vLLM's real indexer op takes, chunk by chunk, for the batches vLLM's
-own metadata builder makes (no hand-set fields), on gfx950 with AITER at
-index_topk 2048.
+"""vLLM's AITER top-k gate for the uncompressed k=2048 DSA indexer (decode
+always, prefill from 32K keys), stated as behaviour: which top-k kernel
+vLLM's real indexer op takes, chunk by chunk, for the batches vLLM's own
+metadata builder makes (no hand-set fields), on gfx950 with AITER.
 
-The expected table (``upstream_gate_table.json``) was recorded on vLLM
-0.33.0 without the stage, which has upstream's merged gate (#61943); the
-stage's tree must choose exactly the same. This is also the stage's upstream
-probe (patches/series.toml): a rebase runs it on a newer vLLM without the
-stage, and a pass there marks the stage upstreamed.
+This was stage 0002's upstream probe. Upstream merged the gate (#61943,
+vLLM 0.33.0) and the stage left the series with the move to 0.34.0; the
+probe stays so that a later release that changes the gate shows here. The
+expected table (``upstream_gate_table.json``) was recorded on vLLM 0.33.0.
 
 Only dispatch is observed here, so the work each kernel would do is skipped:
 the K insert, the K gather, the logits and the top-k calls are recorded, not
-computed (results of both kernels are tested in test_aiter_topk_paths.py),
-the cache and the step's inputs stay zero,
-and the builder's chunk metadata comes from the torch equivalent of its
-kernel (checked against it in tests/base). Recording
-the table anew: ``DSA_RECORD_GATE_TABLE=1`` writes it instead of comparing.
+computed, the cache and the step's inputs stay zero, and the builder's chunk
+metadata comes from the torch equivalent of its kernel (checked against it
+in tests/base). Recording the table anew: ``DSA_RECORD_GATE_TABLE=1`` writes
+it instead of comparing.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from scripts.harness import indexer_batch
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
 
-TREE = applied_tree("0002")
+TREE = applied_tree("base")
 
 K = 2048
 TABLE_FILE = Path(__file__).with_name("upstream_gate_table.json")

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stage 0002 on gfx950 with the real AITER: vLLM's wrappers around
+"""vLLM's k=2048 top-k gate (upstream since 0.33.0; once stage 0002) on
+gfx950 with the real AITER: vLLM's wrappers around
 ``aiter.ops.topk`` select what the in-tree kernels select, for packed
 prefill rows and for decode rows of next_n 1, 2 and 4; and through the gate,
 vLLM's real indexer op takes the kernels upstream's table says, chunk by
@@ -17,7 +18,7 @@ from scripts.harness import indexer_batch, topk_reference
 from scripts.harness.rocm_platform import real_gfx950_with_aiter
 from scripts.harness.tree import applied_tree
 
-TREE = applied_tree("0002")
+TREE = applied_tree("base")
 
 
 pytestmark = pytest.mark.skipif(
