@@ -91,6 +91,7 @@ TINY_DSV32 = {
     "index_topk": 2048,
     "max_position_embeddings": 163840,
 }
+TINY_MAX_POSITIONS = 163840
 
 
 @functools.cache
@@ -99,7 +100,7 @@ def _tiny_checkpoint(max_len: int) -> str:
     tests go to 1M tokens; vLLM refuses a longer max_model_len)."""
     folder = Path(tempfile.mkdtemp(prefix="dsa-tiny-dsv32-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    positions = max(TINY_DSV32["max_position_embeddings"], max_len)
+    positions = max(TINY_MAX_POSITIONS, max_len)
     config = {**TINY_DSV32, "max_position_embeddings": positions}
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)

@@ -23,6 +23,7 @@ from scripts.series.layout import NEXT_DIR, RESOLUTIONS, review_dir, workdir
 from scripts.series.overview import BEGIN as README_TABLE_BEGIN
 from scripts.series.overview import END as README_TABLE_END
 from scripts.series.overview import stage_table
+from scripts.series.patchfile import read_patch
 from scripts.series.rebase_state import (
     RebaseState,
     format_report,
@@ -30,7 +31,6 @@ from scripts.series.rebase_state import (
     target_from,
     work_repo,
 )
-from scripts.series.patchfile import read_patch
 from scripts.series.refresh import format_stage_patch, overlay_bytes
 from scripts.series.series_toml import base_fields, series_toml, updated_series_file
 
@@ -111,9 +111,8 @@ def _hunks_note(old_patch: Path, new_patch: Path, stage: Stage) -> str:
         ]
         new_lines = [line for line in added if line not in old_added]
         mark = f"{len(new_lines)} line(s) new in the rebase" if new_lines else "-"
-        rows.append(
-            f"| {hunk.path} | `{hunk.header}` | +{hunk.added} -{hunk.removed} | {mark} |"
-        )
+        size = f"+{hunk.added} -{hunk.removed}"
+        rows.append(f"| {hunk.path} | `{hunk.header}` | {size} | {mark} |")
     return (
         f"Stage {stage.id} as rebased, every hunk:\n\n"
         "| file | hunk | lines | added by the rebase |\n|---|---|---|---|\n"

@@ -75,9 +75,8 @@ def roll(series: Series, *, test_python: str | None = None) -> int:
     try:
         reports = rebase.start(series, target, test_python=test_python)
     except SeriesError as error:
-        print(
-            f"\nNeeds a person: the rebase onto {pin.name} {newest} stopped.\n{error}"
-        )
+        print(f"\nNeeds a person: the rebase onto {pin.name} {newest} stopped.")
+        print(error)
         return 1
     needs = [
         f"stage {r.id} is already upstream ({r.evidence}): it leaves the series"

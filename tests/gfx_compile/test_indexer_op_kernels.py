@@ -2,8 +2,9 @@
 """The Triton kernels of the ROCm indexer op (``rocm_aiter_sparse_attn_
 indexer`` with the FP8 K cache) compiled for the AMD targets, with the
 shapes the stages route into them: stage 0001's split scores each rank's own
-rows of every chunk, vLLM's k=2048 gate (0.33.0 on) sends decode and long prefill chunks to
-AITER's top-k (and its prefill indices through vLLM's Triton localisation).
+rows of every chunk, vLLM's k=2048 gate (0.33.0 on) sends decode and long
+prefill chunks to AITER's top-k (and its prefill indices through vLLM's
+Triton localisation).
 
 The specialisations come from vLLM's own code: the metadata builder and the
 op run on a step of decodes (next_n rows each) and prefills, with Triton's
