@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,9 @@ def _load(tmp_path: Path, text: str):
 def test_the_repository_series_file_is_valid():
     series = load_series(SERIES_FILE)
     assert isinstance(series.base, SdistBase)
-    assert series.base.version == "0.32.0"
-    assert series.base.sha256 == (
-        "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
-    )
+    # The pin moves with vLLM's releases: its form, not its value.
+    assert re.fullmatch(r"\d+(\.\d+)+", series.base.version)
+    assert re.fullmatch(r"[0-9a-f]{64}", series.base.sha256)
     assert series.regression, "the regression selection is listed in series.toml"
 
 
