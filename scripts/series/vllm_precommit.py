@@ -148,6 +148,28 @@ def _hooks(config: dict) -> list[tuple[str, dict]]:
     return [(repo["repo"], hook) for repo in config["repos"] for hook in repo["hooks"]]
 
 
+_FROZEN = re.compile(
+    r"^- repo: (?P<url>\S+)\s*\n\s+rev: (?P<rev>[0-9a-f]{40})\s+# frozen: (?P<tag>\S+)",
+    re.MULTILINE,
+)
+
+
+def _tag(tree: Path, repo_url: str, rev: str) -> str:
+    """The release a hook repository is pinned at: ``rev`` itself, or for a
+    commit pinned by ``pre-commit autoupdate --freeze`` (vLLM 0.34.0 on) the
+    tag its ``# frozen: vX.Y.Z`` comment names."""
+    if not re.fullmatch(r"[0-9a-f]{40}", rev):
+        return rev
+    text = (tree / ".pre-commit-config.yaml").read_text()
+    for match in _FROZEN.finditer(text):
+        if match["url"] == repo_url and match["rev"] == rev:
+            return match["tag"]
+    raise SeriesError(
+        f"{repo_url} is pinned at commit {rev} with no `# frozen: vX.Y.Z` "
+        "comment; its tool's version on the package index cannot be told"
+    )
+
+
 def requirements(tree: Path) -> list[str]:
     """What the hooks need installed: the hook repositories' tools at the
     pinned revisions, the local hooks' additional dependencies."""
@@ -157,7 +179,8 @@ def requirements(tree: Path) -> list[str]:
         known = REPO_HOOKS.get((repo_url, hook["id"]))
         if known:
             rev = next(r["rev"] for r in config["repos"] if r["repo"] == repo_url)
-            wanted.append(f"{known[0]}=={rev.removeprefix('v')}")
+            version = _tag(tree, repo_url, rev).removeprefix("v")
+            wanted.append(f"{known[0]}=={version}")
         if repo_url == "local" and hook.get("language") == "python":
             wanted += hook.get("additional_dependencies", [])
     return sorted(set(wanted))

@@ -59,3 +59,30 @@ def test_lazy_imports_and_rocm_files_pass(tmp_path):
         },
     )
     assert [r["ok"] for r in layering(tree, "HEAD", files)] == [True]
+
+
+def test_hook_tools_pinned_by_frozen_commits_take_the_tagged_version(tmp_path):
+    """vLLM 0.34.0 pins its hook repositories by commit with a `# frozen:`
+    tag comment (pre-commit autoupdate --freeze); the tool comes from the
+    package index at that tag's version. A bare commit is a clear error."""
+    import pytest
+
+    from scripts.series import SeriesError
+    from scripts.series.vllm_precommit import requirements
+
+    config = (
+        "repos:\n"
+        "- repo: https://github.com/astral-sh/ruff-pre-commit\n"
+        f"  rev: {'f3' * 20}  # frozen: v0.17.2\n"
+        "  hooks:\n  - id: ruff-check\n"
+        "- repo: https://github.com/crate-ci/typos\n"
+        "  rev: v1.43.5\n"
+        "  hooks:\n  - id: typos\n"
+    )
+    (tmp_path / ".pre-commit-config.yaml").write_text(config)
+    assert requirements(tmp_path) == ["ruff==0.17.2", "typos==1.43.5"]
+    (tmp_path / ".pre-commit-config.yaml").write_text(
+        config.replace("  # frozen: v0.17.2", "")
+    )
+    with pytest.raises(SeriesError, match="no `# frozen: vX.Y.Z` comment"):
+        requirements(tmp_path)
