@@ -10,10 +10,11 @@ that each file it will change is byte-identical to the pinned base's (added
 files must be absent). What it changed it records next to the package, in
 ``SITE/.dsa-series-install/`` (``record.json`` with the original and the
 installed hashes, ``originals/`` with the files it replaced), so ``--undo``
-restores the install exactly. All or nothing: the new contents are staged
-and a journal written before the first file of the package is touched; the
-next run finishes an interrupted one. Files of the tree outside the package
-(``tests/``, ``.buildkite/``) are not written.
+restores the install exactly; a saved original (or a record) that is not
+what was recorded stops it before it writes anything. All or nothing: the
+new contents are staged and a journal written before the first file of the
+package is touched; the next run finishes an interrupted one. Files of the
+tree outside the package (``tests/``, ``.buildkite/``) are not written.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from scripts.series.state import read_chain
 
 PACKAGE = "vllm"
 _FORMAT = 1  # of record.json and journal.json
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ def install(site: Path, want: StageFiles | None) -> Outcome:
         finished = _finish_interrupted(site)
         record = _load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
         recorded = record["files"] if record else {}
+        if record is not None:
+            _check_originals(site, record)
         edited = [
             p for p, f in recorded.items() if _file_sha(site / p) != f["installed"]
         ]
@@ -206,6 +210,45 @@ def _file_sha(path: Path) -> str | None:
     if path.is_symlink() or not path.is_file():
         raise SeriesError(f"{path} is not a plain file; install leaves it alone")
     return sha256(path.read_bytes())
+
+
+def _check_originals(site: Path, record: dict) -> None:
+    """Every original the record keeps is byte for byte the file it replaced
+    (the sha256 in the record): an undo, or a move to a stage that leaves a
+    file alone, writes it back into the package."""
+    root = site / INSTALL_RECORD_DIR
+    damaged = []
+    for path, hashes in record["files"].items():
+        if hashes["original"] is None:
+            continue
+        saved = root / INSTALL_ORIGINALS / path
+        try:
+            intact = _file_sha(saved) == hashes["original"]
+        except (OSError, SeriesError):
+            intact = False
+        if not intact:
+            damaged.append(str(saved))
+    if damaged:
+        version = record["vllm"]
+        raise SeriesError(
+            "the saved originals of the files install replaced are damaged or "
+            f"missing (not the sha256 that {root / INSTALL_RECORD} gives): "
+            f"{', '.join(damaged)}; nothing was changed (an undo would write "
+            f"them into vLLM). To recover, copy vLLM {version}'s own files "
+            "there (each is the release's file of the same path) and run "
+            f"again; or {_recovery(site, version)}"
+        )
+
+
+def _recovery(site: Path, version: str | None) -> str:
+    """How to get the package back as released, without the record."""
+    version = version or "<version>"
+    return (
+        f"reinstall vLLM {version}, which puts its files back as released (for "
+        f"a pip install: `pip install --force-reinstall --no-deps vllm=={version}`"
+        f"), then delete {site / INSTALL_RECORD_DIR}, which describes the old "
+        "install"
+    )
 
 
 def _check_version(site: Path, pinned: str) -> None:
@@ -396,15 +439,87 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 
 
 def _load(path: Path) -> dict | None:
+    """A record or journal (by its name), whole and well formed: the paths
+    in it are what install writes and deletes."""
     if not path.exists():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise SeriesError(f"{path} cannot be read ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        raise SeriesError(f"{path} is not an install record this tool wrote")
-    return data
+        problem: str | None = f"cannot be read ({exc})"
+    else:
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            problem = "is not an install record this tool wrote"
+        elif (problem := _shape_problem(path.name, data)) is None:
+            return data
+        else:
+            problem = f"is damaged: {problem}"
+    site = path.parent.parent
+    raise SeriesError(
+        f"{path} {problem}; nothing was changed. To recover, "
+        f"{_recovery(site, _site_version(site))}"
+    )
+
+
+def _shape_problem(name: str, data: dict) -> str | None:
+    if name == INSTALL_JOURNAL:
+        entries = data.get("entries")
+        if not isinstance(entries, list) or "record" not in data:
+            return "no entries, or no record"
+        for entry in entries:
+            if not isinstance(entry, dict) or not _package_path(entry.get("path")):
+                return _not_a_file(entry)
+            if not (
+                _is_hash(entry.get("before", "")) and _is_hash(entry.get("after", ""))
+            ):
+                return f"{entry['path']}: no sha256 before and after"
+        return None if data["record"] is None else _record_problem(data["record"])
+    return _record_problem(data)
+
+
+def _record_problem(record: object) -> str | None:
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return "no table of files"
+    for path, hashes in record["files"].items():
+        if not _package_path(path):
+            return _not_a_file(path)
+        if not isinstance(hashes, dict) or not all(
+            _is_hash(hashes.get(key, "")) for key in ("original", "installed")
+        ):
+            return f"{path}: no original and installed sha256"
+    if not isinstance(record.get("vllm"), str) or not isinstance(
+        record.get("stage"), str
+    ):
+        return "no vLLM version, or no stage"
+    return None
+
+
+def _package_path(value: object) -> bool:
+    """A file path under the package, with no way out of it."""
+    if not isinstance(value, str) or "\0" in value:
+        return False
+    parts = value.split("/")
+    return (
+        len(parts) > 1
+        and parts[0] == PACKAGE
+        and all(part not in ("", ".", "..") for part in parts)
+    )
+
+
+def _not_a_file(value: object) -> str:
+    return f"{value!r} is not a file of the {PACKAGE} package"
+
+
+def _is_hash(value: object) -> bool:
+    return value is None or (isinstance(value, str) and bool(_SHA256.fullmatch(value)))
+
+
+def _site_version(site: Path) -> str | None:
+    """The installed release (its local label dropped), if it can be told."""
+    try:
+        return installed_version(site).split("+", 1)[0]
+    except (OSError, ValueError, SeriesError):
+        return None
 
 
 def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:

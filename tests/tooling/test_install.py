@@ -2,9 +2,9 @@
 """``install`` on a real install of the pinned vLLM (pip's install of the wheel from the
 package index): it writes exactly the stage trees' package files, re-runs as
 a no-op, moves between stages, and undoes to the wheel's own bytes (checked
-against the wheel's RECORD); it refuses an edited file, an unexpected file
-and another vLLM version with nothing written; an install stopped at any
-step is finished, or undone, by the next run."""
+against the wheel's RECORD); it refuses an edited file, an unexpected file,
+another vLLM version and a damaged original or record with nothing written;
+an install stopped at any step is finished, or undone, by the next run."""
 
 from __future__ import annotations
 
@@ -283,3 +283,82 @@ def test_an_install_stopped_at_any_step_is_finished_or_undone(
     # Stopped after its journal, a run was finished (or undone) from it.
     finished = [n for n in notes if n.startswith("finished an interrupted install")]
     assert len(finished) >= 4, notes
+
+
+def _tree_state(folder: Path) -> dict[str, str]:
+    """{path: sha256} of every file under ``folder`` (nothing when absent)."""
+    if not folder.exists():
+        return {}
+    return {
+        p.relative_to(folder).as_posix(): _sha(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.unlink()  # a new file: never write through a link into the cache
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_original_stops_the_undo_with_nothing_changed(
+    installed_vllm, wheel_site, wanted
+):
+    """An original the undo would write back is checked against its sha256
+    in the record first: damaged by one byte, or missing, the undo (or a move
+    to another stage) changes nothing and says how to recover."""
+    site = installed_vllm
+    version = SERIES.base.version
+    install(site, wanted["0003"])
+    records = site / INSTALL_RECORD_DIR
+    original = records / "originals" / "vllm" / "envs.py"
+    assert original.read_bytes() == (wheel_site / "vllm" / "envs.py").read_bytes()
+    _flip_a_byte(original)
+    (records / "originals" / "vllm" / "_aiter_ops.py").unlink()
+    package, saved = _not_as_shipped(site, wheel_site), _tree_state(records)
+    for target in (None, wanted["0001"]):
+        with pytest.raises(SeriesError) as error:
+            install(site, target)
+        message = str(error.value)
+        assert "\n" not in message
+        assert f"{records}/originals/vllm/envs.py" in message
+        assert f"{records}/originals/vllm/_aiter_ops.py" in message
+        assert "nothing was changed" in message
+        assert f"pip install --force-reinstall --no-deps vllm=={version}" in message
+        assert _not_as_shipped(site, wheel_site) == package
+        assert _tree_state(records) == saved
+    # The release's own files put back, the undo goes through.
+    for rel in ("vllm/envs.py", "vllm/_aiter_ops.py"):
+        (records / "originals" / rel).unlink(missing_ok=True)
+        (records / "originals" / rel).write_bytes((wheel_site / rel).read_bytes())
+    assert install(site, None).note.startswith("undone:")
+    assert _not_as_shipped(site, wheel_site) == {}
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: text[: len(text) // 2], r"record\.json cannot be read"),
+        (
+            lambda text: text.replace('"vllm/envs.py"', '"vllm/../../envs.py"', 1),
+            r"record\.json is damaged: .*vllm/\.\./\.\./envs\.py",
+        ),
+    ],
+)
+def test_a_damaged_record_changes_nothing(
+    installed_vllm, wheel_site, wanted, damage, message
+):
+    site = installed_vllm
+    install(site, wanted["0001"])
+    record = site / INSTALL_RECORD_DIR / "record.json"
+    record.write_text(damage(record.read_text()))
+    package = _not_as_shipped(site, wheel_site)
+    saved = _tree_state(site / INSTALL_RECORD_DIR)
+    for target in (None, wanted["0003"]):
+        with pytest.raises(SeriesError, match=message) as error:
+            install(site, target)
+        assert "pip install --force-reinstall --no-deps vllm==" in str(error.value)
+        assert _not_as_shipped(site, wheel_site) == package
+        assert _tree_state(site / INSTALL_RECORD_DIR) == saved
