@@ -509,7 +509,8 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
                 else:
                     os.replace(source, target)
                 swapped += 1
-                _drop_bytecode(target)
+            # Also for a file swapped by a run stopped before this step.
+            _drop_bytecode(target)
         except OSError as exc:
             raise SeriesError(
                 f"{target}: {exc.strerror or exc}; the install stopped with "

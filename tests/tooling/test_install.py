@@ -484,6 +484,53 @@ def test_a_file_on_another_filesystem_than_its_folder_is_refused(
     assert not (site / INSTALL_RECORD_DIR).exists()
 
 
+def test_an_undo_stopped_right_after_a_deletion_is_finished(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """Stop the undo right after each file it deletes (the files the stages
+    add), then run again: undoing finishes it, installing finishes it and
+    installs. The deleted files' bytecode goes too, also for the file whose
+    deletion was the last step before the stop."""
+    site = installed_vllm
+    added = sorted(p for p, s in wanted["0003"].files.items() if s[0] is None)
+    assert len(added) > 2
+    real_unlink = os.unlink
+    for stop_after in range(len(added)):
+        install(site, wanted["0003"])
+        for rel in added:
+            py_compile.compile(
+                str(site / rel),
+                invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+            )
+        deleted: list[str] = []
+
+        def stopping(path, *args, deleted=deleted, stop_after=stop_after, **kwargs):
+            real_unlink(path, *args, **kwargs)
+            if kwargs.get("dir_fd") is None and Path(path).is_relative_to(site):
+                rel = Path(path).relative_to(site).as_posix()
+                if rel in added:
+                    deleted.append(rel)
+                    if len(deleted) == stop_after + 1:
+                        raise _Stop
+
+        monkeypatch.setattr(os, "unlink", stopping)
+        with pytest.raises(_Stop):
+            install(site, None)
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert not (site / deleted[-1]).exists()
+        assert len([p for p in added if (site / p).exists()]) == len(added) - len(
+            deleted
+        )
+        final = None if stop_after % 2 == 0 else "0001"
+        note = install(site, wanted[final] if final else None).note
+        assert note.startswith("finished an interrupted install"), note
+        expected = _tree_package(final) if final else {}
+        assert _not_as_shipped(site, wheel_site) == expected, (stop_after, final)
+        install(site, None)
+        assert _not_as_shipped(site, wheel_site) == {}, stop_after
+        assert not (site / INSTALL_RECORD_DIR).exists()
+
+
 def test_a_damaged_staged_file_stops_the_finish_of_an_interrupted_install(
     installed_vllm, wheel_site, wanted, monkeypatch
 ):
