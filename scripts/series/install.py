@@ -25,7 +25,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +34,14 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase, Series
 from scripts.series.git import git
+from scripts.series.install_record import (
+    FORMAT,
+    PACKAGE,
+    installed_version,
+    load,
+    recovery,
+    site_version,
+)
 from scripts.series.layout import (
     INSTALL_JOURNAL,
     INSTALL_ORIGINALS,
@@ -46,10 +53,6 @@ from scripts.series.layout import (
     workdir,
 )
 from scripts.series.state import read_chain
-
-PACKAGE = "vllm"
-_FORMAT = 1  # of record.json, journal.json and staging.json
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -111,32 +114,6 @@ def _blob(repo: Path, blob: str) -> bytes:
     return git(repo, "cat-file", "blob", blob).stdout
 
 
-def installed_version(site: Path) -> str:
-    """The version of the vLLM in ``site``: its dist-info (a pip install),
-    else its ``vllm/_version.py`` (a source checkout in develop mode)."""
-    metas = sorted(site.glob(f"{PACKAGE}-*.dist-info/METADATA"))
-    if len(metas) > 1:
-        names = ", ".join(m.parent.name for m in metas)
-        raise SeriesError(f"{site} holds several vLLM installs' metadata: {names}")
-    if metas:
-        for line in metas[0].read_text(encoding="utf-8").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    version_file = site / PACKAGE / "_version.py"
-    if version_file.is_file():
-        found = re.search(
-            r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]",
-            version_file.read_text(encoding="utf-8"),
-            re.MULTILINE,
-        )
-        if found:
-            return found.group(1)
-    raise SeriesError(
-        f"cannot tell which vLLM {site} holds (no {PACKAGE}-*.dist-info/METADATA, "
-        f"no version in {version_file})"
-    )
-
-
 @dataclass(frozen=True)
 class Outcome:
     changed: tuple[str, ...]  # package files written or deleted
@@ -150,7 +127,7 @@ def install(site: Path, want: StageFiles | None) -> Outcome:
     site = check_site(site)
     with _site_lock(site):
         finished = _finish_interrupted(site)
-        record = _load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
+        record = load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
         recorded = record["files"] if record else {}
         if record is not None:
             _check_originals(site, record)
@@ -241,19 +218,8 @@ def _check_originals(site: Path, record: dict) -> None:
             f"{', '.join(damaged)}; nothing was changed (an undo would write "
             f"them into vLLM). To recover, copy vLLM {version}'s own files "
             "there (each is the release's file of the same path) and run "
-            f"again; or {_recovery(site, version)}"
+            f"again; or {recovery(site, version)}"
         )
-
-
-def _recovery(site: Path, version: str | None) -> str:
-    """How to get the package back as released, without the record."""
-    version = version or "<version>"
-    return (
-        f"reinstall vLLM {version}, which puts its files back as released (for "
-        f"a pip install: `pip install --force-reinstall --no-deps vllm=={version}`"
-        f"), then delete {site / INSTALL_RECORD_DIR}, which describes the old "
-        "install"
-    )
 
 
 def _device(path: Path) -> int:
@@ -374,7 +340,7 @@ def _record(want: StageFiles, recorded: dict, site: Path) -> dict:
         for path, (_, content) in sorted(want.files.items())
     }
     return {
-        "format": _FORMAT,
+        "format": FORMAT,
         "tool": "python -m scripts.series install (the DSA indexer series)",
         "vllm": want.version,
         "stage": want.stage,
@@ -395,10 +361,10 @@ def _stage(
     that fails here, leaves nothing behind (``_discard_staging``)."""
     root = site / INSTALL_RECORD_DIR
     staged = [e["path"] for e in plan if e["content"] is not None]
-    listing = {"format": _FORMAT, "paths": staged}
+    listing = {"format": FORMAT, "paths": staged}
     originals = root / INSTALL_ORIGINALS
     journal = {
-        "format": _FORMAT,
+        "format": FORMAT,
         "entries": [{k: e[k] for k in ("path", "before", "after")} for e in plan],
         "record": new_record,
     }
@@ -428,10 +394,10 @@ def _discard_staging(site: Path) -> None:
     root = site / INSTALL_RECORD_DIR
     if not root.exists():
         return
-    listing = _load(root / INSTALL_STAGING)
+    listing = load(root / INSTALL_STAGING)
     for path in listing["paths"] if listing else []:
         install_staged(site / path).unlink(missing_ok=True)
-    record = _load(root / INSTALL_RECORD)
+    record = load(root / INSTALL_RECORD)
     if record is None:
         shutil.rmtree(root)
         return
@@ -467,7 +433,7 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
     stopped anywhere is finished by the next. Every file still to swap, and
     the new content staged for it, is checked before the first swap."""
     root = site / INSTALL_RECORD_DIR
-    journal = _load(root / INSTALL_JOURNAL)
+    journal = load(root / INSTALL_JOURNAL)
     assert journal is not None
     entries = journal["entries"]
     pending: dict[str, Path | None] = {}  # path: its staged content (None: delete)
@@ -495,7 +461,7 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
                     f"{source}, the new content staged for {target}, is damaged "
                     "or missing, so the interrupted install cannot be finished; "
                     f"nothing more was changed. To recover, "
-                    f"{_recovery(site, version or _site_version(site))}"
+                    f"{recovery(site, version or site_version(site))}"
                 )
         pending[entry["path"]] = source
     swapped = 0
@@ -568,95 +534,6 @@ def _write_synced(path: Path, data: bytes, mode: int) -> None:
     os.chmod(path, mode & 0o7777)
 
 
-def _load(path: Path) -> dict | None:
-    """A record, journal or staging list (by its name), whole and well formed:
-    the paths in it are what install writes and deletes."""
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        problem: str | None = f"cannot be read ({exc})"
-    else:
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            problem = "is not an install record this tool wrote"
-        elif (problem := _shape_problem(path.name, data)) is None:
-            return data
-        else:
-            problem = f"is damaged: {problem}"
-    site = path.parent.parent
-    raise SeriesError(
-        f"{path} {problem}; nothing was changed. To recover, "
-        f"{_recovery(site, _site_version(site))}"
-    )
-
-
-def _shape_problem(name: str, data: dict) -> str | None:
-    if name == INSTALL_STAGING:
-        paths = data.get("paths")
-        if not isinstance(paths, list):
-            return "no list of paths"
-        return next((_not_a_file(p) for p in paths if not _package_path(p)), None)
-    if name == INSTALL_JOURNAL:
-        entries = data.get("entries")
-        if not isinstance(entries, list) or "record" not in data:
-            return "no entries, or no record"
-        for entry in entries:
-            if not isinstance(entry, dict) or not _package_path(entry.get("path")):
-                return _not_a_file(entry)
-            if not (
-                _is_hash(entry.get("before", "")) and _is_hash(entry.get("after", ""))
-            ):
-                return f"{entry['path']}: no sha256 before and after"
-        return None if data["record"] is None else _record_problem(data["record"])
-    return _record_problem(data)
-
-
-def _record_problem(record: object) -> str | None:
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-        return "no table of files"
-    for path, hashes in record["files"].items():
-        if not _package_path(path):
-            return _not_a_file(path)
-        if not isinstance(hashes, dict) or not all(
-            _is_hash(hashes.get(key, "")) for key in ("original", "installed")
-        ):
-            return f"{path}: no original and installed sha256"
-    if not isinstance(record.get("vllm"), str) or not isinstance(
-        record.get("stage"), str
-    ):
-        return "no vLLM version, or no stage"
-    return None
-
-
-def _package_path(value: object) -> bool:
-    """A file path under the package, with no way out of it."""
-    if not isinstance(value, str) or "\0" in value:
-        return False
-    parts = value.split("/")
-    return (
-        len(parts) > 1
-        and parts[0] == PACKAGE
-        and all(part not in ("", ".", "..") for part in parts)
-    )
-
-
-def _not_a_file(value: object) -> str:
-    return f"{value!r} is not a file of the {PACKAGE} package"
-
-
-def _is_hash(value: object) -> bool:
-    return value is None or (isinstance(value, str) and bool(_SHA256.fullmatch(value)))
-
-
-def _site_version(site: Path) -> str | None:
-    """The installed release (its local label dropped), if it can be told."""
-    try:
-        return installed_version(site).split("+", 1)[0]
-    except (OSError, ValueError, SeriesError):
-        return None
-
-
 def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:
     if want is None or want.stage == "base":
         return f"undone: {len(changed)} files back as vLLM shipped them"
@@ -668,4 +545,4 @@ def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:
 
 def installed_record(site: Path) -> dict | None:
     """What ``install`` last wrote into ``site`` (None: nothing)."""
-    return _load(check_site(site) / INSTALL_RECORD_DIR / INSTALL_RECORD)
+    return load(check_site(site) / INSTALL_RECORD_DIR / INSTALL_RECORD)
