@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tomllib
@@ -146,7 +147,19 @@ class Series:
     def inside(self, path: Path) -> Path:
         """``path``, if it stays inside the project once symlinks are
         followed; the tool never reads or writes series files elsewhere."""
-        if not path.resolve().is_relative_to(self.root):
+        try:
+            resolved = path.resolve()
+        except (OSError, RuntimeError) as exc:
+            # A symlink loop: RuntimeError before Python 3.13, OSError since.
+            loop = (
+                isinstance(exc, RuntimeError) or getattr(exc, "errno", 0) == errno.ELOOP
+            )
+            why = "a symlink loop" if loop else getattr(exc, "strerror", exc)
+            raise SeriesError(
+                f"{path} cannot be followed ({why}); the series' files must be "
+                "plain files, or links to files, inside the project"
+            ) from None
+        if not resolved.is_relative_to(self.root):
             raise SeriesError(
                 f"{path} leads outside the project ({self.root}), through "
                 "'..' or a symlink; the series' files must live inside it"

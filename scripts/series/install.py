@@ -10,7 +10,10 @@ that each file it will change is byte-identical to the pinned base's (added
 files must be absent). What it changed it records next to the package, in
 ``SITE/.dsa-series-install/`` (``record.json`` with the original and the
 installed hashes, ``originals/`` with the files it replaced), so ``--undo``
-restores the install exactly. All or nothing: the new contents are staged
+restores the install exactly; a saved original (or a record) that is not
+what was recorded stops it before it writes anything. All or nothing: every
+folder it writes in is checked to be writable first, the new contents are
+staged beside their targets (so each swap is a rename within one folder)
 and a journal written before the first file of the package is touched; the
 next run finishes an interrupted one. Files of the tree outside the package
 (``tests/``, ``.buildkite/``) are not written.
@@ -22,7 +25,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,18 +34,25 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase, Series
 from scripts.series.git import git
+from scripts.series.install_record import (
+    FORMAT,
+    PACKAGE,
+    installed_version,
+    load,
+    recovery,
+    site_version,
+)
 from scripts.series.layout import (
     INSTALL_JOURNAL,
     INSTALL_ORIGINALS,
     INSTALL_RECORD,
     INSTALL_RECORD_DIR,
     INSTALL_STAGED,
+    INSTALL_STAGING,
+    install_staged,
     workdir,
 )
 from scripts.series.state import read_chain
-
-PACKAGE = "vllm"
-_FORMAT = 1  # of record.json and journal.json
 
 
 @dataclass(frozen=True)
@@ -105,32 +114,6 @@ def _blob(repo: Path, blob: str) -> bytes:
     return git(repo, "cat-file", "blob", blob).stdout
 
 
-def installed_version(site: Path) -> str:
-    """The version of the vLLM in ``site``: its dist-info (a pip install),
-    else its ``vllm/_version.py`` (a source checkout in develop mode)."""
-    metas = sorted(site.glob(f"{PACKAGE}-*.dist-info/METADATA"))
-    if len(metas) > 1:
-        names = ", ".join(m.parent.name for m in metas)
-        raise SeriesError(f"{site} holds several vLLM installs' metadata: {names}")
-    if metas:
-        for line in metas[0].read_text(encoding="utf-8").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip()
-    version_file = site / PACKAGE / "_version.py"
-    if version_file.is_file():
-        found = re.search(
-            r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]",
-            version_file.read_text(encoding="utf-8"),
-            re.MULTILINE,
-        )
-        if found:
-            return found.group(1)
-    raise SeriesError(
-        f"cannot tell which vLLM {site} holds (no {PACKAGE}-*.dist-info/METADATA, "
-        f"no version in {version_file})"
-    )
-
-
 @dataclass(frozen=True)
 class Outcome:
     changed: tuple[str, ...]  # package files written or deleted
@@ -144,8 +127,10 @@ def install(site: Path, want: StageFiles | None) -> Outcome:
     site = check_site(site)
     with _site_lock(site):
         finished = _finish_interrupted(site)
-        record = _load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
+        record = load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
         recorded = record["files"] if record else {}
+        if record is not None:
+            _check_originals(site, record)
         edited = [
             p for p, f in recorded.items() if _file_sha(site / p) != f["installed"]
         ]
@@ -168,6 +153,7 @@ def install(site: Path, want: StageFiles | None) -> Outcome:
         if not plan and new_record == record:
             what = f"stage {want.stage}" if want else "nothing"
             return Outcome((), record, finished + f"already installed: {what}")
+        _check_writable(site, plan, new_record)
         _stage(site, plan, new_record, recorded)
         changed = _roll_forward(site)
         return Outcome(changed, new_record, finished + _summary(want, changed))
@@ -206,6 +192,72 @@ def _file_sha(path: Path) -> str | None:
     if path.is_symlink() or not path.is_file():
         raise SeriesError(f"{path} is not a plain file; install leaves it alone")
     return sha256(path.read_bytes())
+
+
+def _check_originals(site: Path, record: dict) -> None:
+    """Every original the record keeps is byte for byte the file it replaced
+    (the sha256 in the record): an undo, or a move to a stage that leaves a
+    file alone, writes it back into the package."""
+    root = site / INSTALL_RECORD_DIR
+    damaged = []
+    for path, hashes in record["files"].items():
+        if hashes["original"] is None:
+            continue
+        saved = root / INSTALL_ORIGINALS / path
+        try:
+            intact = _file_sha(saved) == hashes["original"]
+        except (OSError, SeriesError):
+            intact = False
+        if not intact:
+            damaged.append(str(saved))
+    if damaged:
+        version = record["vllm"]
+        raise SeriesError(
+            "the saved originals of the files install replaced are damaged or "
+            f"missing (not the sha256 that {root / INSTALL_RECORD} gives): "
+            f"{', '.join(damaged)}; nothing was changed (an undo would write "
+            f"them into vLLM). To recover, copy vLLM {version}'s own files "
+            "there (each is the release's file of the same path) and run "
+            f"again; or {recovery(site, version)}"
+        )
+
+
+def _device(path: Path) -> int:
+    return os.stat(path).st_dev
+
+
+def _check_writable(site: Path, plan: list[dict], new_record: dict | None) -> None:
+    """Before anything is written: every folder the install writes in can be
+    written, and every file it replaces or deletes is on its folder's
+    filesystem. The new contents are staged beside their targets, so each
+    swap is a rename within one folder; a file mounted on its own (from
+    another filesystem) cannot be replaced by one."""
+    root = site / INSTALL_RECORD_DIR
+    folders = {site} if new_record is None or not root.is_dir() else set()
+    if root.is_dir():
+        folders.add(root)
+    apart = []
+    for entry in plan:
+        target = site / entry["path"]
+        folders.add(target.parent)
+        cache = target.parent / "__pycache__"
+        if any(cache.glob(f"{target.stem}.*.pyc")):
+            folders.add(cache)
+        if entry["before"] is not None and _device(target) != _device(target.parent):
+            apart.append(str(target))
+    blocked = sorted(str(f) for f in folders if not os.access(f, os.W_OK | os.X_OK))
+    if blocked:
+        raise SeriesError(
+            f"cannot write in {', '.join(blocked)} (read-only, or another "
+            "user's), so nothing was changed: install adds, replaces and deletes "
+            "files there. Make it writable, or run as its owner, then run again"
+        )
+    if apart:
+        raise SeriesError(
+            f"{', '.join(apart)} is on another filesystem than its folder (a "
+            "file mounted on its own), so no rename can replace it; nothing was "
+            "changed. Install into a vLLM whose files are not mounted one by one"
+        )
 
 
 def _check_version(site: Path, pinned: str) -> None:
@@ -288,7 +340,7 @@ def _record(want: StageFiles, recorded: dict, site: Path) -> dict:
         for path, (_, content) in sorted(want.files.items())
     }
     return {
-        "format": _FORMAT,
+        "format": FORMAT,
         "tool": "python -m scripts.series install (the DSA indexer series)",
         "vllm": want.version,
         "stage": want.stage,
@@ -302,46 +354,90 @@ def _stage(
     site: Path, plan: list[dict], new_record: dict | None, recorded: dict
 ) -> None:
     """Everything the roll-forward needs, on disk, before the journal (the
-    point from which the install happens) is written."""
+    point from which the install happens) is written: the originals it
+    replaces, and each new content beside its target (a hidden name in the
+    same folder, so that the swap is a rename within the folder). What it
+    stages it lists first, so that a run stopped before its journal, or one
+    that fails here, leaves nothing behind (``_discard_staging``)."""
     root = site / INSTALL_RECORD_DIR
-    staged = root / INSTALL_STAGED
-    # Left by a run stopped before its journal.
-    shutil.rmtree(staged, ignore_errors=True)
+    staged = [e["path"] for e in plan if e["content"] is not None]
+    listing = {"format": FORMAT, "paths": staged}
     originals = root / INSTALL_ORIGINALS
-    for path in (new_record or {}).get("files", {}):
-        source = site / path
-        if path not in recorded and source.exists():
-            _write(originals / path, source.read_bytes(), source.stat().st_mode)
-    for entry in plan:
-        if entry["content"] is not None:
-            target = site / entry["path"]
-            mode = target.stat().st_mode if target.exists() else 0o644
-            _write(staged / entry["path"], entry["content"], mode)
     journal = {
-        "format": _FORMAT,
+        "format": FORMAT,
         "entries": [{k: e[k] for k in ("path", "before", "after")} for e in plan],
         "record": new_record,
     }
-    _write(root / INSTALL_JOURNAL, json.dumps(journal, indent=1).encode(), 0o644)
+    try:
+        _write(root / INSTALL_STAGING, json.dumps(listing, indent=1).encode(), 0o644)
+        for path in (new_record or {}).get("files", {}):
+            source = site / path
+            if path not in recorded and source.exists():
+                _write(originals / path, source.read_bytes(), source.stat().st_mode)
+        for entry in plan:
+            if entry["content"] is not None:
+                target = site / entry["path"]
+                mode = target.stat().st_mode if target.exists() else 0o644
+                _write_synced(install_staged(target), entry["content"], mode)
+        _write(root / INSTALL_JOURNAL, json.dumps(journal, indent=1).encode(), 0o644)
+    except OSError as exc:
+        _discard_staging(site)
+        raise SeriesError(
+            f"cannot stage the new files ({exc}); nothing was changed"
+        ) from None
+
+
+def _discard_staging(site: Path) -> None:
+    """Undo a run that stopped, or failed, before its journal: its staged
+    files go, and the originals it saved that the record does not name
+    (with no record, the whole record folder)."""
+    root = site / INSTALL_RECORD_DIR
+    if not root.exists():
+        return
+    listing = load(root / INSTALL_STAGING)
+    for path in listing["paths"] if listing else []:
+        install_staged(site / path).unlink(missing_ok=True)
+    record = load(root / INSTALL_RECORD)
+    if record is None:
+        shutil.rmtree(root)
+        return
+    _prune_originals(root, record["files"])
+    shutil.rmtree(root / INSTALL_STAGED, ignore_errors=True)
+    for partial in root.glob(".*.partial"):
+        partial.unlink()
+    (root / INSTALL_STAGING).unlink(missing_ok=True)
 
 
 def _finish_interrupted(site: Path) -> str:
     root = site / INSTALL_RECORD_DIR
     if not (root / INSTALL_JOURNAL).exists():
-        if root.exists() and not (root / INSTALL_RECORD).exists():
-            shutil.rmtree(root)  # a first install stopped before its journal
+        if root.exists() and (
+            not (root / INSTALL_RECORD).exists()
+            or (root / INSTALL_STAGING).exists()
+            or (root / INSTALL_STAGED).exists()
+        ):
+            _discard_staging(site)
         return ""
     changed = _roll_forward(site)
     return f"finished an interrupted install ({len(changed)} files); "
 
 
+def _staged_content(site: Path, path: str) -> Path:
+    staged = install_staged(site / path)
+    legacy = site / INSTALL_RECORD_DIR / INSTALL_STAGED / path
+    return legacy if not staged.exists() and legacy.exists() else staged
+
+
 def _roll_forward(site: Path) -> tuple[str, ...]:
     """Carry out the journal; each step is skipped once done, so a run
-    stopped anywhere is finished by the next."""
+    stopped anywhere is finished by the next. Every file still to swap, and
+    the new content staged for it, is checked before the first swap."""
     root = site / INSTALL_RECORD_DIR
-    journal = _load(root / INSTALL_JOURNAL)
+    journal = load(root / INSTALL_JOURNAL)
     assert journal is not None
-    for entry in journal["entries"]:
+    entries = journal["entries"]
+    pending: dict[str, Path | None] = {}  # path: its staged content (None: delete)
+    for entry in entries:
         target = site / entry["path"]
         now = _file_sha(target)
         if now == entry["after"]:
@@ -352,26 +448,65 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
                 f"old nor its new content); restore it, then run install again "
                 f"to finish ({root / INSTALL_JOURNAL})"
             )
-        if entry["after"] is None:
-            target.unlink()
-        else:
-            os.replace(root / INSTALL_STAGED / entry["path"], target)
-        _drop_bytecode(target)
+        source = None
+        if entry["after"] is not None:
+            source = _staged_content(site, entry["path"])
+            try:
+                intact = _file_sha(source) == entry["after"]
+            except (OSError, SeriesError):
+                intact = False
+            if not intact:
+                version = (journal["record"] or {}).get("vllm")
+                raise SeriesError(
+                    f"{source}, the new content staged for {target}, is damaged "
+                    "or missing, so the interrupted install cannot be finished; "
+                    f"nothing more was changed. To recover, "
+                    f"{recovery(site, version or site_version(site))}"
+                )
+        pending[entry["path"]] = source
+    swapped = 0
+    for entry in entries:
+        target = site / entry["path"]
+        try:
+            if entry["path"] in pending:
+                source = pending[entry["path"]]
+                if source is None:
+                    target.unlink()
+                else:
+                    os.replace(source, target)
+                swapped += 1
+            # Also for a file swapped by a run stopped before this step.
+            _drop_bytecode(target)
+        except OSError as exc:
+            raise SeriesError(
+                f"{target}: {exc.strerror or exc}; the install stopped with "
+                f"{swapped} of {len(pending)} files swapped, its journal "
+                f"({root / INSTALL_JOURNAL}) kept: once the cause is fixed, run "
+                "install (or --undo) again, which finishes it first"
+            ) from None
+    for entry in entries:
+        install_staged(site / entry["path"]).unlink(missing_ok=True)
     record = journal["record"]
     if record is None:
         shutil.rmtree(root)  # undone: the install is as shipped again
-        return tuple(e["path"] for e in journal["entries"])
+        return tuple(e["path"] for e in entries)
     _write(root / INSTALL_RECORD, json.dumps(record, indent=1).encode(), 0o644)
-    # Deepest first, so a folder emptied of originals goes too.
+    _prune_originals(root, record["files"])
+    shutil.rmtree(root / INSTALL_STAGED, ignore_errors=True)
+    (root / INSTALL_STAGING).unlink(missing_ok=True)
+    (root / INSTALL_JOURNAL).unlink()
+    return tuple(e["path"] for e in entries)
+
+
+def _prune_originals(root: Path, recorded: dict) -> None:
+    """The originals of files the record no longer names go; deepest first,
+    so that a folder emptied of originals goes too."""
     for original in sorted((root / INSTALL_ORIGINALS).rglob("*"), reverse=True):
         rel = original.relative_to(root / INSTALL_ORIGINALS).as_posix()
-        if original.is_file() and rel not in record["files"]:
+        if original.is_file() and rel not in recorded:
             original.unlink()
         elif original.is_dir() and not any(original.iterdir()):
             original.rmdir()
-    shutil.rmtree(root / INSTALL_STAGED, ignore_errors=True)
-    (root / INSTALL_JOURNAL).unlink()
-    return tuple(e["path"] for e in journal["entries"])
 
 
 def _drop_bytecode(source: Path) -> None:
@@ -387,24 +522,16 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     file, flushed to disk, renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.partial")
-    with temp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(temp, mode & 0o7777)
+    _write_synced(temp, data, mode)
     os.replace(temp, path)
 
 
-def _load(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SeriesError(f"{path} cannot be read ({exc})") from None
-    if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        raise SeriesError(f"{path} is not an install record this tool wrote")
-    return data
+def _write_synced(path: Path, data: bytes, mode: int) -> None:
+    with path.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.chmod(path, mode & 0o7777)
 
 
 def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:
@@ -418,4 +545,4 @@ def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:
 
 def installed_record(site: Path) -> dict | None:
     """What ``install`` last wrote into ``site`` (None: nothing)."""
-    return _load(check_site(site) / INSTALL_RECORD_DIR / INSTALL_RECORD)
+    return load(check_site(site) / INSTALL_RECORD_DIR / INSTALL_RECORD)

@@ -32,8 +32,18 @@ REFRESH_JOURNAL_FILE = "dsa-series-refreshing.json"  # under .git/, while refres
 INSTALL_RECORD_DIR = ".dsa-series-install"
 INSTALL_RECORD = "record.json"  # what is installed, with the original hashes
 INSTALL_ORIGINALS = "originals"  # the package files it replaced
-INSTALL_STAGED = "staged"  # the new contents, while an install runs
+INSTALL_STAGING = "staging.json"  # while an install stages: the files it stages
 INSTALL_JOURNAL = "journal.json"  # while an install runs: its steps
+# Where earlier versions of the tool staged the new contents (a journal one
+# of them left is still finished from there).
+INSTALL_STAGED = "staged"
+
+
+def install_staged(target: Path) -> Path:
+    """The new content of an installed package file while ``install`` runs:
+    beside it, so that the rename putting it in place stays in one folder
+    (and on one filesystem)."""
+    return target.with_name(f".{target.name}.dsa-series-new")
 
 
 def stage_tag(stage_id: str) -> str:

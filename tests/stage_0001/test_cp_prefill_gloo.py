@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -355,28 +357,19 @@ def test_flag_off_is_byte_identical_to_the_base(base_outputs, monkeypatch, name)
     assert here.numpy().tobytes() == base.numpy().tobytes()
 
 
-def test_the_profiling_run_makes_no_collective(monkeypatch):
-    """vLLM's profiling (dummy) run calls the op without attention metadata;
-    with the split on it must return before any collective."""
+def _profiling_run(buffer: torch.Tensor) -> torch.Tensor:
+    """The op as vLLM's profiling (dummy) run calls it: with no attention
+    metadata, over 64 tokens, at tp 2."""
     from vllm.forward_context import create_forward_context, override_forward_context
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         rocm_aiter_sparse_attn_indexer,
     )
 
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-    reduces: list = []
-    monkeypatch.setattr(
-        torch.distributed, "all_reduce", lambda *a, **k: reduces.append(a)
-    )
-    monkeypatch.setattr(
-        GroupCoordinator, "all_gatherv", lambda *a, **k: reduces.append(a)
-    )
     with emulate_rocm("gfx950"):
         config = indexer_batch.make_vllm_config(tp_size=2)
         indexer_batch.ensure_workspace(torch.device("cpu"))
-        buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
         with override_forward_context(create_forward_context(None, config)):
-            out = rocm_aiter_sparse_attn_indexer(
+            return rocm_aiter_sparse_attn_indexer(
                 torch.zeros(64, 8),
                 indexer_batch.LAYER,
                 torch.zeros(4, 64, 132, dtype=torch.uint8),
@@ -391,8 +384,60 @@ def test_the_profiling_run_makes_no_collective(monkeypatch):
                 64,
                 buffer,
             )
+
+
+def test_the_profiling_run_makes_no_collective(monkeypatch):
+    """vLLM's profiling (dummy) run calls the op without attention metadata;
+    with the split on it must return before any collective."""
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    reduces: list = []
+    monkeypatch.setattr(
+        torch.distributed, "all_reduce", lambda *a, **k: reduces.append(a)
+    )
+    monkeypatch.setattr(
+        GroupCoordinator, "all_gatherv", lambda *a, **k: reduces.append(a)
+    )
+    buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
+    out = _profiling_run(buffer)
     assert reduces == []
     assert out is buffer and buffer.eq(7).all()  # untouched by the dummy run
+
+
+@pytest.mark.parametrize("cp", [True, False])
+def test_the_profiling_run_reserves_the_merge(monkeypatch, cp):
+    """The dummy run returns before any merge, so the memory profile sees the
+    merge's transient only if the op's profiling branch reserves it with the
+    logits: a rank's rows and the gathered rows of the top-k buffer, 2 x 64
+    rows x 16 columns x 4 bytes (int32) = 8,192 bytes at tp 2 with the
+    split on, nothing with it off. The op's own torch.empty calls are
+    recorded; the sizes are worked out here, not by cp_indexer_merge_bytes."""
+    import vllm.envs as envs
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse
+
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
+    monkeypatch.setattr(envs, "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", 1, raising=False)
+    # A tp 2 group, as the merge needs, without starting one.
+    monkeypatch.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(
+        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=2)
+    )
+    real_empty = torch.empty
+    sizes: list[int] = []
+
+    def recording_empty(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__")
+        if caller == rocm_aiter_mla_sparse.__name__ and kwargs.get("dtype") is (
+            torch.uint8
+        ):
+            sizes.append(int(args[0]))
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
+    _profiling_run(buffer)
+    logits = 1 << 20  # 1 MiB of logits, as set above
+    merge = 2 * 64 * TOPK * 4 if cp else 0
+    assert sizes == [logits + merge]
 
 
 # vLLM's chunker at its default 512 MiB logits budget splits a 6,711-row

@@ -521,3 +521,25 @@ def test_a_git_base_gets_the_version_metadata_an_install_would(project: Project)
         "vllm.egg-info/PKG-INFO",
         "vllm/_version.py",
     ]
+
+
+def test_an_overlay_that_is_a_symlink_loop_is_named(project: Project):
+    """A listed overlay linked to itself cannot be followed: one line naming
+    it (not Python's RuntimeError), and the tree stays at the last good
+    stage, the link as it was."""
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_1 = 1\n", "VAR_1 = 11\n")},
+        {"vllm/new_module.py": "x = 1\n"},
+    )
+    overlay = project.root / "vllm_overlay/vllm/new_module.py"
+    overlay.unlink()
+    overlay.symlink_to(overlay.name)
+    with pytest.raises(SeriesError, match=r"vllm/new_module\.py .*symlink loop") as e:
+        apply(project.series())
+    assert "\n" not in str(e.value)
+    assert overlay.is_symlink(), "the user's link is left as it is"
+    repo = workdir(project.series())
+    assert not changed_files(repo)
+    assert not in_progress_path(repo).exists()
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse", "base")

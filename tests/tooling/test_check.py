@@ -42,6 +42,41 @@ def test_a_hunk_over_the_budget_is_named(project: Project):
     assert "OVER BUDGET" in format_hunk_sizes(sizes)
 
 
+def test_a_hunk_of_exactly_the_budget_passes_and_one_line_more_fails(
+    project: Project,
+):
+    """The budget is inclusive: HUNK_BUDGET changed lines are glue, one more
+    is not; and an allowance for a hunk of exactly the budget allows nothing
+    (it must name a hunk over the budget)."""
+    at_budget = "".join(f"EXTRA_{i} = {i}\n" for i in range(HUNK_BUDGET))
+    project.add_stage(
+        "0001",
+        {"vllm/ops.py": ("    return 20\n", "    return 20\n" + NEW_LINES)},
+        title="One over",
+    )
+    project.add_stage(
+        "0002",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\n" + at_budget)},
+        title="At budget",
+    )
+    sizes, problems = hunk_budget(project.series())
+    assert [(s.stage.id, s.hunk.changed, s.over_budget) for s in sizes] == [
+        ("0001", HUNK_BUDGET + 1, True),
+        ("0002", HUNK_BUDGET, False),
+    ]
+    assert problems == [
+        f"stage 0001: vllm/ops.py hunk 1 changes {HUNK_BUDGET + 1} lines (budget "
+        f"{HUNK_BUDGET}); move its logic into an overlay module, or allow it in "
+        "series.toml (large_hunks, with a reason)"
+    ]
+    _allow(project, '{ file = "vllm/envs.py", hunk = 1, reason = "r" }')  # 0002's
+    _, problems = hunk_budget(project.series())
+    assert problems[1:] == [
+        "stage 0002: large_hunks names vllm/envs.py hunk 1, which is not over the "
+        f"budget of {HUNK_BUDGET} lines (or no longer exists); remove the entry"
+    ]
+
+
 def test_a_large_hunk_with_a_reason_passes(project: Project):
     _large_stage(project)
     _allow(project, '{ file = "vllm/envs.py", hunk = 1, reason = "a table" }')

@@ -2,14 +2,16 @@
 """``install`` on a real install of the pinned vLLM (pip's install of the wheel from the
 package index): it writes exactly the stage trees' package files, re-runs as
 a no-op, moves between stages, and undoes to the wheel's own bytes (checked
-against the wheel's RECORD); it refuses an edited file, an unexpected file
-and another vLLM version with nothing written; an install stopped at any
-step is finished, or undone, by the next run."""
+against the wheel's RECORD); it refuses an edited file, an unexpected file,
+another vLLM version, a damaged original or record and a folder it cannot
+write in with nothing written; an install stopped at any step is finished,
+or undone, by the next run."""
 
 from __future__ import annotations
 
 import base64
 import csv
+import errno
 import functools
 import hashlib
 import os
@@ -225,8 +227,9 @@ class _Stop(BaseException):
 def test_an_install_stopped_at_any_step_is_finished_or_undone(
     installed_vllm, wheel_site, wanted, monkeypatch
 ):
-    """Stop the install at each of its renames (every file it writes lands by
-    one), then run again: installing finishes it, undoing undoes it."""
+    """Stop the install at each of its renames (each file it puts into the
+    package, and each of its own records, lands by one), then run again:
+    installing finishes it, undoing undoes it."""
     site = installed_vllm
     real_replace = os.replace
     calls = []
@@ -283,3 +286,285 @@ def test_an_install_stopped_at_any_step_is_finished_or_undone(
     # Stopped after its journal, a run was finished (or undone) from it.
     finished = [n for n in notes if n.startswith("finished an interrupted install")]
     assert len(finished) >= 4, notes
+
+
+def _tree_state(folder: Path) -> dict[str, str]:
+    """{path: sha256} of every file under ``folder`` (nothing when absent)."""
+    if not folder.exists():
+        return {}
+    return {
+        p.relative_to(folder).as_posix(): _sha(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.unlink()  # a new file: never write through a link into the cache
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_original_stops_the_undo_with_nothing_changed(
+    installed_vllm, wheel_site, wanted
+):
+    """An original the undo would write back is checked against its sha256
+    in the record first: damaged by one byte, or missing, the undo (or a move
+    to another stage) changes nothing and says how to recover."""
+    site = installed_vllm
+    version = SERIES.base.version
+    install(site, wanted["0003"])
+    records = site / INSTALL_RECORD_DIR
+    original = records / "originals" / "vllm" / "envs.py"
+    assert original.read_bytes() == (wheel_site / "vllm" / "envs.py").read_bytes()
+    _flip_a_byte(original)
+    (records / "originals" / "vllm" / "_aiter_ops.py").unlink()
+    package, saved = _not_as_shipped(site, wheel_site), _tree_state(records)
+    for target in (None, wanted["0001"]):
+        with pytest.raises(SeriesError) as error:
+            install(site, target)
+        message = str(error.value)
+        assert "\n" not in message
+        assert f"{records}/originals/vllm/envs.py" in message
+        assert f"{records}/originals/vllm/_aiter_ops.py" in message
+        assert "nothing was changed" in message
+        assert f"pip install --force-reinstall --no-deps vllm=={version}" in message
+        assert _not_as_shipped(site, wheel_site) == package
+        assert _tree_state(records) == saved
+    # The release's own files put back, the undo goes through.
+    for rel in ("vllm/envs.py", "vllm/_aiter_ops.py"):
+        (records / "originals" / rel).unlink(missing_ok=True)
+        (records / "originals" / rel).write_bytes((wheel_site / rel).read_bytes())
+    assert install(site, None).note.startswith("undone:")
+    assert _not_as_shipped(site, wheel_site) == {}
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: text[: len(text) // 2], r"record\.json cannot be read"),
+        (
+            lambda text: text.replace('"vllm/envs.py"', '"vllm/../../envs.py"', 1),
+            r"record\.json is damaged: .*vllm/\.\./\.\./envs\.py",
+        ),
+    ],
+)
+def test_a_damaged_record_changes_nothing(
+    installed_vllm, wheel_site, wanted, damage, message
+):
+    site = installed_vllm
+    install(site, wanted["0001"])
+    record = site / INSTALL_RECORD_DIR / "record.json"
+    record.write_text(damage(record.read_text()))
+    package = _not_as_shipped(site, wheel_site)
+    saved = _tree_state(site / INSTALL_RECORD_DIR)
+    for target in (None, wanted["0003"]):
+        with pytest.raises(SeriesError, match=message) as error:
+            install(site, target)
+        assert "pip install --force-reinstall --no-deps vllm==" in str(error.value)
+        assert _not_as_shipped(site, wheel_site) == package
+        assert _tree_state(site / INSTALL_RECORD_DIR) == saved
+
+
+OPS = "vllm/v1/attention/ops"  # stage 0001 adds a file there, changes one
+
+
+def test_an_unwritable_folder_is_refused_before_anything_is_written(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """A folder of the package that cannot be written (a read-only layer or
+    mount, or another owner's) is found before the first file is swapped:
+    the install, or the undo, is refused naming it, with nothing changed.
+    Simulated through os.access, as the tests may run as root."""
+    site = installed_vllm
+    ops = site / OPS
+    real_access = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if Path(path) == ops and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "access", access)
+        with pytest.raises(SeriesError, match=rf"cannot write in {ops} \(") as e:
+            install(site, wanted["0003"])
+    assert "nothing was changed" in str(e.value)
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert not (site / INSTALL_RECORD_DIR).exists()
+    install(site, wanted["0003"])
+    saved = _tree_state(site / INSTALL_RECORD_DIR)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "access", access)
+        # The undo writes back stage 0001's files in ops (a move between
+        # stages may leave ops alone: stage 0003 writes nothing there).
+        for target in (None,):
+            with pytest.raises(SeriesError, match=rf"cannot write in {ops} \("):
+                install(site, target)
+            assert _not_as_shipped(site, wheel_site) == _tree_package("0003")
+            assert _tree_state(site / INSTALL_RECORD_DIR) == saved
+
+
+def test_a_read_only_folder_is_refused(installed_vllm, wheel_site, wanted):
+    """As above, with a real chmod (which root, writing anyway, ignores)."""
+    site = installed_vllm
+    ops = site / OPS
+    ops.chmod(0o555)
+    try:
+        if os.access(ops, os.W_OK):
+            pytest.skip(
+                "running as root (or with CAP_DAC_OVERRIDE): a folder made "
+                "read-only by chmod stays writable; the os.access test covers it"
+            )
+        with pytest.raises(SeriesError, match=rf"cannot write in {ops} \("):
+            install(site, wanted["0003"])
+        assert _not_as_shipped(site, wheel_site) == {}
+        assert not (site / INSTALL_RECORD_DIR).exists()
+    finally:
+        ops.chmod(0o755)
+
+
+def _exdev(src, dst) -> OSError:
+    return OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+
+
+def test_new_contents_are_renamed_within_their_own_folder(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """A folder of the package that is a mount of its own takes no rename
+    from another folder (EXDEV): the new contents are staged beside their
+    targets, so installing and undoing still work. Simulated: a rename into
+    or out of the ops folder from elsewhere fails as it would."""
+    site = installed_vllm
+    ops = site / OPS
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if (Path(src).parent == ops) != (Path(dst).parent == ops):
+            raise _exdev(src, dst)
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(install_module.os, "replace", replace)
+    for stage in ("0001", "0003"):
+        install(site, wanted[stage])
+        assert _not_as_shipped(site, wheel_site) == _tree_package(stage)
+    install(site, None)
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert not (site / INSTALL_RECORD_DIR).exists()
+
+
+def test_a_file_on_another_filesystem_than_its_folder_is_refused(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """A package file mounted on its own (from another filesystem) cannot be
+    replaced by a rename: found before the first swap, by its device number,
+    and refused naming it, with nothing changed. Simulated: os.stat reports
+    another device for it, and a rename onto it fails with EXDEV."""
+    site = installed_vllm
+    mounted = site / OPS / "rocm_aiter_mla_sparse.py"
+    real_stat, real_replace = os.stat, os.replace
+
+    def stat(path, *args, **kwargs):
+        result = real_stat(path, *args, **kwargs)
+        if Path(path) == mounted:
+            fields = list(result[:10])
+            fields[2] += 1  # st_dev
+            return os.stat_result(fields)
+        return result
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst) == mounted:
+            raise _exdev(src, dst)
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(install_module.os, "replace", replace)
+    with pytest.raises(SeriesError, match=rf"{mounted} is on another filesystem"):
+        install(site, wanted["0001"])
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert not (site / INSTALL_RECORD_DIR).exists()
+
+
+def test_an_undo_stopped_right_after_a_deletion_is_finished(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """Stop the undo right after each file it deletes (the files the stages
+    add), then run again: undoing finishes it, installing finishes it and
+    installs. The deleted files' bytecode goes too, also for the file whose
+    deletion was the last step before the stop."""
+    site = installed_vllm
+    added = sorted(p for p, s in wanted["0003"].files.items() if s[0] is None)
+    assert len(added) > 2
+    real_unlink = os.unlink
+    for stop_after in range(len(added)):
+        install(site, wanted["0003"])
+        for rel in added:
+            py_compile.compile(
+                str(site / rel),
+                invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+            )
+        deleted: list[str] = []
+
+        def stopping(path, *args, deleted=deleted, stop_after=stop_after, **kwargs):
+            real_unlink(path, *args, **kwargs)
+            if kwargs.get("dir_fd") is None and Path(path).is_relative_to(site):
+                rel = Path(path).relative_to(site).as_posix()
+                if rel in added:
+                    deleted.append(rel)
+                    if len(deleted) == stop_after + 1:
+                        raise _Stop
+
+        monkeypatch.setattr(os, "unlink", stopping)
+        with pytest.raises(_Stop):
+            install(site, None)
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert not (site / deleted[-1]).exists()
+        assert len([p for p in added if (site / p).exists()]) == len(added) - len(
+            deleted
+        )
+        final = None if stop_after % 2 == 0 else "0001"
+        note = install(site, wanted[final] if final else None).note
+        assert note.startswith("finished an interrupted install"), note
+        expected = _tree_package(final) if final else {}
+        assert _not_as_shipped(site, wheel_site) == expected, (stop_after, final)
+        install(site, None)
+        assert _not_as_shipped(site, wheel_site) == {}, stop_after
+        assert not (site / INSTALL_RECORD_DIR).exists()
+
+
+def test_a_damaged_staged_file_stops_the_finish_of_an_interrupted_install(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """Stopped at its first swap, an install leaves its new contents staged;
+    one damaged before the next run is found before that run swaps anything
+    (it would land in vLLM as it is). Put back, the install is finished."""
+    site = installed_vllm
+    real_replace = os.replace
+
+    def stopping(src, dst, *args, **kwargs):
+        if Path(dst).is_relative_to(site / "vllm"):
+            raise _Stop
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(install_module.os, "replace", stopping)
+    with pytest.raises(_Stop):
+        install(site, wanted["0001"])
+    monkeypatch.setattr(install_module.os, "replace", real_replace)
+    staged = sorted((site / "vllm").rglob(".*.dsa-series-new"))
+    assert len(staged) == len(_tree_package("0001"))
+    good = staged[0].read_bytes()
+    _flip_a_byte(staged[0])
+    package = _not_as_shipped(site, wheel_site)
+    assert package == {p: s for p, s in package.items() if p.endswith("-new")}
+    saved = _tree_state(site / INSTALL_RECORD_DIR)
+    for target in (None, wanted["0001"]):
+        with pytest.raises(SeriesError, match=rf"{staged[0]}, the new content") as e:
+            install(site, target)
+        assert "pip install --force-reinstall --no-deps vllm==" in str(e.value)
+        assert _not_as_shipped(site, wheel_site) == package
+        assert _tree_state(site / INSTALL_RECORD_DIR) == saved
+    staged[0].write_bytes(good)
+    assert install(site, None).note.startswith("finished an interrupted install")
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert not (site / INSTALL_RECORD_DIR).exists()

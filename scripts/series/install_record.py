@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The files ``install`` keeps next to the package (``record.json``, the
+journal, the staging list): read whole and checked before anything is
+written, since the paths in them are what install writes and deletes; and
+which vLLM a site holds."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.layout import INSTALL_JOURNAL, INSTALL_RECORD_DIR, INSTALL_STAGING
+
+PACKAGE = "vllm"
+FORMAT = 1  # of record.json, journal.json and staging.json
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def installed_version(site: Path) -> str:
+    """The version of the vLLM in ``site``: its dist-info (a pip install),
+    else its ``vllm/_version.py`` (a source checkout in develop mode)."""
+    metas = sorted(site.glob(f"{PACKAGE}-*.dist-info/METADATA"))
+    if len(metas) > 1:
+        names = ", ".join(m.parent.name for m in metas)
+        raise SeriesError(f"{site} holds several vLLM installs' metadata: {names}")
+    if metas:
+        for line in metas[0].read_text(encoding="utf-8").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    version_file = site / PACKAGE / "_version.py"
+    if version_file.is_file():
+        found = re.search(
+            r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]",
+            version_file.read_text(encoding="utf-8"),
+            re.MULTILINE,
+        )
+        if found:
+            return found.group(1)
+    raise SeriesError(
+        f"cannot tell which vLLM {site} holds (no {PACKAGE}-*.dist-info/METADATA, "
+        f"no version in {version_file})"
+    )
+
+
+def recovery(site: Path, version: str | None) -> str:
+    """How to get the package back as released, without the record."""
+    version = version or "<version>"
+    return (
+        f"reinstall vLLM {version}, which puts its files back as released (for "
+        f"a pip install: `pip install --force-reinstall --no-deps vllm=={version}`"
+        f"), then delete {site / INSTALL_RECORD_DIR}, which describes the old "
+        "install"
+    )
+
+
+def load(path: Path) -> dict | None:
+    """A record, journal or staging list (by its name), whole and well formed:
+    the paths in it are what install writes and deletes."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        problem: str | None = f"cannot be read ({exc})"
+    else:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            problem = "is not an install record this tool wrote"
+        elif (problem := _shape_problem(path.name, data)) is None:
+            return data
+        else:
+            problem = f"is damaged: {problem}"
+    site = path.parent.parent
+    raise SeriesError(
+        f"{path} {problem}; nothing was changed. To recover, "
+        f"{recovery(site, site_version(site))}"
+    )
+
+
+def _shape_problem(name: str, data: dict) -> str | None:
+    if name == INSTALL_STAGING:
+        paths = data.get("paths")
+        if not isinstance(paths, list):
+            return "no list of paths"
+        return next((_not_a_file(p) for p in paths if not _package_path(p)), None)
+    if name == INSTALL_JOURNAL:
+        entries = data.get("entries")
+        if not isinstance(entries, list) or "record" not in data:
+            return "no entries, or no record"
+        for entry in entries:
+            if not isinstance(entry, dict) or not _package_path(entry.get("path")):
+                return _not_a_file(entry)
+            if not (
+                _is_hash(entry.get("before", "")) and _is_hash(entry.get("after", ""))
+            ):
+                return f"{entry['path']}: no sha256 before and after"
+        return None if data["record"] is None else _record_problem(data["record"])
+    return _record_problem(data)
+
+
+def _record_problem(record: object) -> str | None:
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return "no table of files"
+    for path, hashes in record["files"].items():
+        if not _package_path(path):
+            return _not_a_file(path)
+        if not isinstance(hashes, dict) or not all(
+            _is_hash(hashes.get(key, "")) for key in ("original", "installed")
+        ):
+            return f"{path}: no original and installed sha256"
+    if not isinstance(record.get("vllm"), str) or not isinstance(
+        record.get("stage"), str
+    ):
+        return "no vLLM version, or no stage"
+    return None
+
+
+def _package_path(value: object) -> bool:
+    """A file path under the package, with no way out of it."""
+    if not isinstance(value, str) or "\0" in value:
+        return False
+    parts = value.split("/")
+    return (
+        len(parts) > 1
+        and parts[0] == PACKAGE
+        and all(part not in ("", ".", "..") for part in parts)
+    )
+
+
+def _not_a_file(value: object) -> str:
+    return f"{value!r} is not a file of the {PACKAGE} package"
+
+
+def _is_hash(value: object) -> bool:
+    return value is None or (isinstance(value, str) and bool(_SHA256.fullmatch(value)))
+
+
+def site_version(site: Path) -> str | None:
+    """The installed release (its local label dropped), if it can be told."""
+    try:
+        return installed_version(site).split("+", 1)[0]
+    except (OSError, ValueError, SeriesError):
+        return None
