@@ -409,8 +409,10 @@ def test_an_fp4_indexer_cache_keeps_the_prefill_replicated_and_says_so(cp_on):
     )
     assert cp_indexer_at_startup(_config(tp=4), 1, False, fp4_cache=True) is None
     assert logged == [
-        "CP indexer stays off (replicated prefill): the MXFP4 indexer cache's op "
-        "does not split prefill rows."
+        (
+            "CP indexer stays off (replicated prefill): the MXFP4 indexer cache's "
+            "op does not split prefill rows."
+        )
     ]
     logged.clear()
     assert _at_startup(4) == 512

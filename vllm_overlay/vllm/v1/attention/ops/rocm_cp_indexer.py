@@ -13,10 +13,9 @@ key count, which the metadata builder knows on the host (sequence and query
 lengths), and a new chat turn over a long cached prefix costs 10-100x a
 fresh prompt's row. A row also pays for its chunk's whole key width, which
 AITER's logits fill with -inf before scoring (``LOGITS_FILL_DIVISOR``). The
-cuts fall where the cumulative cost crosses each rank's share, as vLLM's
-CUDA row shard (``balanced_prefill_row_shard``) does, moved to a multiple of
-``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE`` rows where that costs the
-balance under 1%.
+cuts fall where the cumulative cost crosses each rank's share, moved to a
+multiple of ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE`` rows where that
+costs the balance under 1%.
 A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
@@ -69,8 +68,7 @@ def unsafe_config_reason(
     if envs.VLLM_BATCH_INVARIANT:
         return "batch invariance needs every rank to compute every row"
     # The merge is vLLM's all_gatherv, which runs on PyNccl; with symmetric
-    # memory, equal shares would take its window-registration path, which
-    # vLLM's CUDA row shard avoids as well (tp_prefill_row_sharding_supported).
+    # memory, equal shares would take its window-registration path.
     if envs.VLLM_DISABLE_PYNCCL:
         return "the merge's all_gatherv needs PyNccl (VLLM_DISABLE_PYNCCL is set)"
     if envs.VLLM_USE_NCCL_SYMM_MEM:
@@ -202,8 +200,7 @@ def prefill_row_key_counts(
 ) -> torch.Tensor:
     """Each prefill row's causal key count, in batch row order: row t of a
     request with S tokens and Q new ones sees (S - Q + 1 + t) // ratio keys,
-    the bound the builder gives its chunk's ``cu_seqlen_ke`` (the same count
-    vLLM's ``balanced_prefill_row_shard`` balances)."""
+    the bound the builder gives its chunk's ``cu_seqlen_ke``."""
     query_lens = query_lens_cpu.to(torch.int64)
     starts = torch.cumsum(query_lens, 0) - query_lens
     first_key = seq_lens_cpu.to(torch.int64) - query_lens + 1
