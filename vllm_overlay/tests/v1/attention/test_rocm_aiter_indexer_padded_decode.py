@@ -228,7 +228,9 @@ def test_padded_decodes_leave_the_prefill_rows_alone(requests, tmp_path, monkeyp
         rocm_aiter_sparse_attn_indexer(
             torch.zeros(tokens, 8, device=device),
             LAYER,
-            torch.zeros(sum(pages), PAGE, HEAD_DIM + 4, dtype=torch.uint8, device=device),
+            torch.zeros(
+                sum(pages), PAGE, HEAD_DIM + 4, dtype=torch.uint8, device=device
+            ),
             torch.zeros(tokens, HEADS, HEAD_DIM, device=device).to(FP8_DTYPE),
             None,
             torch.ones(tokens, HEADS, device=device),
