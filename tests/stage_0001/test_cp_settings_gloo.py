@@ -22,11 +22,13 @@ STRIPE = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
 TP = 4
 
 
-def _start(rank: int, world_size: int, settings: list[tuple[str, str]]):
-    """Create the builder with this rank's settings; its stripe or error."""
-    enabled, stripe = settings[rank]
+def _start(rank: int, world_size: int, settings: list[tuple]):
+    """Create the builder with this rank's settings (the flag, the stripe
+    size, then other variables); its stripe or error."""
+    enabled, stripe, *more = settings[rank]
     os.environ[ENABLE] = enabled
     os.environ[STRIPE] = stripe
+    os.environ.update(*more)
     with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm("gfx950"):
         config = indexer_batch.make_vllm_config(tp_size=world_size)
         try:
@@ -76,6 +78,42 @@ def test_settings_that_differ_are_an_error_on_every_rank(settings, says):
         assert status == "error"
         for text in says:
             assert text in message
+
+
+@pytest.mark.parametrize(
+    "variable, value, says",
+    [
+        # Rank 1 would plan a split the others do not, and wait in the merge.
+        pytest.param(
+            "VLLM_USE_NCCL_SYMM_MEM",
+            "1",
+            [
+                "the CP indexer's decision differs across the TP ranks",
+                "rank 0: 'split', rank 1: \"the merge's all_gatherv does not use",
+            ],
+            id="the decision (symmetric memory on one rank)",
+        ),
+        # The logits budget shapes the chunks, and the cuts with them.
+        pytest.param(
+            "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB",
+            "256",
+            [
+                "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB differs across the TP ranks",
+                "rank 1: 256",
+            ],
+            id="the logits budget",
+        ),
+    ],
+)
+def test_a_decision_or_plan_setting_that_differs_is_an_error_on_every_rank(
+    variable, value, says
+):
+    settings = [("1", "512", {variable: value}) if r == 1 else ("1", "512")
+                for r in range(TP)]  # fmt: skip
+    for status, message in _on_every_rank(settings):
+        assert status == "error", message
+        for text in says:
+            assert text in message, message
 
 
 def test_the_stripe_size_only_matters_with_the_split_on():

@@ -17,19 +17,22 @@ TREE = applied_tree("0001")
 from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
 
 
-@pytest.fixture
-def cp_on(monkeypatch):
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-    with emulate_rocm("gfx950"):
-        yield
-
-
-def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
+@pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
+def test_the_metadata_builder_plans_the_split(monkeypatch, arch):
     """Through vLLM's own builder: decode rows first, then the plan over the
-    prefill rows only."""
+    prefill rows only. On gfx942 (logits filled with -inf over the chunk) a
+    row also pays for its chunk's width; on gfx950 (no fill) it does not."""
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    with emulate_rocm(arch):
+        _plans_the_split(monkeypatch, arch)
+
+
+def _plans_the_split(monkeypatch, arch: str) -> None:
     config = indexer_batch.make_vllm_config(tp_size=4)
     builder = indexer_batch.make_builder(config, monkeypatch)
-    assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(tp_size=4, stripe=512)
+    filled = arch == "gfx942"
+    divisor = rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else None
+    assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(4, 512, divisor)
     # Decode row 0; prefill rows 1-290: a fresh 200-token prompt, then 90
     # new tokens over 50 cached ones.
     requests = [(30, 1), (0, 200), (50, 90)]
@@ -38,9 +41,9 @@ def test_the_metadata_builder_plans_the_split(cp_on, monkeypatch):
         prefill = indexer_batch.build_batch(builder, requests).metadata.prefill
     split, batch_chunks = prefill.cp_split, prefill.chunks
     assert split is not None and split.bounds[0] == 1 and split.bounds[-1] == 291
-    # Key counts, plus one chunk's -inf fill over all 340 keys per row.
+    # Key counts, plus (gfx942) one chunk's -inf fill over all 340 keys a row.
     assert [c.total_seq_lens for c in batch_chunks] == [340]
-    fill = 340 // rocm_cp_indexer.LOGITS_FILL_DIVISOR
+    fill = 340 // rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else 0
     costs = [t + 1 + fill for t in range(200)] + [50 + t + 1 + fill for t in range(90)]
     bounds = zip(split.bounds, split.bounds[1:], strict=False)
     per_rank = [sum(costs[a - 1 : b - 1]) for a, b in bounds]

@@ -327,24 +327,44 @@ def test_candidate_blocks_keep_the_prefill_replicated():
     assert window is not None and window.batch_rows == slice(0, 16)
 
 
-def test_the_profile_reserves_the_merge_only_when_it_may_run(cp_on):
+def test_the_profile_reserves_the_gathered_rows_once_a_split_is_planned(cp_on):
+    """The profiling run reserves the merge's gathered rows (every row of the
+    buffer at most) once a builder of the engine plans splits, and nothing
+    while none does: an unsafe configuration, or the flag off."""
     buffer = torch.empty(64, 2048, dtype=torch.int32)
+    cp_on.setattr(rocm_cp_indexer, "_SPLITS_PLANNED", False)
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
+    assert _at_startup(4, dcp=2) is None  # unsafe: stays replicated
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
+    assert _at_startup(4) == 512
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 64 * 2048 * 4
     assert rocm_cp_indexer.cp_indexer_merge_bytes(None) == 0
-    cp_on.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
-    cp_on.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
+
+
+@pytest.mark.parametrize("gfx942", [True, False])
+def test_rows_pay_for_the_logits_fill_only_where_the_kernel_fills(cp_on, gfx942):
+    """gfx942's FlyDSL logits write -inf over the chunk's whole output (vLLM
+    calls it with clean_logits left True), gfx950's do not (vLLM passes
+    clean_logits=False): only there does a row also cost its chunk's width."""
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+
+    cp_on.setattr(op, "_ON_GFX942", gfx942)
+    planner = cp_indexer_at_startup(_config(tp=2), 1, False)
+    assert planner is not None
+    assert planner.fill_divisor == (FILL if gfx942 else None)
+    # A fresh 64-row prompt in one 64-key chunk (row r has r + 1 keys). No
+    # fill: rows 0-44 hold 1035 of 2080 key-rows, the nearest cut to half.
+    # Fill: each row also pays 64 // 8 = 8, and rows 0-42 hold 1290 of 2592.
+    cp_on.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    seq, query = torch.tensor([64]), torch.tensor([64])
+    chunks = _one_chunk([(0, 64)])
+    split = planner.plan(0, seq, query, 1, chunks)
+    assert split is not None and split.bounds == (0, 43 if gfx942 else 45, 64)
+    costs = rocm_cp_indexer.prefill_row_costs(
+        seq, query, 1, chunks, 0, planner.fill_divisor
     )
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 2 * 64 * 2048 * 4
-    cp_on.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=1)
-    )
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
-    cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
-    rocm_aiter_ops.refresh_env_variables()
-    cp_on.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
-    )
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
+    fill = 64 // FILL if gfx942 else 0
+    assert costs.tolist() == [r + 1 + fill for r in range(64)]
 
 
 def test_one_rank_never_splits(cp_on):

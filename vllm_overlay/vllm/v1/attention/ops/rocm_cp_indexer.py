@@ -79,27 +79,48 @@ def unsafe_config_reason(
     return None
 
 
-def _check_ranks_agree(enabled: bool, stripe: int | str) -> None:
-    """Every TP rank must hold the same settings; raise on every rank, naming
-    the setting and each rank's value, if they do not. The stripe size only
-    matters when the split is on."""
+# The startup agreement already made in this process, by its local inputs:
+# every rank builds the same builders in the same order, so every rank skips
+# (or runs) the collective for the same builders.
+_AGREED: set[tuple] = set()
+# Whether a builder of this process plans splits, for the profiling run's
+# reservation, which sees no metadata.
+_SPLITS_PLANNED = False
+
+
+def _check_ranks_agree(settings: dict[str, object]) -> None:
+    """Every TP rank must hold the same settings and come to the same
+    decision; raise on every rank, naming what differs and each rank's
+    value, if they do not (a rank that merges while another does not would
+    wait alone in the collective; other settings would cut differently)."""
+    key = tuple(settings.items())
+    if key in _AGREED:
+        return
     group = get_tp_group()
-    settings: list[tuple[bool, int | str]] = [(False, "")] * group.world_size
-    torch.distributed.all_gather_object(
-        settings, (enabled, stripe), group=group.cpu_group
-    )
-    checked: list[tuple[str, list[bool | int | str]]] = [
-        (ENABLE_ENV, [on for on, _ in settings])
-    ]
-    if all(on for on, _ in settings):
-        checked.append((STRIPE_SIZE_ENV, [size for _, size in settings]))
-    for name, values in checked:
-        if len(set(values)) > 1:
+    gathered: list[dict[str, object]] = [{}] * group.world_size
+    torch.distributed.all_gather_object(gathered, settings, group=group.cpu_group)
+    for name in settings:
+        values = [ranks_settings.get(name) for ranks_settings in gathered]
+        if len(set(map(repr, values))) > 1:
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             raise ValueError(
                 f"{name} differs across the TP ranks ({per_rank}); the CP "
-                "indexer needs the same value on every rank"
+                "indexer needs the same on every rank"
             )
+    _AGREED.add(key)
+
+
+def _logits_fill_their_chunk() -> bool:
+    """Whether the prefill logits kernel the op calls writes -inf over its
+    chunk's whole [rows, keys] output, so that a row also costs its chunk's
+    key width: vLLM calls gfx942's FlyDSL ``fp8_mqa_logits`` with its default
+    ``clean_logits=True`` (which writes every position outside a row's range)
+    and gfx950's Triton one with ``clean_logits=False`` (which skips them;
+    vllm-project/vllm v0.34.0 ``rocm_fp8_mqa_logits``; ROCm/aiter
+    ``flydsl_fp8_mqa_logits``'s docstring)."""
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse
+
+    return bool(rocm_aiter_mla_sparse._ON_GFX942)
 
 
 def cp_indexer_at_startup(
@@ -113,10 +134,13 @@ def cp_indexer_at_startup(
     prefill, else None.
 
     Called once per indexer metadata builder at engine start, on every rank:
-    it checks that the TP ranks agree on the settings (a collective on the
-    TP group's CPU group), validates the stripe size and says why the split
-    stays off in an unsafe configuration, or with an FP4 indexer cache
-    (``fp4_cache``), whose op scores every prefill row on every rank."""
+    it decides (the flag, the stripe size, an unsafe configuration, or an FP4
+    indexer cache, ``fp4_cache``, whose op scores every prefill row on every
+    rank), then checks that the TP ranks agree on the decision and on every
+    setting that shapes the plan (one collective on the TP group's CPU group
+    per process and setting), and only then raises on a bad setting or says
+    why the split stays off."""
+    global _SPLITS_PLANNED
     # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
@@ -132,18 +156,34 @@ def cp_indexer_at_startup(
         stripe = envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
     except ValueError as error:
         stripe = str(error)
+    reason: str | None = None
+    if not enabled:
+        reason = f"{ENABLE_ENV} is off"
+    elif fp4_cache:
+        # Only rocm_aiter_sparse_attn_indexer (the FP8 cache) splits rows.
+        reason = "the MXFP4 indexer cache's op does not split prefill rows"
+    else:
+        reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
+    fill = _logits_fill_their_chunk()
+    settings: dict[str, object] = {
+        ENABLE_ENV: enabled,
+        "the CP indexer's decision": reason or "split",
+    }
+    if reason is None:
+        # What shapes the plan: the cuts, the chunks, the row costs.
+        settings[STRIPE_SIZE_ENV] = stripe
+        settings["VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"] = (
+            envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB
+        )
+        settings["the logits kernel's -inf fill"] = fill
     # Engines always build the TP group before the attention backends; only
     # a builder made outside an engine (a unit test) has no group to ask.
     if model_parallel_is_initialized():
-        _check_ranks_agree(enabled, stripe)
+        _check_ranks_agree(settings)
     if not enabled:
         return None
     if isinstance(stripe, str):
         raise ValueError(stripe)
-    reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
-    if fp4_cache:
-        # Only rocm_aiter_sparse_attn_indexer (the FP8 cache) splits rows.
-        reason = "the MXFP4 indexer cache's op does not split prefill rows"
     if reason is not None:
         logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
@@ -152,7 +192,8 @@ def cp_indexer_at_startup(
         tp_size,
         stripe,
     )
-    return CPIndexerPlanner(tp_size, stripe)
+    _SPLITS_PLANNED = True
+    return CPIndexerPlanner(tp_size, stripe, LOGITS_FILL_DIVISOR if fill else None)
 
 
 # A step whose rows cost less than this in all (in key-rows, as
@@ -163,11 +204,11 @@ def cp_indexer_at_startup(
 # replicated at tp 2 / tp 8: median 1.07 / 0.90 for steps below it, 0.78 /
 # 0.59 from it. MI355X's kernels and host may move it.
 MIN_SPLIT_KEY_ROWS = 1 << 24
-# AITER's prefill logits (``fp8_mqa_logits``, which vLLM calls with its
-# default clean_logits=True) first fill the chunk's whole [rows, keys] output
-# with -inf (ROCm/aiter aiter/ops/triton/attention/fp8_mqa_logits.py), so
-# each row also costs its chunk's key width, not only its own key range: on
-# a fresh prompt the early rows, cheap by key count, are as wide as the last.
+# Where the prefill logits kernel fills the chunk's whole [rows, keys] output
+# with -inf (``_logits_fill_their_chunk``: gfx942), each row also costs its
+# chunk's key width, not only its own key range: on a fresh prompt the early
+# rows, cheap by key count, are as wide as the last. On gfx950 vLLM asks for
+# no fill, and a row costs its keys.
 # One filled element is taken as 1/LOGITS_FILL_DIVISOR of a scored key-row:
 # an estimate from MI355X's peak figures (a 4-byte store at ~6 TB/s against
 # 32 heads x 128 dims of fp8 MFMA, the logits store and the top-k's read per
@@ -215,15 +256,19 @@ def prefill_row_costs(
     compress_ratio: int,
     chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
     num_decode_tokens: int,
+    fill_divisor: int | None = LOGITS_FILL_DIVISOR,
 ) -> torch.Tensor:
     """Each prefill row's cost in key-rows, in batch row order after the
-    decodes: its key count plus its part of its chunk's -inf fill (a row
-    in no chunk, which has no compressed key, has no fill)."""
+    decodes: its key count plus, where the logits are filled
+    (``fill_divisor``), its part of its chunk's -inf fill (a row in no
+    chunk, which has no compressed key, has no fill)."""
     costs = prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
+    if fill_divisor is None:
+        return costs
     for chunk in chunks:
         first = chunk.token_start - num_decode_tokens
         last = chunk.token_end - num_decode_tokens
-        costs[first:last] += chunk.total_seq_lens // LOGITS_FILL_DIVISOR
+        costs[first:last] += chunk.total_seq_lens // fill_divisor
     return costs
 
 
@@ -235,6 +280,7 @@ def plan_cp_indexer_split(
     query_lens_cpu: torch.Tensor,
     compress_ratio: int,
     chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+    fill_divisor: int | None = LOGITS_FILL_DIVISOR,
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
@@ -246,7 +292,12 @@ def plan_cp_indexer_split(
     if max_stripe is None:
         return None
     costs = prefill_row_costs(
-        seq_lens_cpu, query_lens_cpu, compress_ratio, chunks, num_decode_tokens
+        seq_lens_cpu,
+        query_lens_cpu,
+        compress_ratio,
+        chunks,
+        num_decode_tokens,
+        fill_divisor,
     )
     num_rows = costs.numel()
     if num_rows < tp_size:
@@ -281,6 +332,8 @@ class CPIndexerPlanner:
 
     tp_size: int
     stripe: int
+    # LOGITS_FILL_DIVISOR where the logits kernel fills its chunk, else None.
+    fill_divisor: int | None = None
 
     def plan(
         self,
@@ -299,6 +352,7 @@ class CPIndexerPlanner:
             query_lens_cpu,
             compress_ratio,
             chunks,
+            self.fill_divisor,
         )
 
 
@@ -365,17 +419,12 @@ class CPIndexerPrefill:
 
 
 def cp_indexer_merge_bytes(topk_indices_buffer: torch.Tensor | None) -> int:
-    """The merge's largest transient (a rank's rows and the gathered rows)
-    when the split may run, else 0; the profiling run reserves it, since it
-    returns before any merge."""
-    from vllm._aiter_ops import rocm_aiter_ops
-
-    if (
-        topk_indices_buffer is None
-        or not rocm_aiter_ops.is_cp_indexer_enabled()
-        or not model_parallel_is_initialized()
-        or get_tp_group().world_size < 2
-    ):
+    """The merge's transient when a builder of this engine plans splits,
+    else 0: the gathered rows, at most every row of the buffer (a rank's own
+    rows are a view of the buffer when top-k spans its width, as the indexer
+    allocates it). The profiling run reserves it, since it returns before
+    any merge."""
+    if topk_indices_buffer is None or not _SPLITS_PLANNED:
         return 0
     rows, width = topk_indices_buffer.shape[:2]
-    return 2 * rows * width * topk_indices_buffer.element_size()
+    return rows * width * topk_indices_buffer.element_size()
