@@ -39,7 +39,11 @@ from scripts.series.layout import (
     workdir,
 )
 from scripts.series.lock import project_lock
-from scripts.series.overview import readme_table_is_current, stage_table
+from scripts.series.overview import (
+    readme_table_is_current,
+    stage_table,
+    wide_stage_table,
+)
 from scripts.series.pr_check import check_prs
 from scripts.series.prepare import prepare
 from scripts.series.rebase_state import rebase_command
@@ -137,7 +141,13 @@ def _parser() -> argparse.ArgumentParser:
         "this Python",
     )
     sub.add_parser("stages", help="print 'base' and the stage ids, in order")
-    sub.add_parser("overview", help="print the README's stage table")
+    view = sub.add_parser("overview", help="print the README's stage table")
+    view.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column: the files each stage hooks into, its overlay "
+        "modules and tests, and where it was validated",
+    )
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
     copy = sub.add_parser(
@@ -489,7 +499,7 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
                 "with plain pytest (each PR's items: <patch>.review.md)"
             )
     elif args.command == "overview":
-        print(stage_table(series))
+        print(wide_stage_table(series) if args.wide else stage_table(series))
     elif args.command == "stages":
         print(" ".join(["base", *(s.id for s in series.stages)]))
     elif args.command == "tree":
