@@ -95,7 +95,12 @@ def _check_args(
             f"nox -s {session.name}: {error}. The arguments after -- go to "
             f"python -m scripts.series {command}; its --help lists them"
         )
-    return dict(json.loads(result.stdout))
+    try:
+        return dict(json.loads(result.stdout))
+    except json.JSONDecodeError:
+        # -- --help: the tool printed the command's help instead.
+        print(result.stdout, end="")
+        session.skip(f"printed python -m scripts.series {command} --help")
 
 
 def _no_args(session: nox.Session) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import io
 import re
@@ -211,7 +212,8 @@ def validate_error(args: list[str]) -> str | None:
     return _parse_error(parse)
 
 
-def session_error(name: str, posargs: list[str]) -> str | None:
+@functools.cache
+def session_error(name: str, posargs: tuple[str, ...]) -> str | None:
     """Why ``nox -s NAME -- POSARGS`` would refuse: no such session, the
     session's own check, or the first command it runs not parsing. A
     session must check before it runs or installs anything."""
@@ -288,7 +290,7 @@ def command_error(words: list[str]) -> str | None:
     if len(rest) < 2 or rest[0] not in ("-s", "--session"):
         return f"not a nox form this test knows: {shlex.join(words)}"
     for name in rest[1:]:
-        problem = session_error(name, posargs)
+        problem = session_error(name, tuple(posargs))
         if problem:
             return problem
     return None
@@ -428,6 +430,13 @@ def test_a_rebase_without_a_hash_only_asks_the_tool_for_it():
         ("python", "-m", "scripts.series", "--series", str(SERIES_FILE), "rebase")
         + ("--version", "0.35.0")
     ]
+
+
+def test_help_after_the_double_dash_prints_the_commands_options(capsys):
+    session = _Session("rebase", ["--help"])
+    with pytest.raises(_Skipped):
+        SESSIONS["rebase"][0].func(session)
+    assert "--sha256 SHA256" in capsys.readouterr().out and session.runs == []
 
 
 def test_export_of_one_stage_leaves_out_a_review_without_it(monkeypatch):
