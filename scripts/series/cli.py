@@ -110,19 +110,20 @@ def _parser() -> argparse.ArgumentParser:
     app = sub.add_parser("apply", help="apply the stages, one commit each")
     app.add_argument("--upto", help="stop after this stage ('base' for none)")
     app.add_argument("--offline", action="store_true", help=offline)
-    app.add_argument(
+    carry = app.add_mutually_exclusive_group()
+    carry.add_argument(
         "--carry",
         action="store_true",
         help="carry a stage whose patch no longer applies with a three-way "
         "merge, stopping on its conflicts",
     )
-    app.add_argument(
+    carry.add_argument(
         "--continue",
         dest="resume",
         action="store_true",
         help="commit the carried stage once its conflicts are resolved; go on",
     )
-    app.add_argument(
+    carry.add_argument(
         "--abort", action="store_true", help="drop the carried stage's merge"
     )
     refresh_cmd = sub.add_parser(

@@ -398,6 +398,7 @@ def test_nox_l_shows_a_whole_sentence_per_session(name: str):
     [
         ("apply", ["--nope"]),
         ("apply", ["0002"]),
+        ("apply", ["--carry", "--abort"]),
         ("rebase", ["TARGET"]),
         ("rebase", []),
         ("roll", ["now"]),
