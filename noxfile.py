@@ -1,30 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""nox sessions: thin wrappers that call the series tool, scripts/series
-(see README); they only set up Python environments.
+"""Sessions of the DSA indexer patch series for vLLM.
 
-nox -s apply-and-test     fetch, apply every stage, test each stage's tree
-nox -s apply [-- STAGE]   the patched tree, optionally only up to STAGE
-nox -s "tests(base)"      test one stage's tree (also tests(0001), ...);
-                          both run `python -m scripts.series test`
-nox -s lint               pre-commit on every file
-nox -s check-patches      committed patches == a fresh export
-nox -s refresh | status   write patches/ from the tree | show the tree
-nox -s rebase -- TARGET   rebase the stages onto a newer vLLM (see README)
-nox -s roll               rebase onto the newest vLLM release, if newer
-nox -s refresh-reviews    rebase each review under patches/next/ again
-                          after a stage change
-nox -s rebased            apply and test each rebased series under review
-                          (patches/next/<target>/) on its target
-nox -s export [-- STAGE]  each stage as an upstream PR (build/export/<base>/)
-nox -s cost-model         stage 0001's row-assignment cost model (docs/)
-nox -s install -- --into SITE [--upto STAGE | --undo]   the stages written
-                          into an installed vLLM 0.32.0 (no rebuild)
-nox -s validate -- --stage 0001 [--dry-run]   the MI355X serving runs (README)
+Each one is a thin wrapper over the series tool, python -m scripts.series: it
+checks its arguments with the tool's parser first, then sets up Python and
+runs the tool. README.md says which session to run when.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -35,16 +20,23 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 SERIES_FILE = ROOT / "patches" / "series.toml"
-_stages = subprocess.run(
-    [sys.executable, "-m", "scripts.series", "stages"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    check=False,
-)
-if _stages.returncode != 0:
-    sys.exit(_stages.stderr.strip() or "python -m scripts.series stages failed")
-STAGE_IDS = _stages.stdout.split()
+
+
+def _stage_ids(series: Path = SERIES_FILE) -> list[str]:
+    """'base' and the stage ids of a series, in order."""
+    stages = subprocess.run(
+        [sys.executable, "-m", "scripts.series", "--series", str(series), "stages"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if stages.returncode != 0:
+        sys.exit(stages.stderr.strip() or "python -m scripts.series stages failed")
+    return stages.stdout.split()
+
+
+STAGE_IDS = _stage_ids()
 # Rebased series written by `rebase` for review, one folder per target.
 REBASED = sorted((ROOT / "patches" / "next").glob("*/series.toml"))
 REQUIREMENTS = ROOT / "tests" / "requirements-cpu.txt"
@@ -70,6 +62,52 @@ def _note_if_uncommitted(session: nox.Session, series_file: Path) -> None:
         session.warn(
             f"{folder}/ is not committed: it runs here, but CI (a clean clone) "
             "does not see it; commit it, or delete it if it is a leftover"
+        )
+
+
+def _check_args(
+    session: nox.Session, command: str, *args: str, series: Path = SERIES_FILE
+) -> dict:
+    """Check the arguments a session passes on with the series tool's own
+    parser (stage ids included) before anything is applied or installed;
+    return them as the tool parsed them."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.series",
+            "--series",
+            str(series),
+            "--check-args",
+            command,
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or ["(no message)"]
+        # argparse's "PROG: error: ..." or the tool's "error: ..."
+        error = lines[-1].split("error: ", 1)[-1].rstrip(".")
+        session.error(
+            f"nox -s {session.name}: {error}. The arguments after -- go to "
+            f"python -m scripts.series {command}; its --help lists them"
+        )
+    try:
+        return dict(json.loads(result.stdout))
+    except json.JSONDecodeError:
+        # -- --help: the tool printed the command's help instead.
+        print(result.stdout, end="")
+        session.skip(f"printed python -m scripts.series {command} --help")
+
+
+def _no_args(session: nox.Session) -> None:
+    if session.posargs:
+        session.error(
+            f"nox -s {session.name} takes no arguments; got "
+            + " ".join(session.posargs)
         )
 
 
@@ -150,11 +188,16 @@ def _stage_tree(
 
 @nox.session(venv_backend="none")
 def apply(session: nox.Session) -> None:
-    """Fetch the pinned vLLM and apply the stages (-- STAGE: only up to it;
-    -- --carry, --continue, --abort: carry a stage that no longer applies)."""
+    """Apply the stages to the pinned vLLM: all of them, or up to one.
+
+    nox -s apply -- 0001 stops after stage 0001 (base: none). After a stage
+    change, nox -s apply -- --carry merges a later stage that no longer
+    applies; --continue commits it once resolved, --abort drops it.
+    """
     args = list(session.posargs)
     if args and not args[0].startswith("-"):
         args[:1] = ["--upto", args[0]]
+    _check_args(session, "apply", *args)
     _series(session, "apply", *args)
 
 
@@ -168,8 +211,12 @@ def _test_args(session: nox.Session) -> list[str]:
 @nox.session
 @nox.parametrize("stage", STAGE_IDS, ids=STAGE_IDS)
 def tests(session: nox.Session, stage: str) -> None:
-    """Test one stage's tree (base + stages up to it); -- --rerun runs
-    unchanged runs again; other ARGS go to pytest."""
+    """Test one stage's tree: the base and the stages up to it.
+
+    -- --rerun also runs the pytest runs whose inputs are unchanged since
+    they passed; other arguments go to pytest.
+    """
+    _check_args(session, "test", stage, *_test_args(session))
     _series(session, "apply", "--upto", stage)
     _install_cpu_deps(session)
     _series(session, "test", stage, *_test_args(session))
@@ -177,8 +224,12 @@ def tests(session: nox.Session, stage: str) -> None:
 
 @nox.session(name="apply-and-test")
 def apply_and_test(session: nox.Session) -> None:
-    """The main job: apply every stage, test each stage's tree, one table
-    (-- --rerun: also the runs whose inputs are unchanged since they passed)."""
+    """Apply every stage, test each stage's tree, and print one summary table.
+
+    -- --rerun also runs the pytest runs whose inputs are unchanged since
+    they passed; other arguments go to pytest.
+    """
+    _check_args(session, "test", "--tooling", *_test_args(session))
     started = time.monotonic()
     _series(session, "apply")
     _install_cpu_deps(session)
@@ -190,39 +241,61 @@ def apply_and_test(session: nox.Session) -> None:
 
 @nox.session
 def rebase(session: nox.Session) -> None:
-    """Rebase the stages onto a newer vLLM: -- --version V --sha256 H, or
-    -- --git PATH --rev REV; then -- --continue | --abort | --accept."""
+    """Rebase the stages onto a newer vLLM release or git checkout.
+
+    -- --version V --sha256 H (a release; --version alone prints the hash
+    the package index lists), or -- --git PATH --rev REV; then -- --continue,
+    --abort or --accept.
+    """
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    parsed = _check_args(session, "rebase", "--test-python", python, *session.posargs)
+    if parsed["version"] and not parsed["sha256"]:
+        # Only prints the hash and the command to run: nothing to set up.
+        _series(session, "rebase", *session.posargs)
+        return
     _series(session, "apply")
     _install_cpu_deps(session)
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
     _series(session, "rebase", "--test-python", python, *session.posargs)
 
 
 @nox.session
 def roll(session: nox.Session) -> None:
-    """Rebase onto the newest vLLM release when it is newer than the pin, and
-    print what needs a person (made to run on a schedule)."""
+    """Rebase onto vLLM's newest release when it is newer than the pin.
+
+    Prints what needs a person; made to run on a schedule.
+    """
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    _check_args(session, "roll", "--test-python", python, *session.posargs)
     _series(session, "apply")
     _install_cpu_deps(session)
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
     _series(session, "roll", "--test-python", python)
 
 
 @nox.session(name="refresh-reviews")
 def refresh_reviews(session: nox.Session) -> None:
-    """After a stage change: rebase again onto each target under
-    patches/next/ whose review is older than patches/ (resolutions replay)."""
+    """Rebase each review under patches/next/ again after a stage change.
+
+    Only reviews older than patches/ are redone; recorded resolutions replay.
+    """
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    _check_args(
+        session, "rebase", "--refresh", "--test-python", python, *session.posargs
+    )
     _series(session, "apply")
     _install_cpu_deps(session)
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
     _series(session, "rebase", "--refresh", "--test-python", python)
 
 
 @nox.session
 def rebased(session: nox.Session) -> None:
-    """Apply and test each rebased series under review (patches/next/*) on
-    its own target: the series checked against the next vLLM."""
+    """Apply and test each rebased series under review on its own vLLM.
+
+    The series under patches/next/<target>/, each on its target.
+    """
+    for series_file in REBASED:
+        _check_args(session, "test", *_test_args(session), series=series_file)
     if not REBASED:
+        _check_args(session, "test", *_test_args(session))
         session.skip("no rebased series under patches/next/")
     for series_file in REBASED:
         _note_if_uncommitted(session, series_file)
@@ -233,14 +306,19 @@ def rebased(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """pre-commit on every file (ruff, ruff-format, typos, mypy, headers)."""
+    """Run pre-commit on every file: ruff, typos, mypy and the SPDX headers."""
+    _no_args(session)
     session.install("pre-commit")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure")
 
 
 @nox.session(name="cost-model")
 def cost_model(session: nox.Session) -> None:
-    """Stage 0001's row-assignment cost model: docs/cp_indexer_cost_model.*"""
+    """Write stage 0001's row-assignment cost model to docs/.
+
+    docs/cp_indexer_cost_model.md and .png.
+    """
+    _no_args(session)
     _series(session, "apply")
     _install_cpu_deps(session)
     session.install("matplotlib")
@@ -257,37 +335,54 @@ def cost_model(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def install(session: nox.Session) -> None:
-    """Write the stages into an installed vLLM of the pinned release, no
-    rebuild: -- --into SITE [--upto STAGE], or -- --into SITE --undo."""
-    if "--undo" not in session.posargs:
+    """Write the stages into an installed vLLM of the pinned release, or undo it.
+
+    -- --into SITE [--upto STAGE], or -- --into SITE --undo; SITE is the
+    folder that holds vllm/. No rebuild: every change is Python.
+    """
+    parsed = _check_args(session, "install", *session.posargs)
+    if not parsed["undo"]:
         _series(session, "apply")
     _series(session, "install", *session.posargs)
 
 
 @nox.session(venv_backend="none")
 def validate(session: nox.Session) -> None:
-    """On the GPU box, with the patched vLLM installed in this Python: the
-    seeds' serving benchmarks and accuracy tasks, -- --stage 0001 [--dry-run]."""
+    """Run the PR texts' MI355X serving benchmarks and accuracy tasks.
+
+    On the GPU machine, with the stages' vLLM installed in this Python:
+    -- --stage 0001 (or 0001-serving, 0003) [--dry-run].
+    """
     session.run("python", "-m", "scripts.validate", *session.posargs, external=True)
 
 
 @nox.session(name="check-patches", venv_backend="none")
 def check_patches(session: nox.Session) -> None:
     """Fail when patches/ or vllm_overlay/ differ from a fresh export."""
+    _no_args(session)
     _series(session, "apply")
     _series(session, "check")
 
 
 @nox.session
 def export(session: nox.Session) -> None:
-    """Each stage as an upstream PR, on the pinned vLLM and on each rebased
-    series' target (build/export/<base>/, pr/<id>), checked as a maintainer
-    takes it: `git am`, then its tests with plain pytest;
-    -- --signoff 'NAME <EMAIL>' (default: your git identity)."""
+    """Export each stage as an upstream PR and check it as a maintainer would.
+
+    For the pinned vLLM and each rebased series' target (build/export/<base>/,
+    branch pr/<id>): git am on the base, its pre-commit, its tests with plain
+    pytest. -- 0001 exports one stage (and those it needs); -- --signoff
+    'NAME <EMAIL>' signs off as someone other than your git identity.
+    """
     python = str(Path(session.virtualenv.location) / "bin" / "python")
+    parsed = _check_args(session, "export", "--test-python", python, *session.posargs)
     for series_file in (SERIES_FILE, *REBASED):
         if series_file != SERIES_FILE:
             _note_if_uncommitted(session, series_file)
+            stage = parsed["stage"]
+            if stage and stage not in _stage_ids(series_file):
+                folder = series_file.parent.relative_to(ROOT)
+                session.log(f"{folder}/ has no stage {stage} (upstream has it)")
+                continue
         _series(session, "apply", series=series_file)
         _install_cpu_deps(session, series_file)
         _series(
@@ -302,12 +397,16 @@ def export(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def refresh(session: nox.Session) -> None:
-    """Write patches/ and vllm_overlay/ from the work tree's stage commits
-    (-- --into-top: edits to a lower stage's lines go to the top stage)."""
+    """Write patches/ and vllm_overlay/ from the work tree's stage commits.
+
+    -- --into-top takes edits to lines a lower stage adds into the top stage.
+    """
+    _check_args(session, "refresh", *session.posargs)
     _series(session, "refresh", *session.posargs)
 
 
 @nox.session(venv_backend="none")
 def status(session: nox.Session) -> None:
-    """Which stages the work tree holds, and edits beyond them."""
+    """Show which stages the work tree holds, and edits beyond them."""
+    _no_args(session)
     _series(session, "status")

@@ -38,8 +38,9 @@ RUNS, WARMUP, GRAPH_CALLS = 20, 3, 20
 # 64 as FP8 (--kv-cache-dtype fp8) is 576 bytes of MLA cache; index_head_dim
 # 128 is 132 bytes FP8 (values + one fp32 scale) or 68 bytes MXFP4. Layer
 # counts (num_hidden_layers) read from copies of the published config.json
-# files kept in public GitHub repositories (Hugging Face is not reachable
-# here): DeepSeek-V3.2 61 layers, each with an indexer; GLM-5.x 78 layers.
+# files kept in public GitHub repositories (Hugging Face was not reachable
+# from the machine that wrote this): DeepSeek-V3.2 61 layers, each with an
+# indexer; GLM-5.x 78 layers.
 # GLM-5.2's 21 indexer layers are from the stage 0002 PR text, not checked.
 MODELS = {
     "DeepSeek-V3.2": {"layers": 61, "indexer_layers": 61},
@@ -195,8 +196,8 @@ def _report(result: dict, command: str, out: Path) -> None:
         )
     lines += [
         "",
-        "Taken from the PR text (MI355X, TP4, not measured here): KV cache "
-        "+10.2% tokens for DeepSeek-V3.2, +3.0% for GLM-5.2-MXFP4.",
+        "Taken from the PR text (MI355X, TP4, not measured by this project): KV "
+        "cache +10.2% tokens for DeepSeek-V3.2, +3.0% for GLM-5.2-MXFP4.",
     ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "mxfp4_indexer_cache_bench.md").write_text("\n".join(lines) + "\n")

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command line: ``python -m scripts.series <command>`` (see --help)."""
+"""Command line of the series tool: python -m scripts.series COMMAND."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shlex
 import shutil
 import sys
@@ -39,7 +40,11 @@ from scripts.series.layout import (
     workdir,
 )
 from scripts.series.lock import project_lock
-from scripts.series.overview import readme_table_is_current, stage_table
+from scripts.series.overview import (
+    readme_table_is_current,
+    stage_table,
+    wide_stage_table,
+)
 from scripts.series.pr_check import check_prs
 from scripts.series.prepare import prepare
 from scripts.series.rebase_state import rebase_command
@@ -77,7 +82,12 @@ def _positive_int(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.series", description=__doc__
+        prog="python -m scripts.series",
+        description="The DSA indexer patch series for vLLM: fetch the pinned "
+        "vLLM, apply the stages, test them, write them back to patches/, "
+        "export them as upstream PRs, install them into a vLLM, or rebase them "
+        "onto a newer vLLM. Run it from the project's root; each command has "
+        "its own --help.",
     )
     parser.add_argument(
         "--series",
@@ -85,27 +95,35 @@ def _parser() -> argparse.ArgumentParser:
         default=SERIES_FILE,
         help="series file (default: patches/series.toml)",
     )
+    parser.add_argument(
+        "--check-args",
+        action="store_true",
+        help="only check the command's arguments, stage ids included, and "
+        "print them as JSON; run nothing (the nox sessions do this first)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+    offline = "use only the cached sdist; fail if it is not cached"
     fetch = sub.add_parser("fetch", help="download and verify the pinned sdist")
-    fetch.add_argument("--offline", action="store_true")
+    fetch.add_argument("--offline", action="store_true", help=offline)
     prep = sub.add_parser("prepare", help="make the work repo with the base commit")
-    prep.add_argument("--offline", action="store_true")
+    prep.add_argument("--offline", action="store_true", help=offline)
     app = sub.add_parser("apply", help="apply the stages, one commit each")
     app.add_argument("--upto", help="stop after this stage ('base' for none)")
-    app.add_argument("--offline", action="store_true")
-    app.add_argument(
+    app.add_argument("--offline", action="store_true", help=offline)
+    carry = app.add_mutually_exclusive_group()
+    carry.add_argument(
         "--carry",
         action="store_true",
         help="carry a stage whose patch no longer applies with a three-way "
         "merge, stopping on its conflicts",
     )
-    app.add_argument(
+    carry.add_argument(
         "--continue",
         dest="resume",
         action="store_true",
         help="commit the carried stage once its conflicts are resolved; go on",
     )
-    app.add_argument(
+    carry.add_argument(
         "--abort", action="store_true", help="drop the carried stage's merge"
     )
     refresh_cmd = sub.add_parser(
@@ -118,8 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "check",
-        help="fail if patch files differ from a fresh export, or a hunk is "
-        "over the glue budget",
+        help="fail if patch files differ from a fresh export, a hunk is over "
+        "the glue budget, or the README's stage table is out of date",
     )
     sub.add_parser("status", help="which stages are applied; edits beyond them")
     pr = sub.add_parser("export", help="each stage as one upstream PR commit")
@@ -132,12 +150,18 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--test-python",
         metavar="PYTHON",
-        help="then check each PR as a maintainer would: `git am` on the base "
+        help="then check each PR as a maintainer would: git am on the base "
         "(after the PRs it needs), and the tests it adds, with plain pytest in "
         "this Python",
     )
     sub.add_parser("stages", help="print 'base' and the stage ids, in order")
-    sub.add_parser("overview", help="print the README's stage table")
+    view = sub.add_parser("overview", help="print the README's stage table")
+    view.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column: the files each stage hooks into, its overlay "
+        "modules and tests, and where it was validated",
+    )
     tree = sub.add_parser("tree", help="print the path of a stage's test tree")
     tree.add_argument("stage", help="'base' or a stage id")
     copy = sub.add_parser(
@@ -230,8 +254,19 @@ def _parser() -> argparse.ArgumentParser:
         "stage change.",
     )
     action = reb.add_mutually_exclusive_group()
-    action.add_argument("--continue", dest="resume", action="store_true")
-    action.add_argument("--abort", action="store_true")
+    action.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="go on with a stopped rebase once its conflicts are resolved (or "
+        "its failed check fixed) in the work repo",
+    )
+    action.add_argument(
+        "--abort",
+        action="store_true",
+        help="drop a stopped rebase; the conflicts resolved so far are kept "
+        "for the next one",
+    )
     action.add_argument(
         "--refresh",
         action="store_true",
@@ -247,7 +282,11 @@ def _parser() -> argparse.ArgumentParser:
         help="adopt the rebased series under patches/next/ (TARGET: which one)",
     )
     reb.add_argument("--version", help="target vLLM release (its PyPI sdist)")
-    reb.add_argument("--sha256", help="the target sdist's sha256")
+    reb.add_argument(
+        "--sha256",
+        help="the target sdist's sha256 (--version alone prints the one the "
+        "package index lists)",
+    )
     reb.add_argument("--git", type=Path, help="target: a local vLLM git checkout")
     reb.add_argument("--rev", help="the revision of --git")
     reb.add_argument(
@@ -280,11 +319,12 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
     else:
         name = series.base.name
         target: Base
-        if args.git and args.rev and not (args.version or args.sha256):
+        form = _rebase_target_form(args)
+        if form == "git":
             target = GitBase(name, args.git.resolve(), args.rev)
-        elif args.version and args.sha256 and not (args.git or args.rev):
+        elif form == "sdist":
             target = SdistBase(name, args.version, args.sha256.lower())
-        elif args.version and not (args.sha256 or args.git or args.rev):
+        else:
             sha256 = roll.sdist_sha256(name, args.version)
             raise SeriesError(
                 f"--version needs the sdist's --sha256 as well; the package "
@@ -292,12 +332,43 @@ def _rebase(series: Series, args: argparse.Namespace) -> int:
                 "against the release page, then run "
                 + rebase_command(f"--version {args.version} --sha256 {sha256}")
             )
-        else:
-            raise SeriesError(
-                "give a target: --version V --sha256 H, or --git PATH --rev REV"
-            )
         rebase.start(series, target, **options)
     return 0
+
+
+def _rebase_target_form(args: argparse.Namespace) -> str:
+    """Which target a new rebase names: "git", "sdist", or "version" (a
+    release without its hash: the command prints the index's hash)."""
+    if args.git and args.rev and not (args.version or args.sha256):
+        return "git"
+    if args.version and args.sha256 and not (args.git or args.rev):
+        return "sdist"
+    if args.version and not (args.sha256 or args.git or args.rev):
+        return "version"
+    raise SeriesError("give a target: --version V --sha256 H, or --git PATH --rev REV")
+
+
+def _check_arguments(series: Series, args: argparse.Namespace) -> None:
+    """What a command would refuse at once, found without running it: stage
+    ids the series does not know, a rebase without a target."""
+    named = []
+    if args.command in ("apply", "install") and args.upto:
+        named.append(args.upto)
+    if args.command in ("tree", "env", "copy-tree"):
+        named.append(args.stage)
+    if args.command == "test":
+        named += args.stages
+    if args.command == "export" and args.stage:
+        if args.stage == "base":
+            raise SeriesError("the base is not a stage: name a stage to export")
+        named.append(args.stage)
+    if args.command == "rebase":
+        named += [d for d in args.drop if d != "base"]
+        if not (args.resume or args.abort or args.refresh) and args.accept is None:
+            _rebase_target_form(args)
+    for stage_id in named:
+        if stage_id != "base":
+            series.stage(stage_id)
 
 
 def _refresh_reviews(series: Series, options: dict) -> None:
@@ -380,9 +451,14 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = _parser().parse_args(argv)
     if extra and args.command != "test":
-        _parser().error(f"`{args.command}` takes no arguments after --")
+        _parser().error(f"{args.command} takes no arguments after --")
     try:
         series = load_series(args.series)
+        if args.check_args:
+            _check_arguments(series, args)
+            parsed = {k: v for k, v in vars(args).items() if k != "check_args"}
+            print(json.dumps({**parsed, "pytest_args": extra}, default=str))
+            return 0
         if args.command in LOCK_FREE:
             pending = []
             if review.AcceptJournal.pending(series.patches_dir):
@@ -489,7 +565,7 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
                 "with plain pytest (each PR's items: <patch>.review.md)"
             )
     elif args.command == "overview":
-        print(stage_table(series))
+        print(wide_stage_table(series) if args.wide else stage_table(series))
     elif args.command == "stages":
         print(" ".join(["base", *(s.id for s in series.stages)]))
     elif args.command == "tree":

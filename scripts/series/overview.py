@@ -1,20 +1,59 @@
 # SPDX-License-Identifier: Apache-2.0
 """The README's stage table, generated from series.toml and the patch files
 (``python -m scripts.series overview``); ``check`` fails when the README's
-copy differs."""
+copy differs. ``overview --wide`` adds the files each stage touches."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from scripts.series.config import Series
+from scripts.series.config import Series, Stage
 from scripts.series.patchfile import read_patch
 
 BEGIN = "<!-- stage table: python -m scripts.series overview -->"
 END = "<!-- end of stage table -->"
 
+# An upstream PR named as GitHub writes it: owner/repo#number.
+_PR = re.compile(r"^([\w.-]+/[\w.-]+)#(\d+)$")
+
+
+def _switches(stage: Stage) -> str:
+    return "<br>".join(f"`{s}`" for s in stage.switches) or "none"
+
+
+def _upstream(stage: Stage, *, link: bool = False) -> str:
+    status = stage.upstream_status.replace("-", " ")
+    if stage.upstream_status == "not-submitted":
+        return status
+    pr = _PR.match(stage.upstream_pr)
+    if link and pr:
+        url = f"https://github.com/{pr[1]}/pull/{pr[2]}"
+        return f"{status}: [{stage.upstream_pr}]({url})"
+    return f"{status} ({stage.upstream_pr})"
+
 
 def stage_table(series: Series) -> str:
+    """The README's table: per stage, what it does, how to turn it on and
+    where upstream stands; the stage links to docs/stage_<id>.md if any."""
+    rows = [
+        "| stage | what it does | turn it on | upstream |",
+        "|---|---|---|---|",
+    ]
+    for stage in series.stages:
+        name = f"**{stage.id}**"
+        if (series.root / "docs" / f"stage_{stage.id}.md").is_file():
+            name = f"[**{stage.id}**](docs/stage_{stage.id}.md)"
+        rows.append(
+            f"| {name} | {stage.title} | {_switches(stage)} "
+            f"| {_upstream(stage, link=True)} |"
+        )
+    return "\n".join(rows)
+
+
+def wide_stage_table(series: Series) -> str:
+    """Every column: the files each stage hooks into, its overlay modules,
+    its tests and where it was validated (``overview --wide``)."""
     rows = [
         "| stage | turn it on | hooks into vLLM | overlay modules | series tests "
         "| PR tests (vLLM's tests/) | validated on | upstream |",
@@ -29,14 +68,10 @@ def stage_table(series: Series) -> str:
             if o not in stage.vllm_tests
         )
         pr_tests = "<br>".join(f"`{t}`" for t in stage.vllm_tests) or "none"
-        switches = "<br>".join(f"`{s}`" for s in stage.switches) or "none"
-        upstream = stage.upstream_status.replace("-", " ")
-        if stage.upstream_status != "not-submitted":
-            upstream += f" ({stage.upstream_pr})"
         rows.append(
-            f"| **{stage.id}** {stage.title} | {switches} | {hooks} | {overlays} "
-            f"| `tests/{stage.tests}/` | {pr_tests} | {stage.validated_on} "
-            f"| {upstream} |"
+            f"| **{stage.id}** {stage.title} | {_switches(stage)} | {hooks} "
+            f"| {overlays} | `tests/{stage.tests}/` | {pr_tests} "
+            f"| {stage.validated_on} | {_upstream(stage)} |"
         )
     return "\n".join(rows)
 

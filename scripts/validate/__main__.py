@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``python -m scripts.validate --stage 0001 [--dry-run] [--config F] [--out D]
-[--site SITE]``"""
+"""The MI355X validation kit's command line: python -m scripts.validate."""
 
 from __future__ import annotations
 
@@ -61,16 +60,31 @@ def _report(experiment: Experiment, out: Path) -> Path:
     return write_report(experiment.stage, out, variants, command)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.validate", description=__doc__
+        prog="python -m scripts.validate",
+        description="Reproduce a stage's PR experiments on an MI355X machine: "
+        "per variant, install its code into the machine's vLLM, serve the "
+        "model, run the benchmark sweep and the accuracy tasks, check every "
+        "result and write a report. The machine's vLLM is put back as it was.",
     )
     parser.add_argument(
-        "--stage", required=True, help="0001, 0001-serving or 0003 (see seeds.toml)"
+        "--stage",
+        required=True,
+        help="the experiment: 0001, 0001-serving or 0003 (the tables of the "
+        "matrix file)",
     )
-    parser.add_argument("--config", type=Path, default=SEEDS, help="the matrix file")
     parser.add_argument(
-        "--out", type=Path, help="default: build/validate/<stage>-<time>"
+        "--config",
+        type=Path,
+        default=SEEDS,
+        help="the matrix file (default: scripts/validate/seeds.toml, the PR "
+        "texts' models, flags, input lengths and concurrencies)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where the results go (default: build/validate/<stage>-<time>)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the commands only"
@@ -81,10 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--site",
         type=Path,
-        help="the box's vLLM, the folder that holds vllm/, where each variant's "
-        "code is installed (default: the vllm this Python imports)",
+        help="the machine's vLLM, the folder that holds vllm/, where each "
+        "variant's code is installed (default: the vllm this Python imports)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = (args.out or Path("build") / "validate" / f"{args.stage}-{stamp}").resolve()
     try:

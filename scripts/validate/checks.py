@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The seeds' checks on every run: prefix caching off in the engine log (on,
+"""The PR texts' checks on every run: prefix caching off in the engine log (on,
 for an experiment that serves with it), ``total_input_tokens == num_prompts
 * ISL`` (plus a point's suffix tokens) and no failed request. A result that
 fails one is reported, never averaged in."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from scripts.validate.matrix import Point
 
-# vLLM's engine logs its config at start-up (the seed's first check).
+# vLLM's engine logs its config at start-up (the PR texts' first check).
 PREFIX_CACHING_OFF = "enable_prefix_caching=False"
 PREFIX_CACHING_ON = "enable_prefix_caching=True"
 

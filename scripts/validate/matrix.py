@@ -58,7 +58,7 @@ class Experiment:
     points: tuple[Point, ...]
     variants: tuple[Variant, ...]
     evals: tuple[tuple[str, ...], ...]
-    # The seeds ran with prefix caching off, and the log check expects it.
+    # The PR texts ran with prefix caching off, and the log check expects it.
     prefix_caching: bool = False
 
     def serve_command(self, variant: Variant) -> list[str]:

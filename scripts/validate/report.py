@@ -109,7 +109,7 @@ def write_report(stage: str, out: Path, variants: list[str], command: str) -> Pa
         "failed a check and are left out (summary.json says why).",
         "",
         "Measured: this run. PR: quoted from the stage's PR text (MI355X, the "
-        "seed's runs), where it has tables. Δ is signed so positive is better.",
+        "PR's own runs), where it has tables. Δ is signed so positive is better.",
     ]
     for isl in sorted({isl for isl, _ in points}):
         for metric, (title, higher) in METRICS.items():

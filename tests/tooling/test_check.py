@@ -9,7 +9,13 @@ from conftest import Project
 
 from scripts.series.check import HUNK_BUDGET, format_hunk_sizes, hunk_budget
 from scripts.series.config import SeriesFileError
-from scripts.series.overview import BEGIN, END, readme_table_is_current, stage_table
+from scripts.series.overview import (
+    BEGIN,
+    END,
+    readme_table_is_current,
+    stage_table,
+    wide_stage_table,
+)
 
 # 30 functions of two lines each in the synthetic vllm/ops.py.
 NEW_LINES = "".join(f"EXTRA_{i} = {i}\n" for i in range(HUNK_BUDGET + 1))
@@ -132,9 +138,18 @@ def test_a_malformed_allowance_names_its_field(project: Project, entry, field):
 def test_the_readme_stage_table_is_generated_and_checked(two_stages: Project):
     series = two_stages.series()
     table = stage_table(series)
-    assert table.splitlines()[2].startswith("| **0001** Striped indexer | none |")
-    assert "`envs.py`" in table and "`cp_indexer.py`" in table
-    assert "`tests/stage_0001/`" in table and "| not stated | not submitted |" in table
+    row = "| **0001** | Striped indexer | none | not submitted |"
+    assert table.splitlines()[2] == row
+    # The wide form (overview --wide) keeps the files each stage touches.
+    wide = wide_stage_table(series)
+    assert wide.splitlines()[2].startswith("| **0001** Striped indexer | none |")
+    assert "`envs.py`" in wide and "`cp_indexer.py`" in wide
+    assert "`tests/stage_0001/`" in wide and "| not stated | not submitted |" in wide
+    # A stage with a results page links to it.
+    (two_stages.root / "docs").mkdir()
+    (two_stages.root / "docs" / "stage_0002.md").write_text("# 0002\n")
+    assert "| [**0002**](docs/stage_0002.md) | Top-k gate |" in stage_table(series)
+    table = stage_table(series)
     readme = two_stages.root / "README.md"
     readme.write_text(f"# Series\n\n{BEGIN}\n{table}\n{END}\n\nMore.\n")
     assert readme_table_is_current(series, readme)

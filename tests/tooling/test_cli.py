@@ -417,7 +417,9 @@ def test_adding_a_stage_in_the_readmes_order(two_stages: Project):
     readme.write_text(f"# Project\n\n{BEGIN}\n{overview}\n{END}\n")
     checked = _cli(two_stages, "check")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "| **0003** Gate | `always on` | `ops.py` | `gate.py` |" in overview
+    assert "| **0003** | Gate | `always on` | not submitted |" in overview
+    wide = _cli(two_stages, "overview", "--wide").stdout
+    assert "| **0003** Gate | `always on` | `ops.py` | `gate.py` |" in wide
     again = _cli(two_stages, "apply")  # the series files rebuild the same tree
     assert again.returncode == 0 and "stage 0003: up to date" in again.stdout
 

@@ -339,6 +339,40 @@ def test_an_amended_stage_commit_is_taken_as_the_stage(two_stages: Project):
     assert patch.read_bytes() == before
 
 
+def test_a_fixup_autosquashed_into_a_lower_stage_is_taken_by_refresh(
+    two_stages: Project,
+):
+    """README, 'Change a stage', the plain-git route: with the tree at the
+    top stage, commit the edit as a fixup of stage 0001, autosquash it with
+    git's own rebase onto the base tag, then refresh: stage 0001's patch
+    takes the edit, stage 0002 keeps its own, and the tree is canonical."""
+    series = two_stages.series()
+    repo = apply(series)
+    refresh(series)
+    ops = repo / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 3\n", "return 33\n"))
+    sh(repo, "git", "commit", "-q", "-a", "--fixup", "stage/0001")
+    sh(
+        repo,
+        "env",
+        "GIT_SEQUENCE_EDITOR=:",
+        "git",
+        "rebase",
+        "-q",
+        "-i",
+        "--autosquash",
+        "base",
+    )
+    assert [s.id for s in refresh(series)] == ["0001", "0002"]
+    first = two_stages.root / "patches" / two_stages.stages[0]["patch"]
+    assert "vllm/ops.py" in read_patch(first).files
+    assert "+    return 33" in first.read_text()
+    assert "return 2020" in ops.read_text() and "return 33" in ops.read_text()
+    head = git_out(repo, "rev-parse", "HEAD")
+    apply(series)
+    assert git_out(repo, "rev-parse", "HEAD") == head and stale_files(series) == []
+
+
 def test_refresh_keeps_hand_edits_to_the_series_files(two_stages: Project):
     """A patch edited by hand after the tree was applied is newer than the
     tree: refresh must not overwrite it with the tree's older state."""

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The MI355X validation kit without a GPU: its commands are the seeds',
-its checks catch what the seeds checked, and a run against stand-in servers
+"""The MI355X validation kit without a GPU: its commands are the PR texts',
+its checks catch what the PR texts checked, and a run against stand-in servers
 keeps every result, reports a bad one, survives a server that dies and
 always stops the server."""
 
@@ -25,9 +25,9 @@ from scripts.validate.__main__ import dry_run
 from scripts.validate.checks import log_problems, result_problems
 from scripts.validate.matrix import SEEDS, MatrixError, Point, load_experiment
 
-# Quoted from the PR texts (../shared/seeds/000_646305437ececa49.txt, "All
-# three use the same vllm serve command", "Env vars for all runs",
-# "Benchmark command for each point").
+# Quoted from stage 0001's PR text ("[FEAT] Context parallel indexer for
+# GLM-5.x", not opened upstream yet): "All three use the same vllm serve
+# command", "Env vars for all runs", "Benchmark command for each point".
 SEED_0001_ENV = (
     "VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ROCM_USE_AITER=1 "
     "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=1 VLLM_ROCM_USE_AITER_FP8BMM=0 "
@@ -46,7 +46,7 @@ vllm bench serve --backend openai --base-url http://127.0.0.1:8586 \\
   --max-concurrency $CONC --num-prompts $((CONC*10)) --num-warmups $((CONC*2)) \\
   --request-rate inf --ignore-eos --save-result \\
   --percentile-metrics ttft,tpot,e2el,itl --metric-percentiles 0,75,90,99,100"""
-# ../shared/seeds/002_da81abc11475dfc2.txt (the MXFP4 indexer PR's commands).
+# Stage 0003's PR text (vllm-project/vllm#61985), its benchmark command.
 SEED_0003_BENCH = """\
 vllm bench serve --backend vllm --model amd/GLM-5.2-MXFP4 --dataset-name random \\
   --random-input-len 131072 --random-output-len 1024 --ignore-eos --temperature 0 \\
