@@ -408,8 +408,9 @@ def test_the_profiling_run_reserves_the_merge(monkeypatch, cp):
     """The dummy run returns before any merge, so the memory profile sees the
     merge's transient only if the op's profiling branch reserves it with the
     logits: the gathered rows of the top-k buffer (a rank's own rows are a
-    view of it), 64 rows x 16 columns x 4 bytes (int32) = 4,096 bytes once
-    the startup at tp 2 planned splits, nothing with the flag off. The op's
+    view of it), 64 rows x 16 columns x 4 bytes (int32) = 4,096 bytes at tp 2
+    with the split on (the profiling run comes before the metadata builders,
+    so it decides from the settings itself), nothing with it off. The op's
     own torch.empty calls are recorded; the sizes are worked out here, not
     by cp_indexer_merge_bytes."""
     import vllm.envs as envs
@@ -422,13 +423,6 @@ def test_the_profiling_run_reserves_the_merge(monkeypatch, cp):
     monkeypatch.setattr(
         rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=2)
     )
-    monkeypatch.setattr(rocm_cp_indexer, "_SPLITS_PLANNED", False)
-    monkeypatch.setattr(rocm_cp_indexer, "_check_ranks_agree", lambda settings: None)
-    with emulate_rocm("gfx950"):
-        planner = rocm_cp_indexer.cp_indexer_at_startup(
-            indexer_batch.make_vllm_config(tp_size=2), 1, False
-        )
-    assert (planner is not None) == cp
     real_empty = torch.empty
     sizes: list[int] = []
 

@@ -164,10 +164,27 @@ def _vllm_config(folder, device):
     )
 
 
+@pytest.fixture
+def workspace_manager():
+    """vLLM's workspace manager, which the model runner sets up, for this
+    test only."""
+    from vllm.v1.worker import workspace
+
+    device = torch.device("cuda" if current_platform.is_rocm() else "cpu")
+    if workspace.is_workspace_manager_initialized():
+        yield
+        return
+    workspace.init_workspace_manager(device)
+    yield
+    workspace.reset_workspace_manager()
+
+
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
 @pytest.mark.parametrize("requests", STEPS)
-def test_padded_decodes_leave_the_prefill_rows_alone(requests, tmp_path, monkeypatch):
+def test_padded_decodes_leave_the_prefill_rows_alone(
+    requests, tmp_path, monkeypatch, workspace_manager
+):
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import create_forward_context, override_forward_context
     from vllm.v1.attention.backends.mla.indexer import (
@@ -179,8 +196,8 @@ def test_padded_decodes_leave_the_prefill_rows_alone(requests, tmp_path, monkeyp
         FP8_DTYPE,
         rocm_aiter_sparse_attn_indexer,
     )
+    from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
-    from vllm.v1.worker import workspace
 
     device = torch.device("cuda" if current_platform.is_rocm() else "cpu")
     # Before the stand-ins: the model's inspection asks the real platform.
@@ -188,10 +205,8 @@ def test_padded_decodes_leave_the_prefill_rows_alone(requests, tmp_path, monkeyp
     if device.type == "cpu":
         _stand_in_for_rocm_on_cpu(monkeypatch)
     _key_scores(monkeypatch)
-    if not workspace.is_workspace_manager_initialized():
-        workspace.init_workspace_manager(device)
 
-    pages = [-(-(c + q) // PAGE) for c, q in requests]
+    pages = [cdiv(c + q, PAGE) for c, q in requests]
     block_table = torch.zeros(len(requests), MAX_MODEL_LEN // PAGE, dtype=torch.int32)
     for req, first in enumerate(torch.tensor([0, *pages]).cumsum(0)[:-1].tolist()):
         block_table[req, : pages[req]] = torch.arange(first, first + pages[req])

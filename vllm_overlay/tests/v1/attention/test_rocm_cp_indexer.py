@@ -327,18 +327,36 @@ def test_candidate_blocks_keep_the_prefill_replicated():
     assert window is not None and window.batch_rows == slice(0, 16)
 
 
-def test_the_profile_reserves_the_gathered_rows_once_a_split_is_planned(cp_on):
-    """The profiling run reserves the merge's gathered rows (every row of the
-    buffer at most) once a builder of the engine plans splits, and nothing
-    while none does: an unsafe configuration, or the flag off."""
+def test_the_profile_reserves_the_gathered_rows_when_a_split_may_run(cp_on):
+    """The profiling run, which runs before the metadata builders exist,
+    reserves the merge's gathered rows (every row of the buffer at most)
+    when the builders will split: the flag on, a TP group of two or more,
+    and no unsafe configuration; nothing otherwise."""
+    from vllm.config import set_current_vllm_config
+
     buffer = torch.empty(64, 2048, dtype=torch.int32)
-    cp_on.setattr(rocm_cp_indexer, "_SPLITS_PLANNED", False)
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
-    assert _at_startup(4, dcp=2) is None  # unsafe: stays replicated
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
-    assert _at_startup(4) == 512
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 64 * 2048 * 4
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0  # no TP group
+    cp_on.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
+    cp_on.setattr(
+        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
+    )
+    gathered = 64 * 2048 * 4
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == gathered
     assert rocm_cp_indexer.cp_indexer_merge_bytes(None) == 0
+    with set_current_vllm_config(_config("FULL", tp=4)):  # unsafe: replicated
+        assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
+    with set_current_vllm_config(_config(tp=4)):
+        assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == gathered
+    cp_on.setattr(
+        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=1)
+    )
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
+    cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
+    rocm_aiter_ops.refresh_env_variables()
+    cp_on.setattr(
+        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
+    )
+    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
 
 
 @pytest.mark.parametrize("gfx942", [True, False])

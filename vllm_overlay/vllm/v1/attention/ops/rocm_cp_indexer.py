@@ -79,13 +79,16 @@ def unsafe_config_reason(
     return None
 
 
-# The startup agreement already made in this process, by its local inputs:
-# every rank builds the same builders in the same order, so every rank skips
-# (or runs) the collective for the same builders.
-_AGREED: set[tuple] = set()
-# Whether a builder of this process plans splits, for the profiling run's
-# reservation, which sees no metadata.
-_SPLITS_PLANNED = False
+def _off_reason(
+    vllm_config: VllmConfig, dcp_world_size: int, use_pcp: bool, fp4_cache: bool
+) -> str | None:
+    """Why this engine's prefill stays replicated with the flag on, if it
+    does: an unsafe configuration, or an FP4 indexer cache, whose op scores
+    every prefill row on every rank."""
+    if fp4_cache:
+        # Only rocm_aiter_sparse_attn_indexer (the FP8 cache) splits rows.
+        return "the MXFP4 indexer cache's op does not split prefill rows"
+    return unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
 
 
 def _check_ranks_agree(settings: dict[str, object]) -> None:
@@ -93,9 +96,6 @@ def _check_ranks_agree(settings: dict[str, object]) -> None:
     decision; raise on every rank, naming what differs and each rank's
     value, if they do not (a rank that merges while another does not would
     wait alone in the collective; other settings would cut differently)."""
-    key = tuple(settings.items())
-    if key in _AGREED:
-        return
     group = get_tp_group()
     gathered: list[dict[str, object]] = [{}] * group.world_size
     torch.distributed.all_gather_object(gathered, settings, group=group.cpu_group)
@@ -107,7 +107,6 @@ def _check_ranks_agree(settings: dict[str, object]) -> None:
                 f"{name} differs across the TP ranks ({per_rank}); the CP "
                 "indexer needs the same on every rank"
             )
-    _AGREED.add(key)
 
 
 def _logits_fill_their_chunk() -> bool:
@@ -137,10 +136,9 @@ def cp_indexer_at_startup(
     it decides (the flag, the stripe size, an unsafe configuration, or an FP4
     indexer cache, ``fp4_cache``, whose op scores every prefill row on every
     rank), then checks that the TP ranks agree on the decision and on every
-    setting that shapes the plan (one collective on the TP group's CPU group
-    per process and setting), and only then raises on a bad setting or says
-    why the split stays off."""
-    global _SPLITS_PLANNED
+    setting that shapes the plan (one collective on the TP group's CPU
+    group), and only then raises on a bad setting or says why the split
+    stays off."""
     # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
@@ -156,22 +154,22 @@ def cp_indexer_at_startup(
         stripe = envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
     except ValueError as error:
         stripe = str(error)
-    reason: str | None = None
-    if not enabled:
-        reason = f"{ENABLE_ENV} is off"
-    elif fp4_cache:
-        # Only rocm_aiter_sparse_attn_indexer (the FP8 cache) splits rows.
-        reason = "the MXFP4 indexer cache's op does not split prefill rows"
-    else:
-        reason = unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
+    reason = (
+        _off_reason(vllm_config, dcp_world_size, use_pcp, fp4_cache)
+        if enabled
+        else f"{ENABLE_ENV} is off"
+    )
     fill = _logits_fill_their_chunk()
     settings: dict[str, object] = {
         ENABLE_ENV: enabled,
         "the CP indexer's decision": reason or "split",
     }
-    if reason is None:
-        # What shapes the plan: the cuts, the chunks, the row costs.
+    if enabled:
+        # Compared whenever it is read: a rank that cannot read it raises
+        # below, and must not be the only one to.
         settings[STRIPE_SIZE_ENV] = stripe
+    if reason is None:
+        # What shapes the plan: the chunks and the row costs.
         settings["VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"] = (
             envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB
         )
@@ -192,7 +190,6 @@ def cp_indexer_at_startup(
         tp_size,
         stripe,
     )
-    _SPLITS_PLANNED = True
     return CPIndexerPlanner(tp_size, stripe, LOGITS_FILL_DIVISOR if fill else None)
 
 
@@ -419,12 +416,36 @@ class CPIndexerPrefill:
 
 
 def cp_indexer_merge_bytes(topk_indices_buffer: torch.Tensor | None) -> int:
-    """The merge's transient when a builder of this engine plans splits,
+    """The merge's transient when this engine's builders will plan splits,
     else 0: the gathered rows, at most every row of the buffer (a rank's own
     rows are a view of the buffer when top-k spans its width, as the indexer
     allocates it). The profiling run reserves it, since it returns before
-    any merge."""
-    if topk_indices_buffer is None or not _SPLITS_PLANNED:
+    any merge; it runs before the metadata builders exist, so the decision
+    is worked out again here from the settings and the process groups, and
+    taken as a split where the configuration is not at hand."""
+    from vllm._aiter_ops import rocm_aiter_ops
+    from vllm.config import get_current_vllm_config_or_none
+
+    if (
+        topk_indices_buffer is None
+        or not current_platform.is_rocm()
+        or not rocm_aiter_ops.is_cp_indexer_enabled()
+        or not model_parallel_is_initialized()
+        or get_tp_group().world_size < 2
+    ):
         return 0
+    config = get_current_vllm_config_or_none()
+    if config is not None:
+        from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+
+        parallel = config.parallel_config
+        reason = _off_reason(
+            config,
+            parallel.decode_context_parallel_size,
+            parallel.prefill_context_parallel_size > 1,
+            dsa_indexer_uses_fp4(config),
+        )
+        if reason is not None:
+            return 0
     rows, width = topk_indices_buffer.shape[:2]
     return rows * width * topk_indices_buffer.element_size()
