@@ -187,6 +187,7 @@ def test_padded_decodes_leave_the_prefill_rows_alone(
 ):
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.utils.math_utils import cdiv
     from vllm.v1.attention.backends.mla.indexer import (
         DeepseekV32IndexerMetadataBuilder,
         get_max_prefill_buffer_size,
@@ -196,7 +197,6 @@ def test_padded_decodes_leave_the_prefill_rows_alone(
         FP8_DTYPE,
         rocm_aiter_sparse_attn_indexer,
     )
-    from vllm.utils.math_utils import cdiv
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     device = torch.device("cuda" if current_platform.is_rocm() else "cpu")
