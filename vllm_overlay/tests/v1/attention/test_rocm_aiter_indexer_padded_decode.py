@@ -166,7 +166,7 @@ def _vllm_config(folder, device):
 
 @pytest.fixture
 def workspace_manager():
-    """vLLM's workspace manager, which the model runner sets up, for this
+    """The workspace manager, which vLLM's model runner sets up, for this
     test only."""
     from vllm.v1.worker import workspace
 
