@@ -282,7 +282,8 @@ def check_patches(session: nox.Session) -> None:
 def export(session: nox.Session) -> None:
     """Each stage as an upstream PR, on the pinned vLLM and on each rebased
     series' target (build/export/<base>/, pr/<id>), checked as a maintainer
-    takes it: `git am`, then its tests with plain pytest;
+    takes it: `git am`, then its tests with plain pytest on a CPU and as AMD
+    CI's MI300/MI355 machines run them (ROCm emulated, AITER on and off);
     -- --signoff 'NAME <EMAIL>' (default: your git identity)."""
     python = str(Path(session.virtualenv.location) / "bin" / "python")
     for series_file in (SERIES_FILE, *REBASED):
