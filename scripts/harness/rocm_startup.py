@@ -100,7 +100,6 @@ def _run(scenario: dict[str, Any], workdir: Path) -> dict[str, Any]:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
-
     from vllm.v1.attention.backends.mla import rocm_dsa_mxfp4_config
 
     aiter_ops.IS_AITER_FOUND = scenario.get("aiter_installed", True)
