@@ -2,7 +2,7 @@
 """Per-row top-k stand-ins with the contracts of the kernels they stand for.
 
 Contract points, with their sources (AITER at ROCm/aiter commit e4048607;
-see shared/AITER_CONTRACTS.md, which records the lines):
+docs/aiter_contracts.md gives each point's lines):
 
 - Logits are fp32 ``[rows, width]``; indices are int32 ``[rows, >= k]``.
 - A row's valid columns are ``[start, end)``. It yields ``min(end - start,
@@ -26,7 +26,7 @@ see shared/AITER_CONTRACTS.md, which records the lines):
   with 2-D ``[B, next_n]`` vLLM's kernel ends it at ``seq_lens.flatten()[r]``
   (assumption from vLLM's own tests; AITER reads a raw pointer, so a 2-D
   tensor is the 1-D rule over its flattened values). Negative ends count as 0.
-- ``rowEnd`` is not clamped to the logits width (.cu, per AITER_CONTRACTS):
+- ``rowEnd`` is not clamped to the logits width (.cu L2186-2202):
   columns at or past the width read memory the stand-in fills with poison.
 - AITER's kernel uses ``stride0`` as the row pitch and ignores ``stride1``
   (.cu ~L2826), and writes row ``r`` at ``indices + r * k`` whatever the
