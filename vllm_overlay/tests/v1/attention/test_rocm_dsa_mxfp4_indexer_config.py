@@ -184,14 +184,11 @@ def test_a_layer_asks_once_and_says_when_the_cache_is_on(
     )
     config = _config(kv_dtype=kv_dtype)
     assert indexer_uses_mxfp4_cache(config, HEAD_DIM) is logged
-    assert lines == (
-        [
-            "DSA indexer: MXFP4 K cache on (indexer_kv_dtype='mxfp4'), 68 bytes "
-            "per token, scored in place by aiter's paged MXFP4 MQA-logits kernel."
-        ]
-        if logged
-        else []
+    said = (
+        "DSA indexer: MXFP4 K cache on (indexer_kv_dtype='mxfp4'), 68 bytes "
+        "per token, scored in place by aiter's paged MXFP4 MQA-logits kernel."
     )
+    assert lines == ([said] if logged else [])
 
 
 @pytest.mark.cpu_test
