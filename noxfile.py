@@ -370,8 +370,10 @@ def export(session: nox.Session) -> None:
 
     For the pinned vLLM and each rebased series' target (build/export/<base>/,
     branch pr/<id>): git am on the base, its pre-commit, its tests with plain
-    pytest. -- 0001 exports one stage (and those it needs); -- --signoff
-    'NAME <EMAIL>' signs off as someone other than your git identity.
+    pytest on a CPU and as AMD CI's MI300 and MI355 machines run them (ROCm
+    emulated, AITER on and off). -- 0001 exports one stage (and those it
+    needs); -- --signoff 'NAME <EMAIL>' signs off as someone other than your
+    git identity.
     """
     python = str(Path(session.virtualenv.location) / "bin" / "python")
     parsed = _check_args(session, "export", "--test-python", python, *session.posargs)

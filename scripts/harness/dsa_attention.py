@@ -143,6 +143,9 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
             prefix=f"{LAYER}.indexer.k_cache",
             cache_config=config.cache_config,
         )
+        # As DeepseekV32ROCmIndexer.__init__ does: the cache takes the
+        # indexer's one MXFP4 decision (made by k_cache_row_bytes).
+        cache.mxfp4 = shape.mxfp4
         cache.kv_cache = torch.zeros(4, page, row, dtype=torch.uint8)
         heads, dim = model.index_n_heads, model.index_head_dim
         indexer = SimpleNamespace(

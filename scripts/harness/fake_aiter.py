@@ -34,8 +34,8 @@ MODULES = (
 )
 POISON = adversary.POISON
 # fp8_mqa_logits pads each logits row to a multiple of this many columns
-# and returns a view (ROCm/aiter aiter/ops/triton fp8_mqa_logits wrapper,
-# ~L81-128, per shared/AITER_CONTRACTS.md): stride(0) != N.
+# and returns a view (ROCm/aiter e4048607 aiter/ops/triton/attention/
+# fp8_mqa_logits.py L114-128; docs/aiter_contracts.md): stride(0) != N.
 LOGITS_ROW_ALIGN = 256
 
 
@@ -95,7 +95,7 @@ def _deepgemm_fp8_paged_mqa_logits(
     """AITER's paged decode logits: row (b, j) of ``next_n`` scores keys
     ``[0, context_lens[b] - next_n + j + 1)``; the rest of the row is left
     undefined (here: garbage). AITER asserts the cache's block size equals
-    ``KVBlockSize`` (pa_mqa_logits wrapper ~L500, per AITER_CONTRACTS)."""
+    ``KVBlockSize`` (pa_mqa_logits.py L500 at e4048607; docs/aiter_contracts.md)."""
 
     batch, next_n, heads, head_dim = q_fp8.shape
     assert kv_cache.shape[1] == KVBlockSize, (

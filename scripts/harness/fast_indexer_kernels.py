@@ -9,8 +9,8 @@ AITER, which hides every host cost behind GPU time. These are written for
 speed, not for adversarial contracts:
 
 - ``mqa_logits``: one Triton kernel for AITER's ``fp8_mqa_logits`` contract
-  (ROCm/aiter ``aiter/ops/triton/...fp8_mqa_logits``, lines ~81-128; see
-  ../shared/AITER_CONTRACTS.md): ``logits[i, j] = sum_h w[i, h] *
+  (ROCm/aiter ``aiter/ops/triton/attention/fp8_mqa_logits.py``, lines
+  81-128 at e4048607; see docs/aiter_contracts.md): ``logits[i, j] = sum_h w[i, h] *
   relu(q[i, h] . k[j] * scale[j])`` for keys ``ks[i] <= j < ke[i]``, -inf
   elsewhere; fp8 e4m3 dot products, tiles of keys outside a row block's
   range skipped (the causal half of a fresh prompt).

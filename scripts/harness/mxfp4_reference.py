@@ -7,8 +7,8 @@ reader.
 Nothing here shares code with the Triton writer.
 
 Quantiser (ROCm/aiter quant.py ``_mxfp4_quant_op``, scaling mode 1, as
-``k_norm_rope_mxfp4_cache`` at commit 689b79d5 calls it; the rule is quoted
-in shared/AITER_CONTRACTS.md from quant.py ~L150-152): ``ratio = max(amax,
+``k_norm_rope_mxfp4_cache`` at commit 689b79d5 calls it; docs/aiter_contracts.md,
+"The MXFP4 quantiser the cache must match"): ``ratio = max(amax,
 6 * 2^-126) / 6`` in float32, scale byte ``(bits(ratio) + 0x7FFFFF) >> 23``;
 values ``x / 2^(byte - 127)`` rounded by ml_dtypes' own cast (nearest, ties
 to even, saturating at +-6). amax ignores NaN (AITER), and NaN elements are

@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
-    check_mxfp4_indexer_cache,
+    MXFP4_BLOCK_SIZE,
     mxfp4_paged_cache_store,
     mxfp4_quantize,
 )
 from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.rocm_dsa_mxfp4_cache import check_mxfp4_indexer_cache
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import RocmPagedMxfp4CacheLayout
 
 # Keys per program and warps: the fastest of 1-128 keys x 1-8 warps on an
@@ -73,7 +74,12 @@ def indexer_k_mxfp4_quant_and_cache(
     the key's LayerNorm and RoPE, as a kernel of its own."""
     num_tokens, head_dim = k.shape
     assert k.stride(1) == 1 and slot_mapping.shape == (num_tokens,)
-    check_mxfp4_indexer_cache(kv_cache, head_dim, layout)
+    check_mxfp4_indexer_cache(kv_cache, head_dim)
+    # The layout is the test's own here, not one rocm_paged_mxfp4_cache_layout
+    # checked against AITER's cache_format: check that it tiles the page.
+    npt, dpt, lanes = layout
+    assert not (kv_cache.shape[1] % npt or (head_dim // 2) % dpt), layout
+    assert not (head_dim // MXFP4_BLOCK_SIZE) % lanes, layout
     if num_tokens == 0:
         return
     _indexer_k_mxfp4_quant_and_cache_kernel[(triton.cdiv(num_tokens, TOKENS),)](

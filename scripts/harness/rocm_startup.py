@@ -20,11 +20,13 @@ compiled ops layers look up (``torch.ops._C``) fail only if called.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
 import traceback
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
@@ -98,6 +100,7 @@ def _run(scenario: dict[str, Any], workdir: Path) -> dict[str, Any]:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.attention.backends.mla import rocm_dsa_mxfp4_config
 
     aiter_ops.IS_AITER_FOUND = scenario.get("aiter_installed", True)
     os.environ["VLLM_ROCM_USE_AITER"] = scenario.get("use_aiter", "1")
@@ -120,7 +123,18 @@ def _run(scenario: dict[str, Any], workdir: Path) -> dict[str, Any]:
         config.device_config.device = torch.device("cpu")
         current_platform.device_type = "cpu"
         ensure_workspace(torch.device("cpu"))
-        with set_current_vllm_config(config):
+        # Count the MXFP4 startup checks model construction runs, and keep
+        # what the MXFP4 cache module logs at INFO.
+        checks = patch.object(
+            rocm_dsa_mxfp4_config,
+            "check_dsa_mxfp4_indexer_config",
+            wraps=rocm_dsa_mxfp4_config.check_dsa_mxfp4_indexer_config,
+        )
+        with (
+            set_current_vllm_config(config),
+            checks as counted,
+            _kept_log(MXFP4_CACHE_LOGGER) as logged,
+        ):
             parallel_state.init_distributed_environment(
                 1, 0, f"tcp://127.0.0.1:{free_port()}", 0, backend="gloo"
             )
@@ -147,7 +161,36 @@ def _run(scenario: dict[str, Any], workdir: Path) -> dict[str, Any]:
         }
     finally:
         vars(current_platform).pop("device_type", None)
-    return {"block_size": config.cache_config.block_size, "layers": layers}
+    return {
+        "block_size": config.cache_config.block_size,
+        "layers": layers,
+        "mxfp4_checks": counted.call_count,
+        "mxfp4_log": logged,
+    }
+
+
+# The module that says, once, that the MXFP4 indexer cache is on.
+MXFP4_CACHE_LOGGER = "vllm.v1.attention.ops.rocm_dsa_mxfp4_cache"
+
+
+@contextmanager
+def _kept_log(name: str) -> Iterator[list[str]]:
+    """The messages logger ``name`` emits at INFO and above while open, kept
+    instead of printed (vLLM's own level here is WARNING)."""
+    kept: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: kept.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield kept
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 """Per-row top-k stand-ins with the contracts of the kernels they stand for.
 
 Contract points, with their sources (AITER at ROCm/aiter commit e4048607;
-see shared/AITER_CONTRACTS.md, which records the lines):
+docs/aiter_contracts.md gives each point's lines):
 
 - Logits are fp32 ``[rows, width]``; indices are int32 ``[rows, >= k]``.
 - A row's valid columns are ``[start, end)``. It yields ``min(end - start,
@@ -26,7 +26,7 @@ see shared/AITER_CONTRACTS.md, which records the lines):
   with 2-D ``[B, next_n]`` vLLM's kernel ends it at ``seq_lens.flatten()[r]``
   (assumption from vLLM's own tests; AITER reads a raw pointer, so a 2-D
   tensor is the 1-D rule over its flattened values). Negative ends count as 0.
-- ``rowEnd`` is not clamped to the logits width (.cu, per AITER_CONTRACTS):
+- ``rowEnd`` is not clamped to the logits width (.cu L2186-2202):
   columns at or past the width read memory the stand-in fills with poison.
 - AITER's kernel uses ``stride0`` as the row pitch and ignores ``stride1``
   (.cu ~L2826), and writes row ``r`` at ``indices + r * k`` whatever the
@@ -225,6 +225,26 @@ def aiter_top_k_per_row_prefill(
         )
 
 
+def aiter_one_block_workspace_bytes(num_rows: int, stride0: int) -> int:
+    """Bytes of the workspace AITER's one-block top-k asks for:
+    ``topk_ob_workspace_size(numRows, stride0, k, is_decode)`` (ROCm/aiter
+    e4048607, csrc/kernels/topk_per_row_kernels.cu L2733-2742, through
+    ``query_ob_workspace`` L2697-2711, which passes ``stride0`` as the row
+    length): ``standalone_stable_radix_topk_one_block_`` (L2532; L2552-2556)
+    sizes ``calc_buf_len(len) * 2 * (sizeof(float) + sizeof(int32)) * rows``,
+    and ``calc_aligned_size`` (L2350-2359) rounds that up to 256 bytes and
+    adds 255; the one-block ``calc_buf_len`` (L984-995) is ``len / 32``
+    rounded down to a multiple of 64. Neither k nor the phase enters."""
+    buf_len = (stride0 // 32) // 64 * 64
+    size = buf_len * 2 * (4 + 4) * num_rows
+    return (size + 255) // 256 * 256 + 255
+
+
+# The workspace sizes AITER's top-k stand-ins allocated, in call order (for
+# tests of what the memory profiling run reserves); tests clear it.
+WORKSPACE_LOG: list[int] = []
+
+
 def aiter_top_k_per_row_decode(
     logits,
     next_n,
@@ -238,8 +258,15 @@ def aiter_top_k_per_row_decode(
     stable=False,
 ):
     """AITER's ``top_k_per_row_decode`` (aiter/ops/topk.py ~L449): no
-    ``values``; row bounds from a raw ``seqLens`` pointer (.cu ~L2198)."""
+    ``values``; row bounds from a raw ``seqLens`` pointer (.cu ~L2198).
+    Like the wrapper (topk.py L449-486; the .cu's decode entry L2928-2973
+    runs the one-block kernel only), it allocates that kernel's workspace
+    for the call (topk.py L472-473, ``torch.empty`` in L364-375), while the
+    caller's logits exist."""
     _check(logits, indices, k)
+    size = aiter_one_block_workspace_bytes(numRows, stride0)
+    scratch = torch.empty(max(1, size), dtype=torch.uint8, device=logits.device)
+    WORKSPACE_LOG.append(scratch.numel())
     if seqLens.dtype != torch.int32:
         raise TypeError(f"seqLens must be int32, got {seqLens.dtype}")
     ends = decode_row_ends(seqLens.reshape(-1), next_n, numRows)

@@ -152,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PYTHON",
         help="then check each PR as a maintainer would: git am on the base "
         "(after the PRs it needs), and the tests it adds, with plain pytest in "
-        "this Python",
+        "this Python on a CPU and as AMD CI's MI300/MI355 machines run them "
+        "(ROCm emulated, AITER on and off)",
     )
     sub.add_parser("stages", help="print 'base' and the stage ids, in order")
     view = sub.add_parser("overview", help="print the README's stage table")
@@ -561,8 +562,9 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
             check_prs(series, prs, args.test_python)
             print(
                 f"each PR applies with `git am` on {series.base.label}, passes "
-                "its pre-commit and first-pass checks, and its tests pass there "
-                "with plain pytest (each PR's items: <patch>.review.md)"
+                "its pre-commit and first-pass checks, and its tests pass or "
+                "skip with a reason there, on a CPU and as MI300/MI355 with "
+                "AITER on and off (each PR's items: <patch>.review.md)"
             )
     elif args.command == "overview":
         print(wide_stage_table(series) if args.wide else stage_table(series))

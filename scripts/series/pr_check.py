@@ -5,8 +5,9 @@ the base, after the patches of the PRs it needs; its title and sign-off as
 exported, and its message unchanged by an editor; the target's own
 pre-commit on its files (``vllm_precommit``); its Buildkite wiring and
 import layering (``maintainer_checks``); the tests it adds to vLLM's tests/
-passing there with plain pytest. Each PR's items are written beside its
-patch (``<patch>.review.md``).
+passing there with plain pytest on a CPU and as AMD CI's machines run them
+(``pr_views``: MI300 and MI355 emulated, AITER on and off), each view an
+item. Each PR's items are written beside its patch (``<patch>.review.md``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +27,8 @@ from scripts.series.config import Series
 from scripts.series.export import PullRequest
 from scripts.series.git import git, git_out
 from scripts.series.layout import build_dir, workdir
+from scripts.series.pr_views import VIEWS, View, missing_platform, run_view, verdict
 from scripts.series.state import read_chain
-from scripts.series.testrun import run_pr_tests
 from scripts.series.vllm_precommit import hook_python, hook_results, run_in_project
 
 
@@ -147,20 +149,28 @@ def _first_pass(
     else:
         _precommit(cache, tree, names, python, items)
     if pr.stage.vllm_tests:
-        log = tree.parent / "pr.log"
-        tally = run_pr_tests(
-            python, tree, pr.stage.vllm_tests, tree.parent / "pr.xml", log
-        )
-        ok = bool(tally.passed) and not tally.failed
-        detail = (
-            f"{tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped"
-        )
-        if tally.failures:
-            detail += ": " + ", ".join(tally.failures[:5])
-        if tally.first_error:
-            detail += f"; first error: {tally.first_error} (output in {log})"
-        tests = ", ".join(pr.stage.vllm_tests)
-        items.append(Item(f"its tests with plain pytest ({tests})", ok, detail))
+        items += _tests_in_every_view(pr, python, tree)
+
+
+def _tests_in_every_view(pr: PullRequest, python: str, tree: Path) -> list[Item]:
+    """The PR's tests as each machine of ``pr_views.VIEWS`` runs them, side
+    by side (one per CPU): one item per view."""
+    paths = pr.stage.vllm_tests
+    tests = ", ".join(paths)
+
+    def run(view: View) -> Item:
+        if view.arch is None:
+            check = f"its tests with plain pytest on a CPU ({tests})"
+        else:
+            check = f"its tests as {view.label} runs them, emulated on a CPU ({tests})"
+        if why := missing_platform(view, tree):
+            return Item(check, True, why, ran=False)
+        junit, log = (tree.parent / f"pr-{view.key}.{ext}" for ext in ("xml", "log"))
+        ok, detail = verdict(view, run_view(view, python, tree, paths, junit, log))
+        return Item(check, ok, detail)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(run, VIEWS))
 
 
 def _precommit(
@@ -198,7 +208,9 @@ def with_checks(description: str, base: str, items: list[Item]) -> str:
         f"Checked on a checkout of {base} as a maintainer takes the PR (`git am`, "
         "then the tree's own pre-commit on the PR's files at the versions its "
         "`.pre-commit-config.yaml` pins, the Buildkite steps that run its "
-        "tests, its imports, its tests with plain pytest):\n\n"
+        "tests, its imports, its tests with plain pytest on a CPU and as AMD "
+        "CI's MI300 and MI355 steps run them, with AITER on and off: vLLM's "
+        "ROCm platform emulated on a CPU, no AMD GPU):\n\n"
         f"| check | result |\n|---|---|\n{rows}\n"
     )
     description = re.sub(

@@ -75,12 +75,15 @@ def _indexer_cache(config, prefix: str):
     torch.nn.Module.__init__(indexer)
     indexer.head_dim, indexer.quant_block_size = HEAD_DIM, 128
     with set_current_vllm_config(config):
-        return DeepseekV32ROCmIndexerCache(
+        cache = DeepseekV32ROCmIndexerCache(
             head_dim=indexer.k_cache_row_bytes(config),
             dtype=torch.uint8,
             prefix=prefix,
             cache_config=config.cache_config,
         )
+    # As DeepseekV32ROCmIndexer.__init__ does after building it.
+    cache.mxfp4 = indexer.mxfp4
+    return cache
 
 
 @pytest.mark.parametrize("block_size", [64, 128])

@@ -124,6 +124,34 @@ def test_fused_norm_rope_writes_mxfp4_cache(interleave, entries, layout):
     assert cache.any()
 
 
+def test_fused_norm_rope_refuses_an_mxfp4_head_dim_that_is_no_power_of_two():
+    """The MXFP4 store's tl.arange extents (D // 2 values, D // 32 scales)
+    must be powers of two: a 96-value index key stops at an assert naming the
+    head dim, not at a Triton compile error."""
+    tokens, dim = 2, 96
+    with pytest.raises(AssertionError, match="power-of-two head dim, got 96"):
+        fused_norm_rope(
+            torch.zeros(tokens, dtype=torch.int64),
+            torch.randn(tokens, 64).to(torch.bfloat16),
+            torch.ones(64),
+            1e-6,
+            torch.randn(tokens, 64).to(torch.bfloat16),
+            torch.ones(64),
+            1e-6,
+            torch.randn(tokens, ROPE_DIM).to(torch.bfloat16),
+            _cos_sin(),
+            torch.randn(tokens, dim).to(torch.bfloat16),
+            torch.ones(dim),
+            torch.zeros(dim),
+            1e-6,
+            _cos_sin(),
+            torch.zeros(tokens, 64, dtype=torch.int32),
+            slot_mapping=torch.arange(tokens),
+            indexer_k_cache=torch.zeros(1, 64, dim // 2 + dim // 32, dtype=torch.uint8),
+            indexer_cache_mxfp4_layout=LAYOUTS[0],
+        )
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_fused_norm_rope_follows_the_page_stride_of_vllms_pool(layout):
     """vLLM hands the indexer cache as a strided view into its block-major

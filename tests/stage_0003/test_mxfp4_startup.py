@@ -132,6 +132,20 @@ def test_the_documented_command_starts_with_64_token_pages(started):
     assert len(result["layers"]) == 4  # two MLA layers, two indexer caches
 
 
+def test_each_indexer_layer_checks_once_and_the_model_says_it_once(started):
+    """Two indexer layers: the MXFP4 startup checks run once per layer (not
+    once for the row size and again for the cache), and one INFO line says
+    the MXFP4 cache is on."""
+    result = started["documented command"]
+    assert result["mxfp4_checks"] == 2
+    assert result["mxfp4_log"] == [
+        "DSA indexer: MXFP4 K cache on (indexer_kv_dtype='mxfp4'), 68 bytes per "
+        "token, scored in place by aiter's paged MXFP4 MQA-logits kernel."
+    ]
+    fp8 = started["fp8 default"]
+    assert fp8["mxfp4_checks"] == 0 and fp8["mxfp4_log"] == []
+
+
 def test_a_given_block_size_of_128_is_kept(started):
     result = started["block size 128"]
     assert _indexer_layers(result) == {("DEEPSEEK_V32_ROCM_MXFP4_INDEXER", 128 * 68)}

@@ -12,9 +12,9 @@ vLLM's own metadata builder makes the step. Every row has fewer keys than
 top-k, so a row's top-k is all of its causal keys, whatever the kernels'
 order or tie choice: the logits kernels are replaced by scores that are 0
 over each row's keys and -inf elsewhere (the result does not depend on the
-keys' values). On ROCm the top-k kernels are the real ones; on a CPU the
-ROCm checks and the top-k kernels are stood in (and the Triton kernels need
-TRITON_INTERPRET=1).
+keys' values). On a ROCm GPU the top-k kernels are the real ones; without a
+GPU the ROCm checks and the top-k kernels are stood in (and the Triton
+kernels need TRITON_INTERPRET=1).
 """
 
 import json
@@ -199,7 +199,8 @@ def test_padded_decodes_leave_the_prefill_rows_alone(
     )
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    device = torch.device("cuda" if current_platform.is_rocm() else "cpu")
+    # The GPU where there is one; else the CPU, with the stand-ins below.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Before the stand-ins: the model's inspection asks the real platform.
     config = _vllm_config(tmp_path, device)
     if device.type == "cpu":

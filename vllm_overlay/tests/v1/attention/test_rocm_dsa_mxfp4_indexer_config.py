@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The MXFP4 indexer K cache of DeepSeek-V3.2-style DSA models on ROCm: its
-68-byte row, who may turn it on with ``indexer_kv_dtype='mxfp4'``, the
-startup error everyone else gets, and the cache shapes the writer refuses.
+68-byte row, who may turn it on with ``indexer_kv_dtype='mxfp4'`` (and the
+one line that says it is on), the startup error everyone else gets, and the
+caches and AITER page layouts a layer refuses.
 
 The rules are host-side, so they run on any machine with the ROCm platform,
 the CDNA generation and AITER's presence patched the way vLLM's other ROCm
@@ -21,13 +22,16 @@ import vllm._aiter_ops as aiter_ops
 from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import AttentionConfig
 from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
-    LayerMxfp4CacheLayout,
-    check_mxfp4_indexer_cache,
     mxfp4_indexer_row_bytes,
 )
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
-from vllm.v1.attention.ops import rocm_paged_mxfp4_indexer
+from vllm.v1.attention.ops import rocm_dsa_mxfp4_cache, rocm_paged_mxfp4_indexer
+from vllm.v1.attention.ops.rocm_dsa_mxfp4_cache import (
+    LayerMxfp4CacheLayout,
+    check_mxfp4_indexer_cache,
+    indexer_uses_mxfp4_cache,
+)
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import RocmPagedMxfp4CacheLayout
 
 HEAD_DIM = 128
@@ -154,37 +158,92 @@ def test_deepseek_v41_keeps_its_own_rules(rocm):
 
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
-def test_off_rocm_the_rules_are_unchanged():
-    """Off ROCm mxfp4 still needs Blackwell; a CPU is refused."""
-    if current_platform.is_device_capability_family(100):
-        pytest.skip("a Blackwell GPU may use it")
+def test_off_rocm_the_rules_are_unchanged(monkeypatch):
+    """Off ROCm mxfp4 still needs Blackwell: a platform that is neither ROCm
+    nor sm_10x (patched so, whatever machine runs this) is refused."""
+    monkeypatch.setattr(current_platform, "is_rocm", lambda: False)
+    monkeypatch.setattr(
+        current_platform, "is_device_capability_family", lambda *args, **kw: False
+    )
     with pytest.raises(ValueError, match="Blackwell"):
         dsa_indexer_uses_fp4(_config())
 
 
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
-@pytest.mark.parametrize(
-    "shape, dtype, layout, match",
-    [
-        ((2, 64, 132), torch.uint8, LAYOUT, "uint8 \\[pages, entries, 68\\]"),
-        ((2, 64, 68), torch.int8, LAYOUT, "uint8"),
-        ((2, 40, 68), torch.uint8, LAYOUT, "does not tile"),
-        ((2, 64, 68), torch.uint8, RocmPagedMxfp4CacheLayout(16, 48, 4), "tile"),
-        ((2, 64, 68), torch.uint8, RocmPagedMxfp4CacheLayout(16, 16, 3), "tile"),
-    ],
-)
-def test_cache_shape_errors(shape, dtype, layout, match):
-    with pytest.raises(ValueError, match=match):
-        check_mxfp4_indexer_cache(torch.zeros(shape, dtype=dtype), HEAD_DIM, layout)
+@pytest.mark.parametrize("kv_dtype, logged", [("mxfp4", True), ("fp8", False)])
+def test_a_layer_asks_once_and_says_when_the_cache_is_on(
+    rocm, monkeypatch, kv_dtype, logged
+):
+    rocm()
+    lines = []
+    monkeypatch.setattr(
+        rocm_dsa_mxfp4_cache.logger,
+        "info_once",
+        lambda msg, *args, **kwargs: lines.append(msg % args),
+    )
+    config = _config(kv_dtype=kv_dtype)
+    assert indexer_uses_mxfp4_cache(config, HEAD_DIM) is logged
+    said = (
+        "DSA indexer: MXFP4 K cache on (indexer_kv_dtype='mxfp4'), 68 bytes "
+        "per token, scored in place by aiter's paged MXFP4 MQA-logits kernel."
+    )
+    assert lines == ([said] if logged else [])
 
 
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
-def test_head_dim_errors():
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
-        check_mxfp4_indexer_cache(torch.zeros(1, 64, 51, dtype=torch.uint8), 96, LAYOUT)
-    check_mxfp4_indexer_cache(torch.zeros(1, 64, 68, dtype=torch.uint8), 128, LAYOUT)
+@pytest.mark.parametrize(
+    "cache, match",
+    [
+        (torch.zeros(2, 64, 132, dtype=torch.uint8), "uint8 \\[pages, entries, 68\\]"),
+        (torch.zeros(2, 64, 68, dtype=torch.int8), "uint8"),
+        (torch.zeros(2, 68, 64, dtype=torch.uint8).transpose(1, 2), "contiguous"),
+    ],
+)
+def test_cache_shape_errors(cache, match):
+    with pytest.raises(ValueError, match=match):
+        check_mxfp4_indexer_cache(cache, HEAD_DIM)
+    check_mxfp4_indexer_cache(torch.zeros(2, 64, 68, dtype=torch.uint8), HEAD_DIM)
+
+
+@pytest.fixture
+def aiter_cache_format(monkeypatch: pytest.MonkeyPatch):
+    """``aiter_cache_format(fmt)``: AITER's cache_format answers ``fmt``."""
+    cached = rocm_paged_mxfp4_indexer.rocm_paged_mxfp4_cache_layout
+
+    def answer(fmt: dict):
+        module = SimpleNamespace(cache_format=lambda *args: fmt)
+        monkeypatch.setattr(rocm_paged_mxfp4_indexer, "_aiter", lambda: module)
+        cached.cache_clear()
+
+    yield answer
+    cached.cache_clear()
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+@pytest.mark.parametrize(
+    "fmt, head_dim, entries",
+    [
+        ({"n_per_tile": 32, "d_per_tile": 16}, HEAD_DIM, 40),  # page of 40
+        ({"n_per_tile": 16, "d_per_tile": 48}, HEAD_DIM, 64),  # 64 bytes in 48s
+        ({"n_per_tile": 16, "d_per_tile": 16, "scale_lanes": 3}, HEAD_DIM, 64),
+        ({"n_per_tile": 32, "d_per_tile": 16, "scale_mode": 0}, HEAD_DIM, 64),
+        ({"n_per_tile": 32, "d_per_tile": 16}, 96, 64),  # 3 scales in 2 lanes
+    ],
+)
+def test_a_layer_refuses_a_page_layout_that_does_not_tile(
+    aiter_cache_format, fmt, head_dim, entries
+):
+    """What AITER's cache_format reports is checked once, by
+    rocm_paged_mxfp4_cache_layout; the layer's own check adds the tensor's."""
+    aiter_cache_format(fmt)
+    row = mxfp4_indexer_row_bytes(head_dim)
+    with pytest.raises(ValueError, match="cannot express"):
+        LayerMxfp4CacheLayout(32, head_dim).of(
+            torch.zeros(2, entries, row, dtype=torch.uint8)
+        )
 
 
 @pytest.mark.cpu_test
@@ -199,7 +258,7 @@ def test_a_layer_looks_up_and_checks_its_cache_layout_once_per_cache(monkeypatch
         return LAYOUT
 
     monkeypatch.setattr(
-        rocm_paged_mxfp4_indexer, "rocm_paged_mxfp4_cache_layout", cache_layout
+        rocm_dsa_mxfp4_cache, "rocm_paged_mxfp4_cache_layout", cache_layout
     )
     layer = LayerMxfp4CacheLayout(32, HEAD_DIM)
     cache = torch.zeros(2, 64, 68, dtype=torch.uint8)
@@ -211,6 +270,7 @@ def test_a_layer_looks_up_and_checks_its_cache_layout_once_per_cache(monkeypatch
         layer.of(torch.zeros(2, 64, 132, dtype=torch.uint8))
 
 
+@pytest.mark.skip_global_cleanup
 @pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm-only")
 def test_mi355x_with_aiter_may_use_it(monkeypatch):
     """On the real platform: with VLLM_ROCM_USE_AITER=1 a CDNA4 GPU serves a

@@ -31,13 +31,13 @@ import pytest
 import torch
 
 from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
-    check_mxfp4_indexer_cache,
     mxfp4_index_k_cache_write,
     mxfp4_index_q_store,
     mxfp4_indexer_row_bytes,
 )
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
+from vllm.v1.attention.ops.rocm_dsa_mxfp4_cache import check_mxfp4_indexer_cache
 from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import RocmPagedMxfp4CacheLayout
 
 pytestmark = pytest.mark.skip_global_cleanup
@@ -186,7 +186,7 @@ def _write(keys, slots, layout, pages, entries, device):
     stride = entries * row + PAGE_GAP
     pool = torch.zeros(pages * stride, dtype=torch.uint8, device=device)
     cache = pool.as_strided((pages, entries, row), (stride, row, 1))
-    check_mxfp4_indexer_cache(cache, HEAD_DIM, layout)
+    check_mxfp4_indexer_cache(cache, HEAD_DIM)
     _write_keys_kernel[(keys.shape[0],)](
         keys.to(device),
         slots.to(device),

@@ -21,30 +21,30 @@ holds the bytes AITER's writer would store:
   +0; AITER leaves their code unspecified. In a block with an infinite
   element the infinities store +-6 and the finite elements +-0.
 
-The page layout is AITER's preshuffled one (``RocmPagedMxfp4CacheLayout``,
-from AITER's ``cache_format`` for the model's head count): a page's values,
-then its scales, both grouped in runs of ``n_per_tile`` tokens.
+The store takes a page order as three tile sizes (a page's values, then
+its scales, both grouped in runs of ``n_per_tile`` tokens); which order a
+cache uses, and checking a cache against it, is the platform's: on ROCm,
+AITER's ``cache_format`` (``vllm/v1/attention/ops/rocm_dsa_mxfp4_cache.py``).
+This module is platform-neutral: the NVIDIA model imports it through
+kernels.py.
 """
 
-import weakref
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from vllm.model_executor.layers.quantization.utils.ocp_mx_utils import (
-    OCP_MX_BLOCK_SIZE as MXFP4_BLOCK_SIZE,
+    OCP_MX_BLOCK_SIZE,
 )
 from vllm.triton_utils import tl, triton
 
-if TYPE_CHECKING:
-    # ROCm's module: the NVIDIA model imports this one through kernels.py.
-    from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
-        RocmPagedMxfp4CacheLayout,
-    )
+# Values per E8M0 scale: the one MXFP4 block size the indexer cache uses.
+MXFP4_BLOCK_SIZE = OCP_MX_BLOCK_SIZE
 
 
 def mxfp4_indexer_row_bytes(head_dim: int) -> int:
-    """Bytes of one MXFP4 indexer key: packed values, then e8m0 scales."""
+    """Bytes of one MXFP4 indexer key, the cache's row: packed values, then
+    e8m0 scales (68 at head_dim 128; FP8's row is 132)."""
     return head_dim // 2 + head_dim // MXFP4_BLOCK_SIZE
 
 
@@ -202,64 +202,3 @@ def mxfp4_index_q_store(index_q, values_ptr, scales_ptr, row, HEAD_DIM: tl.const
     scale_idx = tl.arange(0, HEAD_DIM // 32)[None, :]
     tl.store(scales_ptr + row * (HEAD_DIM // 32) + scale_idx, scales)
     return 1.0
-
-
-def check_mxfp4_indexer_cache(
-    kv_cache: torch.Tensor, head_dim: int, layout: "RocmPagedMxfp4CacheLayout"
-) -> None:
-    """Raise ValueError unless ``kv_cache`` [pages, entries, row] can hold
-    ``head_dim``-value MXFP4 keys in ``layout`` order."""
-    if head_dim < MXFP4_BLOCK_SIZE or head_dim & (head_dim - 1):
-        raise ValueError(
-            f"the MXFP4 indexer cache needs a power-of-two head_dim of at least "
-            f"{MXFP4_BLOCK_SIZE}, got {head_dim}"
-        )
-    row = mxfp4_indexer_row_bytes(head_dim)
-    if (
-        kv_cache.dtype != torch.uint8
-        or kv_cache.ndim != 3
-        or kv_cache.shape[2] != row
-        or kv_cache.stride(1) != row
-        or kv_cache.stride(2) != 1
-    ):
-        raise ValueError(
-            f"the MXFP4 indexer cache must be uint8 [pages, entries, {row}] with "
-            f"contiguous pages, got {kv_cache.dtype} {tuple(kv_cache.shape)} "
-            f"strides {kv_cache.stride()}"
-        )
-    if (
-        kv_cache.shape[1] % layout.n_per_tile
-        or (head_dim // 2) % layout.d_per_tile
-        or (head_dim // MXFP4_BLOCK_SIZE) % layout.scale_lanes
-    ):
-        raise ValueError(
-            f"{layout} does not tile {kv_cache.shape[1]}-entry pages of "
-            f"{head_dim}-value keys"
-        )
-
-
-class LayerMxfp4CacheLayout:
-    """One attention layer's MXFP4 indexer cache layout, from aiter's
-    ``cache_format`` for the layer's head count, looked up and checked
-    against the cache once per cache tensor instead of on every forward."""
-
-    def __init__(self, num_heads: int, head_dim: int):
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self._cache: weakref.ref[torch.Tensor] | None = None
-        self._layout: RocmPagedMxfp4CacheLayout | None = None
-
-    def of(self, kv_cache: torch.Tensor) -> "RocmPagedMxfp4CacheLayout":
-        """The page layout for ``kv_cache`` (ValueError if it cannot hold it)."""
-        if self._layout is None or self._cache is None or self._cache() is not kv_cache:
-            # Imported here: the NVIDIA model imports this module too.
-            from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (
-                rocm_paged_mxfp4_cache_layout,
-            )
-
-            layout = rocm_paged_mxfp4_cache_layout(
-                self.num_heads, self.head_dim, kv_cache.shape[1]
-            )
-            check_mxfp4_indexer_cache(kv_cache, self.head_dim, layout)
-            self._cache, self._layout = weakref.ref(kv_cache), layout
-        return self._layout

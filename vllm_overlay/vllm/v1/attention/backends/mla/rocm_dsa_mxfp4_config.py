@@ -4,8 +4,9 @@
 MXFP4 indexer cache of a DeepSeek-V3.2-style model cannot serve. (Which DSA
 models are wired to an MXFP4 cache is decided in ``dsa_indexer_uses_fp4``.)
 
-Nothing from vLLM is imported at module level, so the config (at startup,
-for every model) and the indexer backend can both import this module.
+Nothing from vLLM is imported at module level, so the ROCm platform's
+config check (``RocmPlatform.check_and_update_config``, at startup for every
+model) and the indexer backend can both import this module.
 """
 
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ DSA_MXFP4_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # Speculative decoding renames the draft's model_type to deepseek_mtp and
 # keeps the DSA family in its architecture.
 DSA_MXFP4_DRAFT_ARCHITECTURES = ("DeepseekV32MTPModel",)
+# The KV-cache block sizes (indexer pages) the DSA MXFP4 indexer backend
+# takes; its get_supported_kernel_block_sizes and the startup check read it.
 DSA_MXFP4_BLOCK_SIZES = (64, 128)
 
 
@@ -81,7 +84,8 @@ def check_dsa_mxfp4_indexer_config(vllm_config: "VllmConfig") -> None:
         cache_config.user_specified_block_size
         and block_size not in DSA_MXFP4_BLOCK_SIZES
     ):
+        sizes = " or ".join(map(str, DSA_MXFP4_BLOCK_SIZES))
         raise ValueError(
-            f"indexer_kv_dtype='mxfp4' needs --block-size 64 or 128 (the "
-            f"paged MXFP4 kernel's pages), got {block_size}."
+            f"indexer_kv_dtype='mxfp4' needs --block-size {sizes} (the paged "
+            f"MXFP4 kernel's pages), got {block_size}."
         )
