@@ -170,7 +170,7 @@ def workspace_manager():
     test only."""
     from vllm.v1.worker import workspace
 
-    device = torch.device("cuda" if current_platform.is_rocm() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if workspace.is_workspace_manager_initialized():
         yield
         return
