@@ -33,7 +33,6 @@ it was.
 
 from __future__ import annotations
 
-import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import replace
@@ -58,8 +57,18 @@ from scripts.series.layout import (
     resolution_dirs,
     workdir,
 )
-from scripts.series.patchfile import Hunk, read_patch
+from scripts.series.patchfile import read_patch
 from scripts.series.prepare import prepare, resolve_git_rev
+from scripts.series.rebase_checks import claimed_stages, stage_problem
+from scripts.series.rebase_hunks import (
+    DELETED_ON_TARGET,
+    hunk_on,
+    moved_on_target,
+    replayed_paths,
+)
+from scripts.series.rebase_hunks import (
+    added_lines_present as _added_lines_present,
+)
 from scripts.series.rebase_state import (
     HunkReport,
     RebaseState,
@@ -75,7 +84,7 @@ from scripts.series.rebase_state import (
 )
 from scripts.series.review import project_snapshot, series_digest, write_review
 from scripts.series.state import read_chain
-from scripts.series.testrun import TreeTester, check_log, probe_paths
+from scripts.series.testrun import TreeTester, probe_paths
 
 
 def start(
@@ -281,82 +290,6 @@ def _take_commits_since(repo: Path, start: str) -> None:
     git(repo, "reset", "-q", "--soft", start)
 
 
-def _claimed(series: Series, state: RebaseState) -> list[str]:
-    """What a test tree of the rebase repo's HEAD holds, for the tests: the
-    base, the stages kept so far and the one being rebased."""
-    kept = [s.id for s in series.stages[: state.next] if s.id in state.commits]
-    return ["base", *kept, series.stages[state.next].id]
-
-
-def _stage_problem(
-    series: Series,
-    repo: Path,
-    stage: Stage,
-    state: RebaseState,
-    tester: TreeTester | None,
-) -> str | None:
-    """What is wrong with the stage's commit on the target, if anything: a
-    Python file it touches that does not compile; with a test Python, a
-    module it touches that does not import, or a failing test of its own."""
-    touched = git_out(repo, "diff", "--name-only", "HEAD^", "HEAD").split()
-    python = [p for p in touched if p.endswith(".py") and (repo / p).is_file()]
-    for path in python:
-        try:
-            compile((repo / path).read_bytes(), path, "exec")
-        except SyntaxError as exc:
-            return f"{path}, line {exc.lineno}: does not compile: {exc.msg}"
-    if tester is None:
-        return None
-    claimed = _claimed(series, state)
-    modules = [
-        p.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        for p in python
-        if p.startswith(f"{series.base.name}/")
-    ]
-    _progress(stage, f"importing the {len(modules)} vLLM module(s) it touches")
-    if failure := tester.imports(series, repo, claimed, modules):
-        return f"does not import: {failure}"
-    tallies = []
-    if (series.tests_dir / stage.tests).is_dir():  # config names the folder
-        _progress(stage, f"its tests (tests/{stage.tests}/)")
-        tally = tester.pytest(series, repo, claimed, [stage.tests])
-        tallies.append(("its tests", tally, check_log(repo, "tests")))
-    if stage.vllm_tests:
-        _progress(stage, f"its PR's tests ({', '.join(stage.vllm_tests)})")
-        tally = tester.pr_tests(repo, stage.vllm_tests)
-        tallies.append(("its PR's tests", tally, check_log(repo, "pr-tests")))
-    for what, tally, log in tallies:
-        if tally.failed or not tally.passed:
-            failed = ", ".join(tally.failures[:5]) or "no test passed"
-            first = f"; first error: {tally.first_error}" if tally.first_error else ""
-            ours = _project_files_in(series, log)
-            where = (
-                "; its tracebacks go through the project's "
-                + ", ".join(ours)
-                + " (a break there is fixed in the project, not the work repo)"
-                if ours
-                else ""
-            )
-            return (
-                f"{what} fail on the target ({tally.failed} failed: {failed}"
-                f"{first}; output in {log}){where}"
-            )
-    return None
-
-
-def _progress(stage: Stage, what: str) -> None:
-    print(f"  checking stage {stage.id} on the target: {what}", flush=True)
-
-
-def _project_files_in(series: Series, log: Path) -> list[str]:
-    """The project's own files (its test harness and tests, not the vLLM
-    tree) named in a check's output, in order of first mention."""
-    text = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
-    root = re.escape(str(series.root))
-    found = re.findall(rf"(?:{root}/)?((?:scripts|tests)/[\w/.-]+\.py):\d+", text)
-    return list(dict.fromkeys(p for p in found if (series.root / p).is_file()))
-
-
 def _stop_unless_checked(
     series: Series,
     repo: Path,
@@ -366,7 +299,7 @@ def _stop_unless_checked(
     tester: TreeTester | None,
 ) -> None:
     """Check the stage's commit; on a problem, stop as on a conflict."""
-    problem = _stage_problem(series, repo, stage, state, tester)
+    problem = stage_problem(series, repo, stage, state, tester)
     if problem is None:
         return
     report.outcome = CHECKS_FAILED
@@ -518,7 +451,9 @@ def _rebase_stage(
     patch = series.patch_file(stage)
     report = StageReport(stage.id, stage.title, "")
     if tester is not None:
-        probe = tester.pytest(series, repo, _claimed(series, state), probe_paths(stage))
+        probe = tester.pytest(
+            series, repo, claimed_stages(series, state), probe_paths(stage)
+        )
         passed, failed = probe.passed, probe.failed
         if passed and not failed:
             report.outcome = "already upstream"
@@ -531,7 +466,7 @@ def _rebase_stage(
         if probe.first_error:
             report.evidence += f" (first: {probe.first_error})"
     hunks = read_patch(patch).hunks
-    before = {id(h): _hunk_on(repo, h) for h in hunks}
+    before = {id(h): hunk_on(repo, h) for h in hunks}
     overlays_present = all(
         (repo / o).is_file()
         and (repo / o).read_bytes() == series.overlay_file(o).read_bytes()
@@ -553,10 +488,10 @@ def _rebase_stage(
     # Files git rerere resolved from recorded resolutions, also when other
     # files of the stage are still in conflict.
     stderr = result.stderr.decode(errors="replace")
-    replayed = _replayed_paths(stderr) if result.returncode != 0 else set()
+    replayed = replayed_paths(stderr) if result.returncode != 0 else set()
     if result.returncode != 0 and not unmerged and not replayed:
         raise SeriesError(f"stage {stage.id}: git cherry-pick failed: {stderr.strip()}")
-    moved = _moved_on_target(repo, len(series.stages))
+    moved = moved_on_target(repo, len(series.stages))
     for hunk in hunks:
         outcome = before[id(hunk)]
         if hunk.path in moved and moved[hunk.path] is None:
@@ -594,69 +529,9 @@ def _rebase_stage(
     return report
 
 
-_REPLAYED = re.compile(r"^(?:Staged|Resolved) '(.+)' using previous resolution\.$")
-
-
-def _replayed_paths(git_stderr: str) -> set[str]:
-    """Paths whose conflicts git rerere resolved from recorded resolutions
-    (git runs with LC_ALL=C, so its messages are stable)."""
-    return {
-        m.group(1)
-        for line in git_stderr.splitlines()
-        if (m := _REPLAYED.match(line.strip()))
-    }
-
-
 def _commit_stage(series: Series, repo: Path, stage: Stage, state: RebaseState) -> None:
     info = read_patch(series.patch_file(stage))
     git(repo, "add", "-A")
     state.commits[stage.id] = commit_verbatim(
         repo, info.message, info.author, allow_empty=True
     )
-
-
-DELETED_ON_TARGET = "conflicted: the file is deleted on the target"
-
-
-def _moved_on_target(repo: Path, stages: int) -> dict[str, str | None]:
-    """Files the target renamed (old path -> new) or deleted (-> None) since
-    the pinned base (the root of the series' old commits)."""
-    old_base = f"{REBASE_OLD_REF}~{stages}"
-    out = git_out(
-        repo, "diff", "-M", "--name-status", "--diff-filter=RD", old_base, BASE_REF
-    )
-    moved: dict[str, str | None] = {}
-    for line in out.splitlines():
-        status, *paths = line.split("\t")
-        moved[paths[0]] = paths[1] if status.startswith("R") else None
-    return moved
-
-
-def _hunk_on(repo: Path, hunk: Hunk) -> str:
-    """How one hunk stands on the tree before any merge."""
-
-    def applies(*flags: str) -> bool:
-        check = git(
-            repo, "apply", "--check", *flags, "-", input=hunk.text.encode(), check=False
-        )
-        return check.returncode == 0
-
-    if applies():
-        return "applied cleanly"
-    if applies("--reverse"):
-        return "already upstream"
-    return "needs a merge"
-
-
-def _added_lines_present(path: Path, hunk: Hunk) -> bool:
-    """Whether each run of the hunk's added lines is in the merged file."""
-    if not path.exists():
-        return False
-    content = path.read_text(encoding="utf-8", errors="replace")
-    runs: list[list[str]] = [[]]
-    for line in hunk.text.splitlines(keepends=True)[1:]:
-        if line.startswith("+") and not line.startswith("+++"):
-            runs[-1].append(line[1:])
-        elif runs[-1]:
-            runs.append([])
-    return all("".join(run) in content for run in runs if run)
