@@ -23,8 +23,11 @@ import torch
 
 import vllm.envs as envs
 
-# aiter's one-block top-k workspace (topk_per_row_kernels.cu, ob namespace:
-# calc_buf_len with float values and int32 indices, then calc_aligned_size).
+# aiter's one-block top-k workspace (ROCm/aiter at e4048607,
+# csrc/kernels/topk_per_row_kernels.cu: topk_ob_workspace_size L2733-2742,
+# calc_buf_len L984-995 with float values and int32 indices,
+# calc_aligned_size L2350-2359; allocated per call by aiter/ops/topk.py
+# L364-375).
 _OB_BUF_DIVISOR = 32  # calc_buf_len: len / ((2 + 2 * 4 / 4) * 8)
 _OB_BUF_ALIGN = 64  # calc_buf_len: 256 / min(4, 4) entries
 _OB_BYTES_PER_ENTRY = 2 * (4 + 4)  # two buffers of (fp32 value, int32 index)
