@@ -16,8 +16,17 @@ speed, not for adversarial contracts:
   range skipped (the causal half of a fresh prompt).
 - ``top_k_per_row_prefill``: ``_C.top_k_per_row_prefill``'s contract
   (indices relative to the row's start, -1 past a short row; csrc/sampler.cu)
-  as one ``torch.topk`` over the chunk (sorted by score: the real kernels'
-  order is unspecified, which these benchmarks do not need).
+  as one Triton program per row that reads only the row's own key range
+  ``[ks, ke)``, as AITER's per-row radix top-k does (ROCm/aiter
+  ``csrc/kernels/topk_per_row_kernels.cu``; docs/aiter_contracts.md): four
+  8-bit radix passes find the k-th largest score, a fifth writes the
+  indices. Its cost is a part per row (the program, k indices written) and
+  a part per key of the row's range (five reads), the shape of AITER's.
+  Indices come in no particular order, as the real kernels' do.
+
+On gfx950 vLLM 0.34.0 asks AITER's prefill logits for no -inf fill
+(``clean_logits=False``), so ``mqa_logits`` leaves every position outside a
+row's range unwritten (``torch.empty``) and the top-k must not read it.
 """
 
 from __future__ import annotations
@@ -27,7 +36,11 @@ import torch
 from vllm.triton_utils import tl, triton
 
 BLOCK_M = 4  # query rows per program (x heads: the MMA's M)
-BLOCK_N = 128  # keys per program
+BLOCK_N = 128  # keys per tile
+# Programs per row block, each taking every KEY_SPLITS-th tile of the block's
+# key range: the grid does not grow with the chunk's width, as AITER's one
+# program per row does not.
+KEY_SPLITS = 16
 
 
 @triton.jit
@@ -46,6 +59,7 @@ def _mqa_logits_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KEY_SPLITS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -53,31 +67,30 @@ def _mqa_logits_kernel(
     row_ok = rows < num_rows
     starts = tl.load(starts_ptr + rows, mask=row_ok, other=num_keys)
     ends = tl.load(ends_ptr + rows, mask=row_ok, other=0)
-    first_key = pid_n * BLOCK_N
-    if (first_key < tl.max(ends, axis=0)) & (
-        first_key + BLOCK_N > tl.min(starts, axis=0)
-    ):
-        cols = first_key + tl.arange(0, BLOCK_N)
+    heads = pid_m * BLOCK_M * H + tl.arange(0, BLOCK_M * H)
+    head_ok = heads < num_rows * H
+    dims = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + heads[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0
+    )
+    weights = tl.load(w_ptr + heads, mask=head_ok, other=0.0)
+    first_tile = tl.min(starts, axis=0) // BLOCK_N
+    end_tile = tl.cdiv(tl.max(ends, axis=0), BLOCK_N)
+    for tile in range(first_tile + pid_n, end_tile, KEY_SPLITS):
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < num_keys
-        heads = pid_m * BLOCK_M * H + tl.arange(0, BLOCK_M * H)
-        head_ok = heads < num_rows * H
-        dims = tl.arange(0, D)
-        q = tl.load(
-            q_ptr + heads[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0
-        )
         k = tl.load(
             k_ptr + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0
         )
         scores = tl.dot(q, tl.trans(k))
         scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
-        weights = tl.load(w_ptr + heads, mask=head_ok, other=0.0)
         scores = tl.maximum(scores * scale[None, :], 0.0) * weights[:, None]
         logits = tl.sum(tl.reshape(scores, (BLOCK_M, H, BLOCK_N)), axis=1)
         valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])
         tl.store(
             out_ptr + rows[:, None] * out_stride + cols[None, :],
-            tl.where(valid, logits, float("-inf")),
-            mask=row_ok[:, None] & col_ok[None, :],
+            logits,
+            mask=row_ok[:, None] & valid,
         )
 
 
@@ -92,11 +105,12 @@ def mqa_logits(
     k_fp8, k_scale = kv
     rows, heads, dim = q.shape
     keys = k_fp8.shape[0]
-    # Tiles outside every row block's range are not written: -inf already.
-    out = torch.full((rows, keys), float("-inf"), dtype=torch.float32, device=q.device)
+    # Positions outside a row's range stay unwritten, as with AITER's
+    # clean_logits=False.
+    out = torch.empty((rows, keys), dtype=torch.float32, device=q.device)
     if rows == 0 or keys == 0:
         return out
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(keys, BLOCK_N))
+    grid = (triton.cdiv(rows, BLOCK_M), KEY_SPLITS)
     _mqa_logits_kernel[grid](
         q.contiguous(),
         k_fp8.contiguous(),
@@ -112,8 +126,96 @@ def mqa_logits(
         D=dim,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
+        KEY_SPLITS=KEY_SPLITS,
     )
     return out
+
+
+TOPK_BLOCK = 1024  # keys per iteration of a top-k program
+
+
+@triton.jit
+def _ordered(x):
+    """fp32 scores as uint32 keys in the same order (larger score, larger key)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    negative = (bits >> 31) == 1
+    return tl.where(negative, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _top_k_per_row_kernel(
+    logits_ptr,
+    starts_ptr,
+    ends_ptr,
+    out_ptr,
+    stride0,
+    stride1,
+    out_stride,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RELATIVE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    ks = tl.load(starts_ptr + row)
+    ke = tl.load(ends_ptr + row)
+    length = ke - ks
+    row_logits = logits_ptr + row.to(tl.int64) * stride0
+    row_out = out_ptr + row.to(tl.int64) * out_stride
+    lanes = tl.arange(0, BLOCK)
+    if length <= K:
+        # Every key of the row, then -1.
+        origin = 0 if RELATIVE else ks
+        for first in range(0, K, BLOCK):
+            at = first + lanes
+            tl.store(row_out + at, tl.where(at < length, at + origin, -1), mask=at < K)
+    else:
+        bins = tl.arange(0, 256)
+        prefix = tl.zeros((), dtype=tl.uint32)
+        remaining = K  # still to take among the keys that match the prefix
+        for digit_pass in tl.static_range(4):
+            shift = 24 - 8 * digit_pass
+            hist = tl.zeros((256,), dtype=tl.int32)
+            for first in range(ks, ke, BLOCK):
+                cols = first + lanes
+                valid = cols < ke
+                key = _ordered(tl.load(row_logits + cols * stride1, mask=valid))
+                if digit_pass == 0:
+                    match = valid
+                else:
+                    match = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                digit = tl.where(match, (key >> shift) & 255, 0).to(tl.int32)
+                # Non-matching lanes were counted in bin 0: take them out.
+                unmatched = BLOCK - tl.sum(match.to(tl.int32), axis=0)
+                hist += tl.histogram(digit, 256) - tl.where(bins == 0, unmatched, 0)
+            # at_or_above[b]: matching keys whose digit is b or more.
+            at_or_above = tl.sum(
+                tl.where(bins[None, :] >= bins[:, None], hist[None, :], 0), axis=1
+            )
+            chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
+            above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+            remaining -= above
+            prefix = prefix | (chosen.to(tl.uint32) << shift)
+        # prefix is the k-th largest key; take every key above it and the first
+        # `remaining` keys equal to it.
+        taken_above = 0
+        taken_equal = 0
+        for first in range(ks, ke, BLOCK):
+            cols = first + lanes
+            valid = cols < ke
+            key = _ordered(tl.load(row_logits + cols * stride1, mask=valid))
+            is_above = (valid & (key > prefix)).to(tl.int32)
+            is_equal = (valid & (key == prefix)).to(tl.int32)
+            at_above = taken_above + tl.cumsum(is_above, axis=0) - 1
+            at_equal = K - remaining + taken_equal + tl.cumsum(is_equal, axis=0) - 1
+            picked = cols - ks if RELATIVE else cols
+            tl.store(row_out + at_above, picked, mask=is_above == 1)
+            tl.store(
+                row_out + at_equal,
+                picked,
+                mask=(is_equal == 1) & (at_equal < K),
+            )
+            taken_above += tl.sum(is_above, axis=0)
+            taken_equal += tl.sum(is_equal, axis=0)
 
 
 def top_k_per_row_prefill(
@@ -126,13 +228,54 @@ def top_k_per_row_prefill(
     stride1: int,
     k: int,
 ) -> None:
-    """``torch.ops._C.top_k_per_row_prefill``'s signature and output."""
-    take = min(k, logits.shape[1])
-    # Sorted, so that a short row's valid columns come first (then -1).
-    picked = torch.topk(logits[:num_rows], take, dim=1).indices
-    lengths = (row_ends[:num_rows] - row_starts[:num_rows]).clamp(min=0, max=take)
-    keep = torch.arange(take, device=logits.device)[None, :] < lengths[:, None]
-    relative = (picked - row_starts[:num_rows, None]).to(indices.dtype)
-    indices[:num_rows, :take] = torch.where(keep, relative, -1)
-    if take < k:
-        indices[:num_rows, take:] = -1
+    """``torch.ops._C.top_k_per_row_prefill``'s signature and output, each
+    row's scores read only within ``[row_starts, row_ends)``."""
+    if num_rows == 0:
+        return
+    assert indices.stride(1) == 1
+    _top_k_per_row_kernel[(num_rows,)](
+        logits,
+        row_starts,
+        row_ends,
+        indices,
+        stride0,
+        stride1,
+        indices.stride(0),
+        K=k,
+        BLOCK=TOPK_BLOCK,
+        RELATIVE=True,
+    )
+
+
+def aiter_top_k_per_row_prefill(
+    logits: torch.Tensor,
+    rowStarts: torch.Tensor,  # noqa: N803 - AITER's names
+    rowEnds: torch.Tensor,  # noqa: N803
+    indices: torch.Tensor,
+    values: torch.Tensor | None,
+    numRows: int,  # noqa: N803
+    stride0: int,
+    stride1: int,
+    k: int = 2048,
+    workspace: torch.Tensor | None = None,
+    stable: bool = False,
+) -> None:
+    """AITER's ``top_k_per_row_prefill`` (``aiter/ops/topk.py``): the same
+    selection, indices as columns of the chunk (not relative to the row's
+    start), -1 past a short row; ``values`` is not filled (vLLM passes
+    None)."""
+    assert values is None and indices.stride(1) == 1
+    if numRows == 0:
+        return
+    _top_k_per_row_kernel[(numRows,)](
+        logits,
+        rowStarts,
+        rowEnds,
+        indices,
+        stride0,
+        stride1,
+        indices.stride(0),
+        K=k,
+        BLOCK=TOPK_BLOCK,
+        RELATIVE=False,
+    )

@@ -157,6 +157,9 @@ def emulate_rocm(arch: str = "gfx950", aiter: bool = True) -> Iterator[None]:
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setitem(sys.modules, "vllm.platforms.rocm", rocm_platform_module(arch))
     monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
+    # As on ROCm: a CUDA machine must not pick its CUDA-only code (the
+    # DeepSeek-V3.2 package would import its NVIDIA model and FlashAttention).
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
     monkeypatch.setattr(mla_sparse, "_ON_GFX950", arch == "gfx950")
     monkeypatch.setattr(mla_sparse, "_ON_GFX942", arch == "gfx942")
     monkeypatch.setattr(aiter_ops, "IS_AITER_FOUND", aiter)
