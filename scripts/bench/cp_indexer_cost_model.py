@@ -23,7 +23,7 @@ of 4K-200K; those next to a fresh prompt, and several turns together.
 Decode rows are not split, so decodes in the same step change nothing here.
 
 "shipped" runs the stage's own planner from the applied tree
-(``plan_cp_indexer_split`` with the default stripe size), first with its
+(``plan_cp_indexer_split``), first with its
 minimum split size set to 0 (the balance of its cut), then as it ships:
 "work split" is the share of the workload's cost in steps that split (the
 rest stays replicated, below ``MIN_SPLIT_KEY_ROWS``). The previous
@@ -44,7 +44,7 @@ from scripts.bench.common import parse_args
 
 TPS = (2, 4, 8)
 STEP_TOKENS = (8192, 16384)
-STRIPE = 512  # the stage's default VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
+STRIPE = 512  # the previous design's stripe size
 K = 1024
 
 # name -> requests as (cached prefix tokens, new tokens)
@@ -118,8 +118,11 @@ def chunks(seq: np.ndarray, query: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 def row_costs(seq: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """Each row's key count plus its share of its chunk's -inf fill."""
-    costs = key_counts(seq, query)
+    """Each row's key count, its fixed cost (the stage's ``ROW_COST_KEYS``)
+    and its share of its chunk's -inf fill."""
+    from vllm.v1.attention.ops import rocm_cp_indexer
+
+    costs = key_counts(seq, query) + rocm_cp_indexer.ROW_COST_KEYS
     for first, end, width in chunks(seq, query):
         costs[first:end] += width // FILL_DIVISOR
     return costs
@@ -167,7 +170,6 @@ def shipped(minimum: bool) -> Assign:
         ]
         try:
             split = rocm_cp_indexer.plan_cp_indexer_split(
-                STRIPE,
                 tp,
                 0,
                 torch.from_numpy(seq),
@@ -198,6 +200,7 @@ def through_the_builder(
 
     from scripts.harness import indexer_batch
     from scripts.harness.rocm_platform import emulate_rocm
+    from vllm.v1.attention.ops import rocm_cp_indexer
 
     longest = max(cached + new for cached, new in requests)
     worst = mean = 0.0
@@ -217,7 +220,9 @@ def through_the_builder(
                 if prefill is None or prefill.cp_split is None:
                     continue
                 first = prefill.cp_split.bounds[0]  # after the decodes
-                costs = torch.from_numpy(key_counts(seq, query)).to(torch.float64)
+                costs = torch.from_numpy(
+                    key_counts(seq, query) + rocm_cp_indexer.ROW_COST_KEYS
+                ).to(torch.float64)
                 for chunk in prefill.chunks:
                     rows = slice(chunk.token_start - first, chunk.token_end - first)
                     costs[rows] += chunk.total_seq_lens // FILL_DIVISOR

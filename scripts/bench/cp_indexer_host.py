@@ -2,12 +2,17 @@
 """Stage 0001 on one GPU, host included: the whole indexer prefill op per
 step, replicated vs each TP rank's share of the split, on serving steps.
 
-For each step (requests as (cached tokens, new tokens), from the cost
-model's workload set) and tp 2 and 8, vLLM's metadata builder plans the
-step and the real ``rocm_aiter_sparse_attn_indexer`` of the applied tree
-runs it: once replicated (the flag off), then once as each rank of a split
-(the flag on, the rank's id patched in; one GPU has no TP group, so the
-merge's collective is replaced by its local part and not timed). Per run:
+First it calibrates the planner's row cost: the logits and top-k stand-ins
+are timed on chunks of R rows of L keys each, and ``ms = a R L + b R + c``
+is fitted by least squares; ``b / a`` is a row's fixed cost in key-rows
+(``ROW_COST_KEYS``). Then, for each step (requests as (cached tokens, new
+tokens), from the cost model's workload set) and tp 2 and 8, vLLM's
+metadata builder plans the step and the real ``rocm_aiter_sparse_attn_indexer``
+of the applied tree runs it: once replicated (the flag off), then once as
+each rank of a split (the flag on, the rank's id patched in; one GPU has no
+TP group, so the merge's collective is replaced by its local part and not
+timed), for each planner variant: rows costed by their keys alone, the
+shipped ``ROW_COST_KEYS``, and the fitted one. Per run:
 
 - GPU ms: CUDA events around the call;
 - host ms: wall time until the call returns, without waiting for the GPU
@@ -15,18 +20,17 @@ merge's collective is replaced by its local part and not timed). Per run:
 - syncs: synchronizing CUDA calls counted by
   ``torch.cuda.set_sync_debug_mode("warn")``.
 
-The logits and top-k are the fast stand-ins of
+ROCm is emulated as gfx950, where vLLM 0.34.0 asks AITER's logits for no
+-inf fill. The logits and top-k are the fast stand-ins of
 ``scripts.harness.fast_indexer_kernels`` (a Triton fp8 MQA-logits kernel
-and one torch.topk per chunk), so that GPU time is not dominated by a
-reference kernel 10-100x slower than AITER. Their times are H200 times, not
-MI355X times. Run on the previous design's tree too (stage 0001 at commit
-5a047b0) for its figures; each run writes cp_indexer_host_bench_<after or
-before>.json.
+and a Triton radix top-k that reads each row's own key range), so that GPU
+time is not dominated by a reference kernel 10-100x slower than AITER.
+Their times are H200 times, not MI355X times.
 
 With ``--crossover`` it sweeps small steps instead, the split forced on,
 for the minimum split size (cp_indexer_min_split.json).
 
-Usage (on the device, under scripts/gpu_run.sh; see README "GPU runs"):
+Usage (on the device, under scripts/gpu_run.sh; see docs/gpu_runs.md):
     python3 -m scripts.bench.cp_indexer_host --out DIR
     python3 -m scripts.bench.cp_indexer_host --crossover --out DIR
 then, with the JSON files in docs/:
@@ -97,8 +101,14 @@ def _timed(fn, runs: int) -> dict:
 
 
 def _bench(
-    step: list[tuple[int, int]], tp: int, runs: int, force_split: bool = False
+    step: list[tuple[int, int]],
+    tp: int,
+    runs: int,
+    variants: dict[str, int | None],
+    force_split: bool = False,
 ) -> dict:
+    """The step replicated, then split under each planner variant (a name
+    and its ``ROW_COST_KEYS``; None: the shipped planner as it is)."""
     import pytest
     import torch
 
@@ -110,8 +120,9 @@ def _bench(
 
     longest = max(c + q for c, q in step)
     rows = sum(q for _, q in step)
-    result: dict = {}
-    for mode in ("replicated", "split"):
+    result: dict = {"split": {}}
+    runs_of = [("replicated", None)] + [("split", name) for name in variants]
+    for mode, variant in runs_of:
         with contextlib.ExitStack() as stack:
             mp = stack.enter_context(pytest.MonkeyPatch.context())
             # Before the platform: entering it reads AITER's switches.
@@ -124,28 +135,40 @@ def _bench(
                 fast.top_k_per_row_prefill,
                 raising=False,
             )
+            # vLLM takes AITER's top-k for chunks of 32K keys and more.
+            mp.setattr(
+                sys.modules["aiter.ops.topk"],
+                "top_k_per_row_prefill",
+                fast.aiter_top_k_per_row_prefill,
+            )
+            if variant is not None and variants[variant] is not None:
+                mp.setattr(rocm_cp_indexer, "ROW_COST_KEYS", variants[variant])
+            if force_split:
+                mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
             config = indexer_batch.make_vllm_config(
                 tp_size=tp, device="cuda", max_len=longest + 64, max_tokens=rows
             )
             builder = indexer_batch.make_builder(config, mp, "cuda")
-            if force_split:
-                mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
             batch = indexer_batch.build_batch(
                 builder, step, heads=HEADS, cache_new_keys=True, torch_context=True
             )
             prefill = batch.metadata.prefill  # type: ignore[attr-defined]
             split = prefill.cp_split
-            if hasattr(rocm_cp_indexer, "prefill_row_costs"):
-                costs = rocm_cp_indexer.prefill_row_costs(
+            # As the planner counts it (gfx950: no fill term).
+            result["cost_key_rows"] = int(
+                rocm_cp_indexer.prefill_row_costs(
                     torch.tensor([c + q for c, q in step]),
                     torch.tensor([q for _, q in step]),
                     1,
                     prefill.chunks,
                     0,
-                )
-                result["cost_key_rows"] = int(costs.sum())
+                    None,
+                    rocm_cp_indexer.ROW_COST_KEYS,
+                ).sum()
+            )
+            result["chunks"] = len(prefill.chunks)
             if mode == "split" and split is None:
-                result["split"] = None  # below the minimum: stays replicated
+                result["split"][variant] = None  # below the minimum: replicated
                 continue
             # One GPU: no TP group. The merge keeps its local work (its own
             # rows made contiguous, the gathered rows written back).
@@ -180,10 +203,88 @@ def _bench(
                         runs,
                     )
                 )
-            result[mode] = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-            result[mode]["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
-            result["chunks"] = len(prefill.chunks)
+            entry = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+            entry["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
+            if mode == "split":
+                entry["bounds"] = list(split.bounds)
+                result["split"][variant] = entry
+            else:
+                result["replicated"] = entry
     return result
+
+
+# The calibration's chunks: R rows of L keys each (R * L <= 2**28 fp32 logits).
+CALIBRATION_ROWS = (256, 1024, 4096)
+CALIBRATION_KEYS = (4096, 16384, 65536, 200 * K)
+
+
+def calibrate(runs: int) -> dict:
+    """The stand-ins' logits + top-k time on uniform chunks, and the fit
+    ``ms = a * rows * keys + b * rows + c``; ``row_cost_keys`` = b / a."""
+    import torch
+
+    from scripts.harness import fast_indexer_kernels as fast
+
+    samples = []
+    for rows in CALIBRATION_ROWS:
+        for keys in CALIBRATION_KEYS:
+            if rows * keys > 1 << 28:
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(rows + keys)
+            q = torch.randn(rows, HEADS, 128, device="cuda", generator=gen).to(
+                torch.float8_e4m3fn
+            )
+            k = torch.randn(keys, 128, device="cuda", generator=gen).to(
+                torch.float8_e4m3fn
+            )
+            scale = torch.rand(keys, device="cuda", generator=gen) + 0.5
+            weights = torch.randn(rows, HEADS, device="cuda", generator=gen)
+            starts = torch.zeros(rows, dtype=torch.int32, device="cuda")
+            ends = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
+            indices = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
+            logits = fast.mqa_logits(q, (k, scale), weights, starts, ends)
+
+            def score(q=q, k=k, scale=scale, weights=weights, s=starts, e=ends):
+                fast.mqa_logits(q, (k, scale), weights, s, e)
+
+            def select(logits=logits, s=starts, e=ends, out=indices, rows=rows):
+                fast.top_k_per_row_prefill(
+                    logits, s, e, out, rows, logits.stride(0), 1, TOPK
+                )
+
+            sample = {
+                "rows": rows,
+                "keys": keys,
+                "logits_ms": _timed(score, runs)["gpu_ms"],
+                "topk_ms": _timed(select, runs)["gpu_ms"],
+            }
+            samples.append(sample)
+            print("calibration", sample, flush=True)
+            del q, k, logits
+    design = torch.tensor(
+        [[s["rows"] * s["keys"], s["rows"], 1.0] for s in samples], dtype=torch.float64
+    )
+    fit = {}
+    for part in ("logits_ms", "topk_ms", "total"):
+        times = torch.tensor(
+            [
+                s["logits_ms"] + s["topk_ms"] if part == "total" else s[part]
+                for s in samples
+            ],
+            dtype=torch.float64,
+        )
+        a, b, c = torch.linalg.lstsq(design, times[:, None]).solution[:, 0].tolist()
+        modelled = design @ torch.tensor([a, b, c], dtype=torch.float64)
+        fit[part] = {
+            "ns_per_key_row": a * 1e6,
+            "ns_per_row": b * 1e6,
+            "us_per_call": c * 1e3,
+            "worst_relative_error": float(((modelled - times).abs() / times).max()),
+        }
+    fit["row_cost_keys"] = round(
+        fit["total"]["ns_per_row"] / fit["total"]["ns_per_key_row"]
+    )
+    return {"samples": samples, "fit": fit}
 
 
 # The minimum split size's sweep: small steps around it, split forced.
@@ -220,7 +321,8 @@ def crossover_report(docs: Path) -> str:
         f"cannot run: {MERGE_BASE_MS} ms + {MERGE_ROW_MS * 1e6:.1f} ns a row, "
         "fitted to the all_gather measured on 2x H200 "
         "(cp_indexer_bench_2gpu.json; at tp 8 an assumption). Cost: the "
-        "step's key-rows as the planner counts them (`prefill_row_costs`). "
+        "step's key-rows as the run's planner counted them "
+        "(`prefill_row_costs`, with the run's `ROW_COST_KEYS`). "
         "Steps this small run about 1 ms, mostly host work (GPU ms close to "
         "host ms), and medians of 5 calls scatter by tens of percent between "
         "equal calls: read the bands below, not single rows.",
@@ -236,7 +338,7 @@ def crossover_report(docs: Path) -> str:
     for key, result in sorted(
         run["results"].items(), key=lambda kv: (kv[1]["tp"], kv[1]["cost_key_rows"])
     ):
-        rep, split = result["replicated"], result["split"]
+        rep, split = result["replicated"], result["split"]["shipped"]
         merge = MERGE_BASE_MS + MERGE_ROW_MS * result["rows"]
         ratio = (step_ms(split) + merge) / step_ms(rep)
         ratios.append((result["tp"], result["cost_key_rows"], ratio))
@@ -283,79 +385,100 @@ def shipped_minimum() -> int:
     raise SystemExit(f"no MIN_SPLIT_KEY_ROWS in {source}")
 
 
+def balance(entry: dict | None, replicated: dict) -> tuple[str, str, str]:
+    """A split's slowest-rank GPU ms, max/mean rank GPU time and speedup
+    (replicated GPU ms over the slowest rank's), as table cells."""
+    if entry is None:
+        return "replicated", "-", "1.00"
+    ranks = entry["per_rank_gpu_ms"]
+    return (
+        f"{max(ranks):.2f}",
+        f"{max(ranks) / statistics.mean(ranks):.3f}",
+        f"{replicated['gpu_ms'] / max(ranks):.2f}",
+    )
+
+
 def report(docs: Path) -> str:
-    """docs/cp_indexer_host_bench.md from the two runs' JSON files."""
-    runs = {
-        label: json.loads((docs / f"cp_indexer_host_bench_{label}.json").read_text())
-        for label in ("before", "after")
-    }
-    after = runs["after"]
+    """docs/cp_indexer_host_bench.md from the run's JSON."""
+    run = json.loads((docs / "cp_indexer_host_bench.json").read_text())
+    fit = run["calibration"]["fit"]
+    variants = run["variants"]
     lines = [
         "# CP indexer on one GPU, host included: split vs replicated",
         "",
         "Per serving step and tp, the whole `rocm_aiter_sparse_attn_indexer` "
-        "call (vLLM's builder plans the step): replicated (flag off), and the "
-        "slowest TP rank's share of the split (flag on; one GPU runs each "
-        "rank's share in turn, and the merge's collective is not timed). "
-        "*before*: the previous design (mirrored stripes by row index, "
-        "commit 5a047b0); *after*: cost-balanced contiguous ranges. Host ms: "
-        "wall time until the call returns, without waiting for the GPU; "
-        "syncs: synchronizing CUDA calls per call "
-        "(`torch.cuda.set_sync_debug_mode`). Speedup: replicated GPU ms / "
-        "the slowest rank's GPU ms; ideal: tp.",
+        "call (vLLM's builder plans the step, ROCm emulated as gfx950): "
+        "replicated (flag off), and each TP rank's share of the split (flag "
+        "on; one GPU runs each rank's share in turn, and the merge's "
+        "collective is not timed). max/mean: the ranks' GPU times; speedup: "
+        "replicated GPU ms over the slowest rank's (ideal: tp). Planner "
+        "variants by the row cost they plan with (`ROW_COST_KEYS`): "
+        + ", ".join(f"*{name}* {value}" for name, value in variants.items())
+        + ".",
         "",
         "Logits and top-k are the fast stand-ins of "
-        "`scripts/harness/fast_indexer_kernels.py` (a Triton fp8 MQA-logits "
-        "kernel, one torch.topk per chunk); their times are H200 times, not "
-        "MI355X times. Their top-k scans each chunk's whole key width for "
-        "every row, so a row's cost in this benchmark has a part proportional "
-        "to the chunk's width, heavier than AITER's: AITER's logits kernel walks "
-        "each row's own key range (ROCm/aiter "
-        "`aiter/ops/triton/_gluon_kernels/gfx950/attention/fp8_mqa_logits.py`, "
-        "one program per row from `cu_starts` to `cu_ends`) after its wrapper "
-        "fills the chunk's whole logits with -inf, and its top-k reads each "
-        "row's range. The planner weighs that fill "
-        "(`LOGITS_FILL_DIVISOR`), not the stand-in's wider top-k.",
+        "`scripts/harness/fast_indexer_kernels.py`: a Triton fp8 MQA-logits "
+        "kernel that leaves positions outside a row's range unwritten (vLLM "
+        "0.34.0 asks AITER for `clean_logits=False` on gfx950) and a Triton "
+        "radix top-k that reads only each row's range, as AITER's per-row "
+        "top-k does. Their times are H200 times, not MI355X times.",
         "",
-        f"Hardware and versions: {after['versions']}. Command: "
-        f"`{after['command']}`, once on each tree.",
+        f"Hardware and versions: {run['versions']}. Command: `{run['command']}`.",
         "",
-        "| step | tp | replicated GPU ms | split GPU ms (slowest rank) "
-        "before / after | speedup before / after | host ms before / after | "
-        "syncs before / after |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "## The row cost, calibrated",
+        "",
+        "The stand-ins timed on chunks of R rows of L keys each "
+        f"(R in {list(CALIBRATION_ROWS)}, L in {list(CALIBRATION_KEYS)}, "
+        "R L <= 2^28), fitted as ms = a R L + b R + c:",
+        "",
+        "| kernel | a: ns per key-row | b: ns per row | c: us per call | "
+        "worst relative error |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for key, result in after["results"].items():
-        name, tp = key.split(" | tp ")
-        old = runs["before"]["results"][key]
-        rep = result["replicated"]
-
-        def cells(entry):
-            split = entry["split"]
-            if split is None:
-                return (
-                    "replicated",
-                    "1.00",
-                    f"{entry['replicated']['host_ms']:.1f}",
-                    str(entry["replicated"]["syncs"]),
-                )
-            return (
-                f"{split['gpu_ms']:.2f}",
-                f"{entry['replicated']['gpu_ms'] / split['gpu_ms']:.2f}",
-                f"{split['host_ms']:.1f}",
-                str(split["syncs"]),
-            )
-
-        b, a = cells(old), cells(result)
+    for part in ("logits_ms", "topk_ms", "total"):
+        f = fit[part]
         lines.append(
-            f"| {name} | {tp} | {rep['gpu_ms']:.2f} | {b[0]} / {a[0]} | "
-            f"{b[1]} / {a[1]} | {b[2]} / {a[2]} | {b[3]} / {a[3]} |"
+            f"| {part.removesuffix('_ms')} | {f['ns_per_key_row']:.4f} | "
+            f"{f['ns_per_row']:.1f} | {f['us_per_call']:.1f} | "
+            f"{f['worst_relative_error']:.1%} |"
         )
     lines += [
         "",
-        '"replicated": the step stays replicated (after: below the minimum '
-        "split size). Replicated calls make 0 syncs (1 in the first measured "
-        "call of a process).",
+        f"A row's fixed cost is b / a = {fit['row_cost_keys']} key-rows.",
+        "",
+        "## Balance and speedup",
+        "",
+        "| step | tp | replicated GPU ms | "
+        + " | ".join(
+            f"{name}: slowest rank ms / max/mean / speedup" for name in variants
+        )
+        + " |",
+        "|---|---|---:|" + "---:|" * len(variants),
+    ]
+    for key, result in run["results"].items():
+        name, tp = key.split(" | tp ")
+        rep = result["replicated"]
+        cells = [
+            " / ".join(balance(result["split"][variant], rep)) for variant in variants
+        ]
+        lines.append(
+            f"| {name} | {tp} | {rep['gpu_ms']:.2f} | " + " | ".join(cells) + " |"
+        )
+    lines += [
+        "",
+        '"replicated": the step stays replicated (below the minimum split '
+        "size). Syncs per call, replicated and split: "
+        + ", ".join(
+            sorted(
+                {
+                    str(entry["syncs"])
+                    for result in run["results"].values()
+                    for entry in [result["replicated"], *result["split"].values()]
+                    if entry is not None
+                }
+            )
+        )
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -365,7 +488,7 @@ def crossover(runs: int) -> dict:
     results = {}
     for name, step in CROSSOVER.items():
         for tp in TPS:
-            result = _bench(step, tp, runs, force_split=True)
+            result = _bench(step, tp, runs, {"shipped": None}, force_split=True)
             result["tp"], result["rows"] = tp, sum(q for _, q in step)
             results[f"{name} | tp {tp}"] = result
             print(name, tp, result, flush=True)
@@ -381,35 +504,53 @@ def main() -> int:
         return 0
     if "--crossover" in sys.argv:
         sys.argv.remove("--crossover")
-        args = parse_args(__doc__, runs=5)
-        args.out.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "command": command_line("scripts.bench.cp_indexer_host") + " --crossover",
-            "versions": gpu_versions(),
-            "results": crossover(args.runs),
-        }
-        (args.out / "cp_indexer_min_split.json").write_text(
-            json.dumps(payload, indent=1) + "\n"
-        )
-        return 0
+        return _run_crossover()
+    return _run_steps()
+
+
+def _run_crossover() -> int:
+    args = parse_args(__doc__, runs=5)
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command_line("scripts.bench.cp_indexer_host") + " --crossover",
+        "versions": gpu_versions(),
+        "results": crossover(args.runs),
+    }
+    (args.out / "cp_indexer_min_split.json").write_text(
+        json.dumps(payload, indent=1) + "\n"
+    )
+    return 0
+
+
+def _run_steps() -> int:
     args = parse_args(__doc__, runs=5)
     from vllm.v1.attention.ops import rocm_cp_indexer
 
-    # The previous design's tree has no minimum split size.
-    label = "after" if hasattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS") else "before"
+    args.out.mkdir(parents=True, exist_ok=True)
+    calibration = calibrate(args.runs)
+    values = {
+        "keys only": 0,
+        "shipped": rocm_cp_indexer.ROW_COST_KEYS,
+        "fitted": calibration["fit"]["row_cost_keys"],
+    }
+    # One run per distinct row cost, named by the first variant that has it.
+    variants: dict[str, int | None] = {}
+    for name, value in values.items():
+        if value not in variants.values():
+            variants[name] = value
     results = {}
     for name, step in STEPS.items():
         for tp in TPS:
-            results[f"{name} | tp {tp}"] = _bench(step, tp, args.runs)
+            results[f"{name} | tp {tp}"] = _bench(step, tp, args.runs, variants)
             print(name, tp, results[f"{name} | tp {tp}"], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     payload = {
-        "label": label,
         "command": command_line("scripts.bench.cp_indexer_host"),
         "versions": gpu_versions(),
+        "calibration": calibration,
+        "variants": variants,
         "results": results,
     }
-    (args.out / f"cp_indexer_host_bench_{label}.json").write_text(
+    (args.out / "cp_indexer_host_bench.json").write_text(
         json.dumps(payload, indent=1) + "\n"
     )
     return 0

@@ -6,13 +6,12 @@ cut, which would hide the planner taking the wrong one of the two row
 boundaries around a share; here every bound is the one the rules give.
 
 A row's cost, in key-rows: row t of a request with S tokens, Q of them new,
-sees (S - Q + 1 + t) // ratio keys, plus its chunk's -inf fill,
+sees (S - Q + 1 + t) // ratio keys, plus its fixed row cost (the case's,
+``ROW_COST_KEYS`` in serving) and its chunk's -inf fill,
 total_seq_lens // LOGITS_FILL_DIVISOR (8). Rank r's share is
 r * total // tp; each cut goes to the row boundary whose cost before it is
-nearest the share (no case here is a tie). A cut then moves to the nearest
-multiple of the stripe size if that changes the cost before it by at most
-total // (tp * ALIGN_SLACK), ALIGN_SLACK = 100. Last, every rank gets at
-least one row (bounds pushed up, then down)."""
+nearest the share (no case here is a tie). Last, every rank gets at least
+one row (bounds pushed up, then down)."""
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def _chunk(token_start: int, token_end: int, total_seq_lens: int):
     )
 
 
-# name: (stripe, tp, decode rows, requests as (S, Q), ratio, chunks,
+# name: (tp, decode rows, requests as (S, Q), ratio, chunks, row cost,
 #        expected costs, expected bounds)
 CASES = {
     # Two decode rows first. A fresh 12-token prompt (its own chunk, 12 keys:
@@ -52,17 +51,15 @@ CASES = {
     #   43: between 27 (j=12) and 63 (j=13): 16 below, 20 above -> 12
     #   86: between 63 (j=13) and 99 (j=14): 23 below, 13 above -> 14
     #   129: between 99 (j=14) and 135 (j=15): 30 below, 6 above -> 15
-    # Stripe 4: 12 is on a boundary already; 14 and 15 would move to 16,
-    # which changes the cost before them by 73 and 37, over 172 // 400 = 0.
     # Bounds 0,12,14,15,16, after the 2 decode rows: 2,14,16,17,18.
     # (One row off at the first cut, 13, would give rank 0 63 against 27.)
     "nearest boundary below or above": (
-        4,
         4,
         2,
         [(12, 12), (100, 4)],
         4,
         [_chunk(2, 14, 12), _chunk(14, 18, 100)],
+        0,
         [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 36, 36, 36, 37],
         (2, 14, 16, 17, 18),
     ),
@@ -72,28 +69,13 @@ CASES = {
     #   costs: 1001 + 125 = 1126; 1,2,3,4,5,6; 1126. Total 2273.
     #   cost before row j, j = 0..8: 0,1126,1127,1129,1132,1136,1141,1147,2273
     # tp 2: share 2273 // 2 = 1136, exactly the cost before row 5 -> 5.
-    # Stripe 4: the nearest multiple is 4 (5 + 2 = 7, 7 // 4 * 4); moving
-    # there changes the cost before the cut by 1136 - 1132 = 4, within
-    # 2273 // 200 = 11: the cut moves to 4. Bounds 0,4,8.
-    "a cut moved onto a stripe boundary": (
-        4,
+    "a share exactly at a row boundary": (
         2,
         0,
         [(1001, 1), (6, 6), (1001, 1)],
         1,
         [_chunk(0, 1, 1001), _chunk(1, 7, 6), _chunk(7, 8, 1001)],
-        [1126, 1, 2, 3, 4, 5, 6, 1126],
-        (0, 4, 8),
-    ),
-    # The same at stripe 512: the nearest multiple is 0 ((5 + 256) // 512),
-    # 1136 away, so the cut stays at 5.
-    "a cut too far from a stripe boundary": (
-        512,
-        2,
         0,
-        [(1001, 1), (6, 6), (1001, 1)],
-        1,
-        [_chunk(0, 1, 1001), _chunk(1, 7, 6), _chunk(7, 8, 1001)],
         [1126, 1, 2, 3, 4, 5, 6, 1126],
         (0, 5, 8),
     ),
@@ -105,40 +87,52 @@ CASES = {
     #   73: 62 (j=4) / 178 (j=5): 11 below, 105 above -> 4
     #   147: 62 (j=4) / 178 (j=5): 85 below, 31 above -> 5
     #   221: 178 (j=5) / 295 (j=6): 43 below, 74 above -> 5
-    # Stripe 512 moves none (the nearest multiple is 0, 62 and more away,
-    # over 295 // 400 = 0). Cuts 4,5,5: bounds 0,4,5,5,6. One row per rank:
+    # Cuts 4,5,5: bounds 0,4,5,5,6. One row per rank:
     # pushed up, rank 3's bound becomes 5 + 1 = 6 (0,4,5,6,6); pushed down,
     # 6 - 1 = 5, then 5 - 1 = 4, then 4 - 1 = 3: bounds 0,3,4,5,6.
     "one row per rank": (
-        512,
         4,
         0,
         [(4, 4), (104, 2)],
         1,
         [_chunk(0, 6, 108)],
+        0,
         [14, 15, 16, 17, 116, 117],
         (0, 3, 4, 5, 6),
+    ),
+    # The same rows over tp 2 with a row cost of 100: costs 114, 115, 116,
+    # 117, 216, 217, total 895; cost before row j: 0,114,229,345,462,678,895.
+    # Share 447: 345 (j=3) / 462 (j=4): 102 below, 15 above -> 4. Without
+    # the row cost the share is 147 and the cut 5 (62 / 178: 85 and 31).
+    "a fixed row cost moves the cut": (
+        2,
+        0,
+        [(4, 4), (104, 2)],
+        1,
+        [_chunk(0, 6, 108)],
+        100,
+        [114, 115, 116, 117, 216, 217],
+        (0, 4, 6),
     ),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_the_cut_bounds_are_exactly_the_hand_worked_ones(monkeypatch, name):
-    stripe, tp, decodes, requests, ratio, chunks, costs, bounds = CASES[name]
-    # The arithmetic above uses these.
+    tp, decodes, requests, ratio, chunks, row_cost, costs, bounds = CASES[name]
+    # The arithmetic above uses it.
     assert rocm_cp_indexer.LOGITS_FILL_DIVISOR == 8
-    assert rocm_cp_indexer.ALIGN_SLACK == 100
     # Far below the work that repays a split in serving.
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     seq_lens = torch.tensor([s for s, _ in requests], dtype=torch.int32)
     query_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
     assert (
         rocm_cp_indexer.prefill_row_costs(
-            seq_lens, query_lens, ratio, chunks, decodes
+            seq_lens, query_lens, ratio, chunks, decodes, row_cost_keys=row_cost
         ).tolist()
         == costs
     )
     split = rocm_cp_indexer.plan_cp_indexer_split(
-        stripe, tp, decodes, seq_lens, query_lens, ratio, chunks
+        tp, decodes, seq_lens, query_lens, ratio, chunks, row_cost_keys=row_cost
     )
     assert split is not None and split.bounds == bounds

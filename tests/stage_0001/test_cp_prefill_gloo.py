@@ -38,28 +38,28 @@ SERVING_MINIMUM = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
 # Chunk at 4,096 logits so that ~100 tokens make several chunks.
 LOGITS = 4096
 
-# name: (requests as (context, query), stripe size, CUDA-graph padding rows)
+# name: (requests as (context, query), CUDA-graph padding rows)
 SCENARIOS = {
-    "one long sequence": ([(0, 60)], 512, 0),
-    "packed sequences": ([(0, 20), (9, 14), (0, 11), (30, 16)], 512, 0),
-    "multiple chunks": ([(60, 90)], 512, 0),
-    "rows not a multiple of the stripe": ([(5, 47)], 5, 0),
+    "one long sequence": ([(0, 60)], 0),
+    "packed sequences": ([(0, 20), (9, 14), (0, 11), (30, 16)], 0),
+    "multiple chunks": ([(60, 90)], 0),
+    "an odd row count": ([(5, 47)], 0),
     # 65 keys: chunks of 63 rows, then 2 (< tp at 4 and 8): only the last
     # chunk is short.
-    "a short tail chunk": ([(0, 65)], 512, 0),
+    "a short tail chunk": ([(0, 65)], 0),
     # 4,002 keys: one row per chunk, twice, then a 60-row chunk.
-    "short chunks before a long one": ([(4000, 2), (0, 60)], 512, 0),
-    "mixed decode and prefill": ([(30, 1), (41, 1), (0, 30), (25, 20)], 512, 0),
-    "cuda-graph padded rows": ([(30, 1), (0, 25), (12, 18)], 512, 7),
-    "rows shorter than k": ([(0, 12), (3, 9)], 512, 0),
+    "short chunks before a long one": ([(4000, 2), (0, 60)], 0),
+    "mixed decode and prefill": ([(30, 1), (41, 1), (0, 30), (25, 20)], 0),
+    "cuda-graph padded rows": ([(30, 1), (0, 25), (12, 18)], 7),
+    "rows shorter than k": ([(0, 12), (3, 9)], 0),
     # Several thousand keys a row (chunked at LONG_ROW_LOGITS).
-    "long rows": ([(3000, 30), (4050, 40)], 512, 0),
+    "long rows": ([(3000, 30), (4050, 40)], 0),
     # A turn over a cached prefix next to a fresh prompt: one turn row costs
     # ~15x a fresh one, so the ranks' row counts differ widely.
-    "a turn over a cached prefix": ([(1500, 8), (0, 40)], 512, 0),
+    "a turn over a cached prefix": ([(1500, 8), (0, 40)], 0),
     # Three prefill rows: split over 2 ranks; replicated, no merge, over 4
     # and 8 (fewer rows than ranks).
-    "fewer rows than ranks": ([(4000, 3)], 512, 0),
+    "fewer rows than ranks": ([(4000, 3)], 0),
 }
 
 
@@ -71,24 +71,25 @@ def _replicated(name: str, world_size: int) -> bool:
 LONG_ROW_LOGITS = 1 << 17
 
 
-def _configure(
-    monkeypatch: pytest.MonkeyPatch, cp: bool, stripe: int, logits: int = LOGITS
-) -> None:
+def _configure(monkeypatch: pytest.MonkeyPatch, cp: bool, logits: int = LOGITS) -> None:
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", str(stripe))
     indexer_batch.shrink_logits_budget(monkeypatch, logits)
-    # These batches are far below the work that repays a split in serving.
+    # These batches are far below the work that repays a split in serving,
+    # and their rows hold tens of keys, not thousands: with serving's fixed
+    # row cost every row would cost about the same, and the cuts would not
+    # give the ranks the uneven row counts these scenarios are for.
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "ROW_COST_KEYS", 0)
 
 
 def _build_all(tp_size: int, cp: bool) -> dict:
     """Every scenario's batch through vLLM's builder at ``tp_size``, its keys
     cached; built once, before the ranks fork."""
     batches = {}
-    for name, (requests, stripe, padding) in SCENARIOS.items():
+    for name, (requests, padding) in SCENARIOS.items():
         with pytest.MonkeyPatch.context() as monkeypatch:
             logits = LONG_ROW_LOGITS if name == "long rows" else LOGITS
-            _configure(monkeypatch, cp, stripe, logits)
+            _configure(monkeypatch, cp, logits)
             with emulate_rocm("gfx950"):
                 config = indexer_batch.make_vllm_config(tp_size=tp_size)
                 builder = indexer_batch.make_builder(config, monkeypatch)
@@ -243,7 +244,7 @@ def _build_no_split(world_size: int) -> dict:
     """Batches where no row may be split (and one that is, for contrast)."""
     batches = {}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        _configure(monkeypatch, True, 512)
+        _configure(monkeypatch, True)
         with emulate_rocm("gfx950"):
             config = indexer_batch.make_vllm_config(tp_size=world_size)
             builder = indexer_batch.make_builder(config, monkeypatch)

@@ -23,11 +23,10 @@ TP = 4
 
 
 def _start(rank: int, world_size: int, settings: list[tuple]):
-    """Create the builder with this rank's settings (the flag, the stripe
-    size, then other variables); its stripe or error."""
-    enabled, stripe, *more = settings[rank]
+    """Create the builder with this rank's settings (the flag, then other
+    variables); whether it splits, or its error."""
+    enabled, *more = settings[rank]
     os.environ[ENABLE] = enabled
-    os.environ[STRIPE] = stripe
     os.environ.update(*more)
     with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm("gfx950"):
         config = indexer_batch.make_vllm_config(tp_size=world_size)
@@ -35,49 +34,24 @@ def _start(rank: int, world_size: int, settings: list[tuple]):
             builder = indexer_batch.make_builder(config, monkeypatch)
         except ValueError as error:
             return "error", str(error)
-    planner = builder.cp_indexer
-    return "ok", None if planner is None else planner.stripe
+    return "ok", builder.cp_indexer is not None
 
 
-def _on_every_rank(settings: list[tuple[str, str]]) -> list[tuple[str, object]]:
+def _on_every_rank(settings: list[tuple]) -> list[tuple[str, object]]:
     return run_ranks(TP, _start, settings, timeout_s=60)
 
 
 def test_the_same_settings_start():
-    assert _on_every_rank([("1", "1024")] * TP) == [("ok", 1024)] * TP
-    assert _on_every_rank([("0", "512")] * TP) == [("ok", None)] * TP
+    assert _on_every_rank([("1",)] * TP) == [("ok", True)] * TP
+    assert _on_every_rank([("0",)] * TP) == [("ok", False)] * TP
 
 
-@pytest.mark.parametrize(
-    "settings, says",
-    [
-        pytest.param(
-            [("1", "512"), ("0", "512"), ("1", "512"), ("1", "512")],
-            [f"{ENABLE} differs across the TP ranks", "rank 0: True, rank 1: False"],
-            id="the flag",
-        ),
-        pytest.param(
-            [("1", "512"), ("1", "1024"), ("1", "512"), ("1", "512")],
-            [f"{STRIPE} differs across the TP ranks", "rank 1: 1024"],
-            id="the stripe size",
-        ),
-        # The rank that cannot read its stripe size must not raise while the
-        # others wait for it in the collective.
-        pytest.param(
-            [("1", "512"), ("1", "512"), ("1", "oops"), ("1", "512")],
-            [
-                f"{STRIPE} differs across the TP ranks",
-                "must be a positive number of rows, got 'oops'",
-            ],
-            id="a bad stripe size on one rank",
-        ),
-    ],
-)
-def test_settings_that_differ_are_an_error_on_every_rank(settings, says):
+def test_the_flag_that_differs_is_an_error_on_every_rank():
+    settings = [("1",), ("0",), ("1",), ("1",)]
     for status, message in _on_every_rank(settings):
         assert status == "error"
-        for text in says:
-            assert text in message
+        assert f"{ENABLE} differs across the TP ranks" in message
+        assert "rank 0: True, rank 1: False" in message
 
 
 @pytest.mark.parametrize(
@@ -108,20 +82,14 @@ def test_settings_that_differ_are_an_error_on_every_rank(settings, says):
 def test_a_decision_or_plan_setting_that_differs_is_an_error_on_every_rank(
     variable, value, says
 ):
-    settings = [("1", "512", {variable: value}) if r == 1 else ("1", "512")
-                for r in range(TP)]  # fmt: skip
+    settings = [("1", {variable: value}) if r == 1 else ("1",) for r in range(TP)]
     for status, message in _on_every_rank(settings):
         assert status == "error", message
         for text in says:
             assert text in message, message
 
 
-def test_the_stripe_size_only_matters_with_the_split_on():
-    settings = [("0", "512"), ("0", "1024"), ("0", "oops"), ("0", "512")]
-    assert _on_every_rank(settings) == [("ok", None)] * TP
-
-
-def test_a_bad_stripe_size_is_the_same_clear_error_on_every_rank():
-    for status, message in _on_every_rank([("1", "0")] * TP):
-        assert status == "error"
-        assert f"{STRIPE} must be a positive number of rows, got '0'" in message
+def test_the_deprecated_stripe_size_may_differ_it_is_ignored():
+    stripes = ["512", "1024", "oops", "0"]
+    settings = [("1", {STRIPE: stripe}) for stripe in stripes]
+    assert _on_every_rank(settings) == [("ok", True)] * TP

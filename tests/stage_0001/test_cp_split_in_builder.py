@@ -32,7 +32,9 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     builder = indexer_batch.make_builder(config, monkeypatch)
     filled = arch == "gfx942"
     divisor = rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else None
-    assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(4, 512, divisor)
+    assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(
+        4, divisor, rocm_cp_indexer.ROW_COST_KEYS
+    )
     # Decode row 0; prefill rows 1-290: a fresh 200-token prompt, then 90
     # new tokens over 50 cached ones.
     requests = [(30, 1), (0, 200), (50, 90)]
@@ -41,10 +43,14 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
         prefill = indexer_batch.build_batch(builder, requests).metadata.prefill
     split, batch_chunks = prefill.cp_split, prefill.chunks
     assert split is not None and split.bounds[0] == 1 and split.bounds[-1] == 291
-    # Key counts, plus (gfx942) one chunk's -inf fill over all 340 keys a row.
+    # Key counts and the fixed row cost, plus (gfx942) one chunk's -inf fill
+    # over all 340 keys a row.
     assert [c.total_seq_lens for c in batch_chunks] == [340]
     fill = 340 // rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else 0
-    costs = [t + 1 + fill for t in range(200)] + [50 + t + 1 + fill for t in range(90)]
+    fixed = fill + rocm_cp_indexer.ROW_COST_KEYS
+    costs = [t + 1 + fixed for t in range(200)] + [
+        50 + t + 1 + fixed for t in range(90)
+    ]
     bounds = zip(split.bounds, split.bounds[1:], strict=False)
     per_rank = [sum(costs[a - 1 : b - 1]) for a, b in bounds]
     assert max(per_rank) - min(per_rank) <= 2 * max(costs), per_rank

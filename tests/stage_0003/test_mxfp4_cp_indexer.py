@@ -69,8 +69,5 @@ def test_the_mxfp4_builder_plans_no_split_and_says_so(monkeypatch):
 
 def test_the_fp8_builder_still_splits(monkeypatch):
     builder, logged = _builder(monkeypatch, "fp8")
-    assert builder.cp_indexer is not None and builder.cp_indexer.stripe == 512
-    assert logged == [
-        f"CP indexer on: {TP} TP ranks, cost-balanced row ranges in stripes of 512 "
-        "rows."
-    ]
+    assert builder.cp_indexer is not None and builder.cp_indexer.tp_size == TP
+    assert logged == [f"CP indexer on: {TP} TP ranks, cost-balanced row ranges."]

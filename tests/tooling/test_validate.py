@@ -80,14 +80,14 @@ def _lines(stage: str, tmp_path: Path) -> list[list[str]]:
 def test_the_dry_run_is_the_seeds_matrix_for_stage_0001(tmp_path):
     lines = _lines("0001", tmp_path)
     serves = [line for line in lines if "serve" in line and "bench" not in line]
-    assert len(serves) == 3  # flag off, stripe 512, stripe 1024
+    assert len(serves) == 2  # flag off, flag on
     flag = ["VLLM_ROCM_USE_AITER_CP_INDEXER=1"]
     expected = _words(SEED_0001_ENV) + flag
-    expected += ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE=512"]
     assert serves[1] == expected + _words(SEED_0001_SERVE) + ["&"]
     benches = [line for line in lines if line[:3] == ["vllm", "bench", "serve"]]
-    # 12 points per configuration, 36 runs in total (the seed's count)
-    assert len(benches) == 36
+    # 12 points per configuration, 24 runs in total (the seed ran a third
+    # configuration, stripes of 1024 rows, now ignored)
+    assert len(benches) == 24
     points = [(8192, c) for c in (4, 8, 16, 32, 64, 128, 256)]
     points += [(51200, c) for c in (4, 8, 16, 32, 64)]
     # Each server serves the code its variant names: the seed's baseline ran
@@ -97,7 +97,7 @@ def test_the_dry_run_is_the_seeds_matrix_for_stage_0001(tmp_path):
         for line in lines
         if line[:4] == ["python", "-m", "scripts.series", "install"]
     ]
-    assert [line[-1] for line in installs] == ["base", "0001", "0001"]
+    assert [line[-1] for line in installs] == ["base", "0001"]
     assert lines[1] == installs[0] and lines[2] == serves[0]
     evals = [line for line in lines[:18] if line[0] in ("lm_eval", "python3")]
     assert [
@@ -323,20 +323,20 @@ def test_the_report_sets_each_variant_against_its_baseline_and_the_pr(tmp_path):
     from scripts.validate.report import pr_figures, write_report
 
     quoted = pr_figures("0001")
-    assert len(quoted) == 72  # 2 stripes x 12 points x 3 metrics, as in the PR
-    assert quoted[("stripe-512", 51200, "output_throughput", 4)] == (
+    assert len(quoted) == 72  # 2 configurations x 12 points x 3 metrics, as in the PR
+    assert quoted[("cp-indexer", 51200, "output_throughput", 4)] == (
         178.7,
         181.3,
         "+1.51%",
     )
     summary = [
         _outcome("baseline", 51200, 4, 200.0),
-        _outcome("stripe-512", 51200, 4, 204.0),
+        _outcome("cp-indexer", 51200, 4, 204.0),
         _outcome("stripe-1024", 51200, 4, 999.0, ["1 failed"]),  # left out
     ]
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     # What vLLM logs and lm_eval writes, per variant.
-    for name, score in (("baseline", 0.9682), ("stripe-512", 0.9719)):
+    for name, score in (("baseline", 0.9682), ("cp-indexer", 0.9719)):
         results = tmp_path / name / "gsm8k" / "model" / "results_1.json"
         results.parent.mkdir(parents=True)
         results.write_text(
@@ -354,7 +354,7 @@ def test_the_report_sets_each_variant_against_its_baseline_and_the_pr(tmp_path):
         (tmp_path / name / "server.log").write_text(
             "INFO GPU KV cache size: 1,000,000 tokens, Maximum concurrency ...\n"
         )
-    variants = ["baseline", "stripe-512", "stripe-1024"]
+    variants = ["baseline", "cp-indexer", "stripe-1024"]
     report = write_report("0001", tmp_path, variants, "python -m scripts.validate")
     text = report.read_text()
     assert "| 4 | 200.0 | 204.0 | +2.00% | 178.7 | 181.3 | +1.51% | - | - |" in text

@@ -11,11 +11,10 @@ and one all_gatherv per prefill puts every rank's rows into every rank's
 The ranges are balanced by cost, not by row count: a row costs its causal
 key count, which the metadata builder knows on the host (sequence and query
 lengths), and a new chat turn over a long cached prefix costs 10-100x a
-fresh prompt's row. A row also pays for its chunk's whole key width, which
-AITER's logits fill with -inf before scoring (``LOGITS_FILL_DIVISOR``). The
-cuts fall where the cumulative cost crosses each rank's share, moved to a
-multiple of ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE`` rows where that
-costs the balance under 1%.
+fresh prompt's row. A row also costs a fixed part (``ROW_COST_KEYS``: its
+top-k's own work and output), and on gfx942 its chunk's whole key width,
+which the logits kernel fills with -inf (``LOGITS_FILL_DIVISOR``). The cuts
+fall where the cumulative cost crosses each rank's share.
 A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
@@ -28,8 +27,10 @@ two ranks' copies of a row could differ).
 
 The settings are read once, when the indexer metadata builder is created,
 and checked to agree across the TP group there: a rank that merges while
-another does not would hang in the collective, and different stripe sizes
-would cut the rows differently.
+another does not would hang in the collective, and different chunk sizes
+would cut the rows differently. ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE``
+is deprecated and ignored: AITER's logits and top-k run one program per
+row, so a rank's rows need no alignment.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def cp_indexer_at_startup(
     prefill, else None.
 
     Called once per indexer metadata builder at engine start, on every rank:
-    it decides (the flag, the stripe size, an unsafe configuration, or an FP4
+    it decides (the flag, an unsafe configuration, or an FP4
     indexer cache, ``fp4_cache``, whose op scores every prefill row on every
     rank), then checks that the TP ranks agree on the decision and on every
     setting that shapes the plan (one collective on the TP group's CPU
@@ -147,13 +148,12 @@ def cp_indexer_at_startup(
     if tp_size < 2 or not current_platform.is_rocm():
         return None
     enabled = bool(rocm_aiter_ops.is_cp_indexer_enabled())
-    # A bad stripe size (an error only with the split on) is compared like a
-    # value, so that no rank raises while the others wait in the collective.
-    stripe: int | str
-    try:
-        stripe = envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE
-    except ValueError as error:
-        stripe = str(error)
+    if enabled and envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE is not None:
+        logger.warning_once(
+            "%s is deprecated and ignored: the CP indexer cuts its row ranges "
+            "by cost, with no alignment.",
+            STRIPE_SIZE_ENV,
+        )
     reason = (
         _off_reason(vllm_config, dcp_world_size, use_pcp, fp4_cache)
         if enabled
@@ -164,10 +164,6 @@ def cp_indexer_at_startup(
         ENABLE_ENV: enabled,
         "the CP indexer's decision": reason or "split",
     }
-    if enabled:
-        # Compared whenever it is read: a rank that cannot read it raises
-        # below, and must not be the only one to.
-        settings[STRIPE_SIZE_ENV] = stripe
     if reason is None:
         # What shapes the plan: the chunks and the row costs.
         settings["VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"] = (
@@ -180,17 +176,13 @@ def cp_indexer_at_startup(
         _check_ranks_agree(settings)
     if not enabled:
         return None
-    if isinstance(stripe, str):
-        raise ValueError(stripe)
     if reason is not None:
         logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
-    logger.info_once(
-        "CP indexer on: %d TP ranks, cost-balanced row ranges in stripes of %d rows.",
-        tp_size,
-        stripe,
+    logger.info_once("CP indexer on: %d TP ranks, cost-balanced row ranges.", tp_size)
+    return CPIndexerPlanner(
+        tp_size, LOGITS_FILL_DIVISOR if fill else None, ROW_COST_KEYS
     )
-    return CPIndexerPlanner(tp_size, stripe, LOGITS_FILL_DIVISOR if fill else None)
 
 
 # A step whose rows cost less than this in all (in key-rows, as
@@ -212,10 +204,12 @@ MIN_SPLIT_KEY_ROWS = 1 << 24
 # key-row; GLM-5.x's 32 heads, where the fill weighs most: about 1/13 at
 # DeepSeek-V3.2's 64), not a measurement.
 LOGITS_FILL_DIVISOR = 8
-# A cut moves to a stripe boundary (a multiple of the stripe size, so that a
-# rank's rows fill whole kernel row tiles) only if that moves no more than
-# 1/ALIGN_SLACK of a rank's share of the cost.
-ALIGN_SLACK = 100
+# Each row's fixed cost, in key-rows: what it costs besides its keys (its
+# top-k's program and its k indices written). Fitted on one H200 with Triton
+# stand-ins of AITER's prefill logits and per-row top-k (time = a key-rows +
+# b rows + c per call; b / a = 591), not on MI355X: AITER's top-k on many
+# short rows, or a faster logits kernel, would raise it there.
+ROW_COST_KEYS = 600
 
 
 @dataclass(frozen=True)
@@ -254,12 +248,16 @@ def prefill_row_costs(
     chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
     num_decode_tokens: int,
     fill_divisor: int | None = LOGITS_FILL_DIVISOR,
+    row_cost_keys: int = ROW_COST_KEYS,
 ) -> torch.Tensor:
     """Each prefill row's cost in key-rows, in batch row order after the
-    decodes: its key count plus, where the logits are filled
-    (``fill_divisor``), its part of its chunk's -inf fill (a row in no
-    chunk, which has no compressed key, has no fill)."""
-    costs = prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
+    decodes: its key count, its fixed cost (``row_cost_keys``) and, where the
+    logits are filled (``fill_divisor``), its part of its chunk's -inf fill
+    (a row in no chunk, which has no compressed key, has no fill)."""
+    costs = (
+        prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
+        + row_cost_keys
+    )
     if fill_divisor is None:
         return costs
     for chunk in chunks:
@@ -270,7 +268,6 @@ def prefill_row_costs(
 
 
 def plan_cp_indexer_split(
-    max_stripe: int | None,
     tp_size: int,
     num_decode_tokens: int,
     seq_lens_cpu: torch.Tensor,
@@ -278,16 +275,15 @@ def plan_cp_indexer_split(
     compress_ratio: int,
     chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
     fill_divisor: int | None = LOGITS_FILL_DIVISOR,
+    row_cost_keys: int = ROW_COST_KEYS,
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
-    them), or None to score them replicated: with the split off, or when the
-    step is too small to repay the merge.
+    them), or None to score them replicated, when the step is too small to
+    repay the merge.
 
     Called by the indexer metadata builder on every rank with the same host
     inputs, so every rank takes the same decision and the merge matches."""
-    if max_stripe is None:
-        return None
     costs = prefill_row_costs(
         seq_lens_cpu,
         query_lens_cpu,
@@ -295,6 +291,7 @@ def plan_cp_indexer_split(
         chunks,
         num_decode_tokens,
         fill_divisor,
+        row_cost_keys,
     )
     num_rows = costs.numel()
     if num_rows < tp_size:
@@ -310,10 +307,6 @@ def plan_cp_indexer_split(
     above = torch.searchsorted(before, shares).clamp_(1, num_rows)
     below = above - 1
     cuts = torch.where(shares - before[below] < before[above] - shares, below, above)
-    # On a stripe boundary instead where that moves a cut by little cost.
-    aligned = ((cuts + max_stripe // 2) // max_stripe * max_stripe).clamp_(0, num_rows)
-    close = (before[aligned] - before[cuts]).abs() <= total // (tp_size * ALIGN_SLACK)
-    cuts = torch.where(close, aligned, cuts)
     bounds = [0, *cuts.tolist(), num_rows]
     # At least one row per rank, in order.
     for rank in range(1, tp_size):
@@ -328,9 +321,9 @@ class CPIndexerPlanner:
     """The settings every step's split is planned with, fixed at startup."""
 
     tp_size: int
-    stripe: int
     # LOGITS_FILL_DIVISOR where the logits kernel fills its chunk, else None.
     fill_divisor: int | None = None
+    row_cost_keys: int = ROW_COST_KEYS
 
     def plan(
         self,
@@ -342,7 +335,6 @@ class CPIndexerPlanner:
     ) -> CPIndexerSplit | None:
         """This step's split (``plan_cp_indexer_split``)."""
         return plan_cp_indexer_split(
-            self.stripe,
             self.tp_size,
             num_decode_tokens,
             seq_lens_cpu,
@@ -350,6 +342,7 @@ class CPIndexerPlanner:
             compress_ratio,
             chunks,
             self.fill_divisor,
+            self.row_cost_keys,
         )
 
 
