@@ -273,7 +273,9 @@ def _run_no_split(rank: int, world_size: int, batches: dict) -> dict:
     # itself cannot run them here; this checks the decision it takes.)
     cp_prefill = CPIndexerPrefill(batches["candidates"].metadata.prefill.cp_split, True)
     chunks = batches["candidates"].metadata.prefill.chunks
-    results["candidate rows"] = [cp_prefill.rows(c) for c in chunks]
+    results["candidate rows"] = [
+        (w.batch_rows, w.gather_keys) for w in cp_prefill.windows(chunks)
+    ]
     return results
 
 
@@ -289,7 +291,7 @@ def test_no_collective_runs_when_nothing_is_split():
         [(_, sizes)] = result["candidates"]["gathers"]
         assert sum(sizes) == batches["candidates"].num_prefill_tokens
         # With candidate blocks, every rank scores every row of every chunk.
-        assert [(r.batch_rows, r.gather_keys) for r in result["candidate rows"]] == [
+        assert result["candidate rows"] == [
             (slice(c.token_start, c.token_end), True) for c in chunks
         ]
 

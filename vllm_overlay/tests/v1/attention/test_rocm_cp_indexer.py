@@ -239,7 +239,8 @@ def test_steps_too_small_to_repay_the_merge_stay_replicated(tp, requests, splits
 def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[SimpleNamespace]:
     """A random chunk layout over ``rows`` prefill rows: some chunks are
     later query slices of the previous chunk's request (skip_kv_gather);
-    ``keys`` names the request group whose keys a chunk needs gathered."""
+    ``keys`` names the request group whose keys a chunk needs gathered.
+    Each row's key range is marked with its batch row (``cu_seqlen_ks``)."""
     chunks: list[SimpleNamespace] = []
     start, group = first_row, 0
     while start < first_row + rows:
@@ -249,19 +250,32 @@ def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[SimpleNames
         group += 0 if continues else 1
         chunks.append(
             SimpleNamespace(
-                token_start=start, token_end=end, skip_kv_gather=continues, keys=group
+                token_start=start,
+                token_end=end,
+                skip_kv_gather=continues,
+                keys=group,
+                cu_seqlen_ks=torch.arange(start, end),
+                cu_seqlen_ke=torch.arange(start, end) + 1,
+                max_seqlen_k=int(torch.randint(1, 10**6, (1,), generator=gen)),
             )
         )
         start = end
     return chunks
 
 
+def _run_of(chunks, chunk) -> list[SimpleNamespace]:
+    """The chunks that share ``chunk``'s keys."""
+    return [c for c in chunks if c.keys == chunk.keys]
+
+
 def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
     """Over many generated batches: once split, every prefill row is scored
     by exactly one rank; decode and padding rows by none; every rank makes
-    the same collective calls (one merge, or none); and a rank scores a
-    chunk only with that chunk's keys in its workspace, gathering them only
-    when the previous chunk did not leave them there."""
+    the same collective calls (one merge, or none); a rank scores rows only
+    with their keys in its workspace, gathered once per run of chunks that
+    share them; and its calls over a run are as few as the run's largest
+    chunk allows (the logits budget), of equal size, with each row's own
+    key range."""
     gen = torch.Generator().manual_seed(0)
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     for case in range(300):
@@ -289,24 +303,41 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
             )
             prefill = CPIndexerPrefill(split, has_candidate_blocks=False)
             workspace = None  # the request group whose keys it holds
-            for chunk in chunks:
-                window = prefill.rows(chunk)
-                if window is None:
-                    continue
+            calls: dict[int, list[int]] = {}  # per key group: each call's rows
+            for window in prefill.windows(chunks):
                 if window.gather_keys:
-                    workspace = chunk.keys
+                    workspace = window.chunk.keys
                     gathers += 1
-                assert workspace == chunk.keys, f"case {case}: stale keys"
-                assert window.lo == window.start - chunk.token_start
-                assert window.hi - window.lo == window.end - window.start > 0
+                covered = [
+                    c
+                    for c in chunks
+                    if c.token_start < window.end and c.token_end > window.start
+                ]
+                assert {c.keys for c in covered} == {workspace}, f"case {case}"
+                assert window.ks.tolist() == list(range(window.start, window.end))
+                assert window.ke.tolist() == [k + 1 for k in window.ks.tolist()]
+                assert window.max_seqlen_k == max(c.max_seqlen_k for c in covered)
+                run = _run_of(chunks, window.chunk)
+                most = max(c.token_end - c.token_start for c in run)
+                assert 0 < window.end - window.start <= most, f"case {case}"
+                calls.setdefault(window.chunk.keys, []).append(
+                    window.end - window.start
+                )
                 writers[window.batch_rows] += 1
             merges.append(prefill.split is not None)
+            for key_group, sizes in calls.items():
+                if split is None:
+                    continue
+                run = [c for c in chunks if c.keys == key_group]
+                most = max(c.token_end - c.token_start for c in run)
+                assert len(sizes) == -(-sum(sizes) // most), f"case {case}"
+                assert max(sizes) - min(sizes) <= 1, f"case {case}: {sizes}"
         expected = 1 if split is not None else tp
         assert writers[decode : decode + rows].eq(expected).all(), case
         assert writers[:decode].eq(0).all() and writers[decode + rows :].eq(0).all()
         assert len(set(merges)) == 1, f"case {case}: ranks disagree on the merge"
         if split is not None:
-            # Each rank gathers at most the key groups its rows span.
+            # Each rank gathers once per key group its rows span.
             spans = sum(
                 len({c.keys for c in chunks if c.token_start < b and c.token_end > a})
                 for a, b in zip(split.bounds, split.bounds[1:])
@@ -314,21 +345,59 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
             assert gathers == spans, f"case {case}: {gathers} gathers, {spans} groups"
 
 
+def _chunk_of(start: int, end: int, skip: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        token_start=start,
+        token_end=end,
+        skip_kv_gather=skip,
+        cu_seqlen_ks=torch.zeros(end - start, dtype=torch.int32),
+        cu_seqlen_ke=torch.arange(start, end, dtype=torch.int32),
+        max_seqlen_k=end,
+    )
+
+
 def test_without_a_split_every_chunk_is_gathered_and_scored_whole():
+    chunks = [_chunk_of(4, 9), _chunk_of(9, 12, skip=True)]
     prefill = CPIndexerPrefill(None, has_candidate_blocks=False)
-    chunk = SimpleNamespace(token_start=4, token_end=9, skip_kv_gather=True)
-    window = prefill.rows(chunk)
-    assert window is not None and window.gather_keys
-    assert (window.batch_rows, window.lo, window.hi) == (slice(4, 9), 0, 5)
+    windows = list(prefill.windows(chunks))
+    assert [w.chunk for w in windows] == chunks
+    assert all(w.gather_keys for w in windows)
+    assert [w.batch_rows for w in windows] == [slice(4, 9), slice(9, 12)]
+    assert windows[1].ks is chunks[1].cu_seqlen_ks
 
 
 def test_candidate_blocks_keep_the_prefill_replicated():
     split = CPIndexerSplit((0, 8, 16))
     prefill = CPIndexerPrefill(split, has_candidate_blocks=True)
     assert prefill.split is None
-    chunk = SimpleNamespace(token_start=0, token_end=16, skip_kv_gather=False)
-    window = prefill.rows(chunk)
-    assert window is not None and window.batch_rows == slice(0, 16)
+    (window,) = prefill.windows([_chunk_of(0, 16)])
+    assert window.batch_rows == slice(0, 16)
+
+
+def test_a_ranks_rows_over_slices_of_one_request_take_fewer_equal_calls(
+    monkeypatch,
+):
+    """A long turn sliced into chunks of 585 rows (the logits budget), split
+    into ranges of 512: rank 1's 73 + 439 rows take one call of 512, not
+    two; rank 3's 1,536-2,048 take one of 512. A rank whose rows exceed one
+    chunk's takes equal calls under it."""
+    chunks = [_chunk_of(0, 585)] + [
+        _chunk_of(a, min(a + 585, 4096), skip=True) for a in range(585, 4096, 585)
+    ]
+    split = CPIndexerSplit(tuple(range(0, 4097, 512)))
+    for rank in range(8):
+        monkeypatch.setattr(
+            rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
+        )
+        (window,) = CPIndexerPrefill(split, False).windows(chunks)
+        assert window.batch_rows == slice(512 * rank, 512 * rank + 512)
+        assert window.gather_keys and window.chunk is chunks[0]
+        assert window.ke.tolist() == list(range(512 * rank, 512 * rank + 512))
+    monkeypatch.setattr(rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: 0)
+    wide = CPIndexerSplit((0, 1300, 4096))
+    windows = list(CPIndexerPrefill(wide, False).windows(chunks))
+    assert [(w.start, w.end) for w in windows] == [(0, 433), (433, 866), (866, 1300)]
+    assert [w.gather_keys for w in windows] == [True, False, False]
 
 
 def test_the_profile_reserves_the_gathered_rows_when_a_split_may_run(cp_on):
@@ -410,6 +479,22 @@ def test_the_deprecated_stripe_size_is_accepted_and_ignored(cp_on, stripe):
     cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE", stripe)
     assert _at_startup(4) == planner
     assert len(warned) == 1 and "deprecated and ignored" in warned[0]
+
+
+def test_the_ranks_are_asked_only_with_the_flag_on(rocm_aiter):
+    """In a TP group, the settings are compared across the ranks once per
+    builder with the flag on; with it off, nothing is asked of the group."""
+    asked = []
+    rocm_aiter.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
+    rocm_aiter.setattr(
+        rocm_cp_indexer, "_check_ranks_agree", lambda settings: asked.append(settings)
+    )
+    assert _at_startup(2) is None
+    assert asked == []
+    rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    rocm_aiter_ops.refresh_env_variables()
+    assert _at_startup(2) is not None
+    assert len(asked) == 1 and asked[0]["the CP indexer's decision"] == "split"
 
 
 def test_flag_off_aiter_off_or_not_rocm_means_no_split(rocm_aiter):

@@ -19,22 +19,26 @@ A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
 The plan is made once per step by the indexer metadata builder, from host
-integers, identically on every rank; the op only slices. Each rank gathers
-the keys of the chunks it scores, and a chunk that continues the previous
-chunk's request reuses its gather (``skip_kv_gather``). Every merged row has
-exactly one writer (the top-k kernels choose freely among tied columns, so
-two ranks' copies of a row could differ).
+integers, identically on every rank; the op only slices (and joins the key
+ranges of a call that spans two chunks, on the device). Each rank gathers
+the keys of the chunks it scores, once for a run of chunks that slice the
+same requests (``skip_kv_gather``), whose rows it scores in as few equal
+calls as the logits budget allows (``CPIndexerPrefill.windows``). Every
+merged row has exactly one writer (the top-k kernels choose freely among
+tied columns, so two ranks' copies of a row could differ).
 
 The settings are read once, when the indexer metadata builder is created,
-and checked to agree across the TP group there: a rank that merges while
-another does not would hang in the collective, and different chunk sizes
-would cut the rows differently. ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE``
-is deprecated and ignored: AITER's logits and top-k run one program per
-row, so a rank's rows need no alignment.
+and with the flag on checked to agree across the TP group there: a rank
+that merges while another does not would hang in the collective, and
+different chunk sizes would cut the rows differently.
+``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE`` is deprecated and ignored:
+AITER's logits and top-k run one program per row, so a rank's rows need
+no alignment.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,7 +58,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-ENABLE_ENV = "VLLM_ROCM_USE_AITER_CP_INDEXER"
 STRIPE_SIZE_ENV = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
 
 
@@ -133,13 +136,16 @@ def cp_indexer_at_startup(
     """The planner of each step's split when this engine splits the indexer
     prefill, else None.
 
-    Called once per indexer metadata builder at engine start, on every rank:
-    it decides (the flag, an unsafe configuration, or an FP4
-    indexer cache, ``fp4_cache``, whose op scores every prefill row on every
-    rank), then checks that the TP ranks agree on the decision and on every
-    setting that shapes the plan (one collective on the TP group's CPU
-    group), and only then raises on a bad setting or says why the split
-    stays off."""
+    Called once per indexer metadata builder at engine start, on every rank.
+    With the flag off it returns at once: no collective. With it on, it
+    decides (an unsafe configuration, or an FP4 indexer cache,
+    ``fp4_cache``, whose op scores every prefill row on every rank), then
+    checks that the TP ranks agree on the decision and on every setting that
+    shapes the plan (one collective on the TP group's CPU group), and only
+    then says why the split stays off. Every rank reads the flag from its
+    own environment: a single-node engine's workers inherit the engine's,
+    and Ray's get its vLLM variables; a multi-node deployment must set it
+    alike on every node (a rank with it on waits for the others)."""
     # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
@@ -147,23 +153,17 @@ def cp_indexer_at_startup(
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     if tp_size < 2 or not current_platform.is_rocm():
         return None
-    enabled = bool(rocm_aiter_ops.is_cp_indexer_enabled())
-    if enabled and envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE is not None:
+    if not rocm_aiter_ops.is_cp_indexer_enabled():
+        return None
+    if envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE is not None:
         logger.warning_once(
             "%s is deprecated and ignored: the CP indexer cuts its row ranges "
             "by cost, with no alignment.",
             STRIPE_SIZE_ENV,
         )
-    reason = (
-        _off_reason(vllm_config, dcp_world_size, use_pcp, fp4_cache)
-        if enabled
-        else f"{ENABLE_ENV} is off"
-    )
+    reason = _off_reason(vllm_config, dcp_world_size, use_pcp, fp4_cache)
     fill = _logits_fill_their_chunk()
-    settings: dict[str, object] = {
-        ENABLE_ENV: enabled,
-        "the CP indexer's decision": reason or "split",
-    }
+    settings: dict[str, object] = {"the CP indexer's decision": reason or "split"}
     if reason is None:
         # What shapes the plan: the chunks and the row costs.
         settings["VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"] = (
@@ -174,8 +174,6 @@ def cp_indexer_at_startup(
     # a builder made outside an engine (a unit test) has no group to ask.
     if model_parallel_is_initialized():
         _check_ranks_agree(settings)
-    if not enabled:
-        return None
     if reason is not None:
         logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
@@ -207,9 +205,10 @@ LOGITS_FILL_DIVISOR = 8
 # Each row's fixed cost, in key-rows: what it costs besides its keys (its
 # top-k's program and its k indices written). Fitted on one H200 with Triton
 # stand-ins of AITER's prefill logits and per-row top-k (time = a key-rows +
-# b rows + c per call; b / a = 591), not on MI355X: AITER's top-k on many
-# short rows, or a faster logits kernel, would raise it there.
-ROW_COST_KEYS = 600
+# b rows + c per call; b / a from 591 to 839 in four runs), not on MI355X:
+# AITER's top-k on many short rows, or a faster logits kernel, would raise
+# it there.
+ROW_COST_KEYS = 700
 
 
 @dataclass(frozen=True)
@@ -347,53 +346,111 @@ class CPIndexerPlanner:
 
 
 @dataclass(frozen=True)
-class ChunkRows:
-    """The rows of one prefill chunk this rank scores, as slices: batch rows
-    ``start:end``, which are rows ``lo:hi`` of the chunk's own tensors."""
+class PrefillWindow:
+    """One logits and top-k call of this rank: batch rows ``start:end``,
+    scored against the keys of ``chunk`` (its key gather, block table and
+    key count), with the rows' key ranges ``ks`` and ``ke`` (device)."""
 
+    chunk: DeepseekV32IndexerPrefillChunkMetadata
     start: int
     end: int
-    lo: int
-    hi: int
-    gather_keys: bool  # False: the workspace still holds this chunk's keys
+    ks: torch.Tensor
+    ke: torch.Tensor
+    max_seqlen_k: int
+    gather_keys: bool  # False: the workspace holds these keys already
 
     @property
     def batch_rows(self) -> slice:
         return slice(self.start, self.end)
 
-    def of_chunk(self, chunk_tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a tensor with one row per chunk row."""
-        return chunk_tensor[self.lo : self.hi]
+
+def _runs_of_shared_keys(
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+) -> list[list[DeepseekV32IndexerPrefillChunkMetadata]]:
+    """The chunks grouped into runs that score the same keys: a chunk with
+    ``skip_kv_gather`` is a later query slice of the previous chunk's
+    requests (vLLM's builder slices requests too long for the logits
+    budget), with the same keys laid out the same way."""
+    runs: list[list[DeepseekV32IndexerPrefillChunkMetadata]] = []
+    for chunk in chunks:
+        if runs and chunk.skip_kv_gather:
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    return runs
+
+
+def _key_ranges_of(
+    run: list[DeepseekV32IndexerPrefillChunkMetadata], first: int, last: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``cu_seqlen_ks`` and ``cu_seqlen_ke`` of batch rows ``first:last`` of
+    a run (views within one chunk, joined across chunks), and the longest
+    key range among the chunks they come from."""
+    parts = [c for c in run if c.token_start < last and c.token_end > first]
+    starts, ends = [], []
+    for chunk in parts:
+        lo = max(first, chunk.token_start) - chunk.token_start
+        hi = min(last, chunk.token_end) - chunk.token_start
+        starts.append(chunk.cu_seqlen_ks[lo:hi])
+        ends.append(chunk.cu_seqlen_ke[lo:hi])
+    if len(parts) == 1:
+        ks, ke = starts[0], ends[0]
+    else:
+        ks, ke = torch.cat(starts), torch.cat(ends)
+    return ks, ke, max(c.max_seqlen_k for c in parts)
 
 
 class CPIndexerPrefill:
-    """One indexer call's prefill on this rank: which rows of each chunk to
-    score, then the merge. Replicated (every row, every gather, no merge)
-    without a split, or when the call carries candidate blocks, whose writes
-    are per row and unmerged."""
+    """One indexer call's prefill on this rank: the calls that score its
+    rows, then the merge. Replicated (every chunk whole, every gather, no
+    merge) without a split, or when the call carries candidate blocks,
+    whose writes are per row and unmerged."""
 
     def __init__(self, split: CPIndexerSplit | None, has_candidate_blocks: bool):
         self.split = None if has_candidate_blocks else split
         self.start = self.end = 0
         if self.split is not None:
             self.start, self.end = self.split.rows_of(get_tensor_model_parallel_rank())
-        self._keys_gathered = False  # by the last chunk
 
-    def rows(self, chunk: DeepseekV32IndexerPrefillChunkMetadata) -> ChunkRows | None:
-        """This rank's rows of ``chunk``, or None when it scores none of them
-        (and skips the chunk's key gather too). Call it for every chunk, in
-        order: it tracks whether the workspace holds the previous chunk's keys."""
-        first, last = chunk.token_start, chunk.token_end
+    def windows(
+        self, chunks: list[DeepseekV32IndexerPrefillChunkMetadata]
+    ) -> Iterator[PrefillWindow]:
+        """The logits and top-k calls this rank makes, in order.
+
+        Without a split, one per chunk, as vLLM's builder made them. With a
+        split, a rank's rows of a run of chunks that share their keys are
+        chunked again on their own: as few calls as the run's largest chunk
+        allows (so within the logits budget), of equal size. The builder's
+        cuts would otherwise leave a rank a sliver of one chunk beside most
+        of the next, two calls where one does, and a small call that fills
+        little of the GPU. The keys are gathered once per run."""
         if self.split is None:
-            return ChunkRows(first, last, 0, last - first, gather_keys=True)
-        start, end = max(first, self.start), min(last, self.end)
-        if start >= end:
-            self._keys_gathered = False
-            return None
-        # skip_kv_gather: the chunk continues the previous chunk's request.
-        gather = not (chunk.skip_kv_gather and self._keys_gathered)
-        self._keys_gathered = True
-        return ChunkRows(start, end, start - first, end - first, gather)
+            for chunk in chunks:
+                yield PrefillWindow(
+                    chunk,
+                    chunk.token_start,
+                    chunk.token_end,
+                    chunk.cu_seqlen_ks,
+                    chunk.cu_seqlen_ke,
+                    chunk.max_seqlen_k,
+                    gather_keys=True,
+                )
+            return
+        for run in _runs_of_shared_keys(chunks):
+            start = max(run[0].token_start, self.start)
+            end = min(run[-1].token_end, self.end)
+            if start >= end:
+                continue
+            rows = end - start
+            most = max(c.token_end - c.token_start for c in run)
+            calls = -(-rows // most)
+            for call in range(calls):
+                first = start + call * rows // calls
+                last = start + (call + 1) * rows // calls
+                ks, ke, longest = _key_ranges_of(run, first, last)
+                yield PrefillWindow(
+                    run[0], first, last, ks, ke, longest, gather_keys=call == 0
+                )
 
     def merge(self, topk_indices_buffer: torch.Tensor, topk: int) -> None:
         """One all_gatherv of each rank's own rows into every rank's buffer,
