@@ -206,7 +206,8 @@ def through_the_builder(
     worst = mean = 0.0
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-        with emulate_rocm("gfx950"):
+        # gfx942: the logits fill their chunk, as the costs here assume.
+        with emulate_rocm("gfx942"):
             config = indexer_batch.make_vllm_config(
                 tp_size=tp, max_len=longest + 64, max_tokens=step_tokens
             )
@@ -283,13 +284,15 @@ def main() -> int:
         "# CP indexer: per-rank cost balance of the row assignment",
         "",
         "max/mean rank cost, summed over the prefill steps of a workload "
-        "(1.00 = perfect). A row costs its causal key count plus 1/8 of its "
-        "logits chunk's key width (AITER's -inf fill, an estimate); vLLM's "
-        "chunked prefill is walked step by step. Goal: <= 1.05 on every workload, "
+        "(1.00 = perfect), as modelled: the measured balance on a GPU is in "
+        "cp_indexer_host_bench.md. A row costs its causal key count, the "
+        "planner's fixed row cost (`ROW_COST_KEYS`) and 1/8 of its logits "
+        "chunk's key width (gfx942's -inf fill, an estimate); vLLM's chunked "
+        "prefill is walked step by step. Goal: <= 1.05 on every workload, "
         'tp 2-8. "work split" is the share of the workload\'s cost in steps '
         "the shipped planner splits (the others are below its minimum split "
         "size and stay replicated). The last column runs vLLM's own indexer "
-        "metadata builder on each step (ROCm emulated, the split on, the "
+        "metadata builder on each step (ROCm emulated as gfx942, the split on, the "
         'shipped minimum: steps below it are left out; "replicated": every '
         "step is) and weighs its plan with the builder's own chunks.",
         "",

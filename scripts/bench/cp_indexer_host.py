@@ -509,7 +509,7 @@ def main() -> int:
 
 
 def _run_crossover() -> int:
-    args = parse_args(__doc__, runs=5)
+    args = parse_args(__doc__, runs=20)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": command_line("scripts.bench.cp_indexer_host") + " --crossover",
@@ -523,7 +523,7 @@ def _run_crossover() -> int:
 
 
 def _run_steps() -> int:
-    args = parse_args(__doc__, runs=5)
+    args = parse_args(__doc__, runs=20)
     from vllm.v1.attention.ops import rocm_cp_indexer
 
     args.out.mkdir(parents=True, exist_ok=True)
