@@ -230,21 +230,7 @@ def top_k_per_row_prefill(
 ) -> None:
     """``torch.ops._C.top_k_per_row_prefill``'s signature and output, each
     row's scores read only within ``[row_starts, row_ends)``."""
-    if num_rows == 0:
-        return
-    assert indices.stride(1) == 1
-    _top_k_per_row_kernel[(num_rows,)](
-        logits,
-        row_starts,
-        row_ends,
-        indices,
-        stride0,
-        stride1,
-        indices.stride(0),
-        K=k,
-        BLOCK=TOPK_BLOCK,
-        RELATIVE=True,
-    )
+    _top_k(logits, row_starts, row_ends, indices, num_rows, stride0, stride1, k, True)
 
 
 def aiter_top_k_per_row_prefill(
@@ -264,18 +250,23 @@ def aiter_top_k_per_row_prefill(
     selection, indices as columns of the chunk (not relative to the row's
     start), -1 past a short row; ``values`` is not filled (vLLM passes
     None)."""
-    assert values is None and indices.stride(1) == 1
-    if numRows == 0:
+    assert values is None
+    _top_k(logits, rowStarts, rowEnds, indices, numRows, stride0, stride1, k, False)
+
+
+def _top_k(logits, starts, ends, indices, rows, stride0, stride1, k, relative):
+    if rows == 0:
         return
-    _top_k_per_row_kernel[(numRows,)](
+    assert indices.stride(1) == 1
+    _top_k_per_row_kernel[(rows,)](
         logits,
-        rowStarts,
-        rowEnds,
+        starts,
+        ends,
         indices,
         stride0,
         stride1,
         indices.stride(0),
         K=k,
         BLOCK=TOPK_BLOCK,
-        RELATIVE=False,
+        RELATIVE=relative,
     )

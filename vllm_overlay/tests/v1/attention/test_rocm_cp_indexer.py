@@ -13,6 +13,7 @@ flag off, is tested in tests/distributed/test_rocm_cp_indexer_merge.py.
 from bisect import bisect_left
 from itertools import accumulate
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -236,7 +237,7 @@ def test_steps_too_small_to_repay_the_merge_stay_replicated(tp, requests, splits
     assert splits is (big and sum(query.tolist()) >= tp)
 
 
-def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[SimpleNamespace]:
+def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[Any]:
     """A random chunk layout over ``rows`` prefill rows: some chunks are
     later query slices of the previous chunk's request (skip_kv_gather);
     ``keys`` names the request group whose keys a chunk needs gathered.
@@ -263,9 +264,9 @@ def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[SimpleNames
     return chunks
 
 
-def _run_of(chunks, chunk) -> list[SimpleNamespace]:
-    """The chunks that share ``chunk``'s keys."""
-    return [c for c in chunks if c.keys == chunk.keys]
+def _keys_of(chunks, chunk) -> int:
+    """The request group whose keys ``chunk`` (one of ``chunks``) scores."""
+    return next(c.keys for c in chunks if c is chunk)
 
 
 def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
@@ -306,7 +307,7 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
             calls: dict[int, list[int]] = {}  # per key group: each call's rows
             for window in prefill.windows(chunks):
                 if window.gather_keys:
-                    workspace = window.chunk.keys
+                    workspace = _keys_of(chunks, window.chunk)
                     gathers += 1
                 covered = [
                     c
@@ -317,12 +318,11 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
                 assert window.ks.tolist() == list(range(window.start, window.end))
                 assert window.ke.tolist() == [k + 1 for k in window.ks.tolist()]
                 assert window.max_seqlen_k == max(c.max_seqlen_k for c in covered)
-                run = _run_of(chunks, window.chunk)
+                group = _keys_of(chunks, window.chunk)
+                run = [c for c in chunks if c.keys == group]
                 most = max(c.token_end - c.token_start for c in run)
                 assert 0 < window.end - window.start <= most, f"case {case}"
-                calls.setdefault(window.chunk.keys, []).append(
-                    window.end - window.start
-                )
+                calls.setdefault(group, []).append(window.end - window.start)
                 writers[window.batch_rows] += 1
             merges.append(prefill.split is not None)
             for key_group, sizes in calls.items():
@@ -345,7 +345,7 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
             assert gathers == spans, f"case {case}: {gathers} gathers, {spans} groups"
 
 
-def _chunk_of(start: int, end: int, skip: bool = False) -> SimpleNamespace:
+def _chunk_of(start: int, end: int, skip: bool = False) -> Any:
     return SimpleNamespace(
         token_start=start,
         token_end=end,
