@@ -215,22 +215,10 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("stages", nargs="*", help="'base' and/or stage ids")
     test.add_argument("--tooling", action="store_true", help="also test the tool")
     test.add_argument(
-        "--rerun",
-        action="store_true",
-        help="run every pytest run, also those whose inputs are unchanged "
-        "since their last green run (reported from it otherwise)",
-    )
-    test.add_argument(
         "--jobs",
         type=_positive_int,
         default=0,
         help="pytest runs at once (default: one per CPU)",
-    )
-    test.add_argument(
-        "--no-preload",
-        action="store_true",
-        help="start each pytest run as a fresh interpreter (default: the stage "
-        "trees' runs fork from one that has imported torch and the like)",
     )
     rolled = sub.add_parser(
         "roll",
@@ -411,19 +399,10 @@ def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         tooling=args.tooling,
         jobs=args.jobs,
         extra=extra,
-        rerun=args.rerun,
-        preloaded=not args.no_preload,
     )
     rows = results.rows
     compiled = [(stage_id, compile_summary(series, stage_id)) for stage_id in stage_ids]
     summary = format_summary(rows, compiled)
-    if results.reused:
-        summary += (
-            f"\n\n{len(results.reused)} of {results.runs} pytest runs are reported "
-            "from their last green run, their inputs unchanged since (run them "
-            "again with --rerun; nox -s apply-and-test -- --rerun):\n"
-            + "\n".join(f"- {line}" for line in results.reused)
-        )
     out = results_dir(series) / "summary.md"
     out.write_text(f"{summary}\n")
     timings = format_timings(rows, results.wall_s)

@@ -29,14 +29,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.series import SeriesError, preload, testcache
+from scripts.series import SeriesError
 from scripts.series.config import REPO_ROOT, Series, Stage
 from scripts.series.contract import (
-    BASE_TREE_ENV,
     COMPILE_SUMMARY_ENV,
     CPU_ENV,
     PLUGIN_FILES_ENV,
-    TREE_ENV,
     tree_env,
 )
 from scripts.series.git import git
@@ -53,8 +51,7 @@ COMPILE_SUMMARY = "gfx-compile.json"
 class PytestRun:
     """One pytest invocation: arguments (after ``python -m pytest``), env,
     where it writes its JUnit XML and the folder it runs in (None: the
-    project). ``row`` is its line in the summary. ``preload``: forked from a
-    preload server (``preload.py``) unless the tool is told not to."""
+    project). ``row`` is its line in the summary."""
 
     row: str
     label: str
@@ -62,7 +59,6 @@ class PytestRun:
     env: dict[str, str]
     junit: Path
     cwd: Path | None = None
-    preload: bool = True
 
 
 def stage_runs(
@@ -76,20 +72,20 @@ def stage_runs(
     tested = applied if is_top else applied[-1:]
     own_dirs = ["base", *(s.tests for s in tested)]
     env = tree_env(tree, stages, base_tree)
-    # One run per test folder, so that runs side by side stay balanced.
+    # Every folder in one run: each run imports torch and vLLM anew, and that
+    # import costs more than the balance of smaller runs side by side gains.
     runs = [
         PytestRun(
             stage_id,
-            f"series tests ({folder})",
+            "series tests (" + ", ".join(own_dirs) + ")",
             (
-                str(series.tests_dir / folder),
-                f"--junitxml={out / f'series-{folder}.xml'}",
+                *(str(series.tests_dir / folder) for folder in own_dirs),
+                f"--junitxml={out / 'series.xml'}",
                 "-q",
             ),
             env,
-            out / f"series-{folder}.xml",
+            out / "series.xml",
         )
-        for folder in own_dirs
     ]
     if series.regression:
         # vLLM's own tests, every suite in one run (each run imports vLLM
@@ -200,21 +196,20 @@ def run_pr_tests(
 
 
 def tooling_runs(series: Series) -> list[PytestRun]:
-    """The tool's tests, one run per file: they import no vLLM (a run starts
-    in half a second), and the longest-first order then keeps both CPUs
-    busy to the end."""
+    """The tool's tests, in one run (they import no vLLM)."""
     out = results_dir(series) / "tooling"
     return [
         PytestRun(
             "tooling",
-            f"tooling tests ({path.name})",
-            (str(path), f"--junitxml={out / f'{path.stem}.xml'}", "-q"),
+            "tooling tests",
+            (
+                str(series.tests_dir / "tooling"),
+                f"--junitxml={out / 'tooling.xml'}",
+                "-q",
+            ),
             {},
-            out / f"{path.stem}.xml",
-            # No torch here: a server would cost more than it saves.
-            preload=False,
+            out / "tooling.xml",
         )
-        for path in sorted((series.tests_dir / "tooling").glob("test_*.py"))
     ]
 
 
@@ -371,75 +366,18 @@ _PRINT_LOCK = threading.Lock()
 
 
 def _run_one(
-    run: PytestRun,
-    python: str,
-    extra: Sequence[str],
-    cwd: Path,
-    project: str,
-    rerun: bool,
-    servers: preload.Servers | None,
-) -> tuple[Tally, str | None]:
-    """Run one pytest run, or (unless ``rerun``) report its last green
-    result if none of its inputs changed. Returns the tally and, for a
-    reported result, when that run finished."""
-    env = testcache.environment_of(run.env)
-    cached = testcache.CachedRun(run.junit)
-    trees = [
-        Path(run.env[name]) for name in (TREE_ENV, BASE_TREE_ENV) if name in run.env
-    ]
-    key = testcache.run_key(
-        args=[*run.args, *extra],
-        env=env,
-        cwd=run.cwd or cwd,
-        python=python,
-        project=project,
-        trees=trees + ([run.cwd] if run.cwd else []),
-    )
-    if not rerun and key is not None and (finished := cached.matches(key)):
-        with _PRINT_LOCK:
-            print(
-                f"=== {run.row}: {run.label}: inputs unchanged since its green "
-                f"run of {finished}, reported from that run",
-                flush=True,
-            )
-        return read_junit(run.junit), finished
-    cached.forget()
+    run: PytestRun, python: str, extra: Sequence[str], cwd: Path
+) -> Tally:
+    """Run one pytest run; its output is printed whole when it ends."""
     run.junit.parent.mkdir(parents=True, exist_ok=True)
     run.junit.unlink(missing_ok=True)
     if summary := run.env.get(COMPILE_SUMMARY_ENV):
         Path(summary).unlink(missing_ok=True)
     started = time.monotonic()
-    args = [*run.args, *extra]
-    if servers is not None and run.preload:
-        done = servers.run(args, env, run.cwd or cwd)
-    else:
-        done = _subprocess_run(python, args, env, run.cwd or cwd)
-    timing = RunTiming(
-        f"{run.row}: {run.label}", time.monotonic() - started, done.cpu_s
-    )
-    output = done.output
-    tally = read_junit(run.junit)
-    tally.timings.append(timing)
-    # 0: passed, 1: some failed, 5: nothing collected; the rest is pytest
-    # itself failing (usage, internal error, interrupted).
-    if done.returncode not in (0, 1, 5):
-        tally.failed += 1
-        tally.failures.append(f"{run.row} {run.label}: pytest exited {done.returncode}")
-    if key is not None and not tally.failed and done.returncode in (0, 5):
-        cached.record(key, time.strftime("%Y-%m-%d %H:%M:%S"))
-    with _PRINT_LOCK:
-        print(f"=== {run.row}: {run.label}\n{output}", flush=True)
-    return tally, None
-
-
-def _subprocess_run(
-    python: str, args: Sequence[str], env: dict[str, str], cwd: Path
-) -> preload.Finished:
-    """``python -m pytest ARGS`` as a fresh process."""
     process = subprocess.Popen(
-        [python, "-m", "pytest", *args],
-        env=env,
-        cwd=cwd,
+        [python, "-m", "pytest", *run.args, *extra],
+        env={**os.environ, **run.env},
+        cwd=run.cwd or cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -449,18 +387,30 @@ def _subprocess_run(
     output = process.stdout.read()
     # wait4: the run's own CPU time, its forked ranks included.
     _, status, usage = os.wait4(process.pid, 0)
-    return preload.Finished(
-        os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime, output
+    returncode = os.waitstatus_to_exitcode(status)
+    tally = read_junit(run.junit)
+    tally.timings.append(
+        RunTiming(
+            f"{run.row}: {run.label}",
+            time.monotonic() - started,
+            usage.ru_utime + usage.ru_stime,
+        )
     )
+    # 0: passed, 1: some failed, 5: nothing collected; the rest is pytest
+    # itself failing (usage, internal error, interrupted).
+    if returncode not in (0, 1, 5):
+        tally.failed += 1
+        tally.failures.append(f"{run.row} {run.label}: pytest exited {returncode}")
+    with _PRINT_LOCK:
+        print(f"=== {run.row}: {run.label}\n{output}", flush=True)
+    return tally
 
 
 @dataclass
 class TestResults:
-    """One tally per summary row, in order, and the runs whose result was
-    reported from their last green run."""
+    """One tally per summary row, in order."""
 
     rows: list[tuple[str, Tally]]
-    reused: list[str]
     runs: int
     wall_s: float
 
@@ -473,45 +423,26 @@ def run_tests(
     python: str = sys.executable,
     jobs: int = 0,
     extra: Sequence[str] = (),
-    rerun: bool = False,
-    preloaded: bool = True,
 ) -> TestResults:
     """Run the tooling tests (if asked) and each stage's runs, ``jobs`` at a
-    time (0: one per CPU). A run whose inputs are unchanged since its last
-    green run is reported from it (``testcache``), unless ``rerun``. With
-    ``preloaded`` the stage trees' runs are forked from a process that has
-    imported torch and the like (``preload``)."""
+    time (0: one per CPU), the longest first by their last time."""
     base_tree = stage_tree(series, "base")
     runs = tooling_runs(series) if tooling else []
     for stage_id in stage_ids:
         runs += stage_runs(series, stage_id, stage_tree(series, stage_id), base_tree)
-    project = testcache.project_files(series.root)
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
-    servers = preload.Servers(python) if preloaded else None
-    try:
-        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-            outcomes = list(
-                pool.map(
-                    lambda run: _run_one(
-                        run, python, extra, series.root, project, rerun, servers
-                    ),
-                    order,
-                )
-            )
-    finally:
-        if servers is not None:
-            servers.close()
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        tallies = list(
+            pool.map(lambda run: _run_one(run, python, extra, series.root), order)
+        )
     wall_s = time.monotonic() - started
     print(f"{len(runs)} pytest runs took {wall_s:.0f} s")
     rows: dict[str, Tally] = {run.row: Tally() for run in runs}
-    reused = []
-    for run, (tally, finished) in zip(order, outcomes, strict=True):
+    for run, tally in zip(order, tallies, strict=True):
         rows[run.row].add(tally)
-        if finished is not None:
-            reused.append(f"{run.row}: {run.label} (green run of {finished})")
-    return TestResults(list(rows.items()), reused, len(runs), wall_s)
+    return TestResults(list(rows.items()), len(runs), wall_s)
 
 
 def check_log(repo: Path, kind: str) -> Path:
