@@ -8,7 +8,6 @@ an MI355X."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from scripts.series.config import REPO_ROOT, SERIES_FILE, Series, load_series
-from scripts.series.fetch import index_url, listed_files
 from scripts.series.git import git_env
-from scripts.series.install import stage_files
+from scripts.series.install.install import stage_files
+from scripts.series.stages.fetch import index_url, listed_files
 
 BASE_FILES = {
     "vllm/__init__.py": "",

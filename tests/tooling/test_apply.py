@@ -10,11 +10,11 @@ import subprocess
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series.apply import StageApplyError, apply
 from scripts.series.git import changed_files, git_out
 from scripts.series.layout import workdir
-from scripts.series.state import in_progress_path
-from scripts.series.status import format_status, tree_status
+from scripts.series.stages.apply import StageApplyError, apply
+from scripts.series.stages.state import in_progress_path
+from scripts.series.stages.status import format_status, tree_status
 from tests.tooling.conftest import Project
 
 
@@ -94,7 +94,7 @@ def test_a_context_line_changed_by_an_earlier_stage_fails_exactly(
     """Stage 0001 now changes a line that is only context in stage 0002's
     envs.py hunk. A three-way merge would take it silently (the preimage blob
     is in the repo); the exact apply must stop and name the hunk."""
-    from scripts.series.refresh import refresh
+    from scripts.series.stages.refresh import refresh
 
     series = two_stages.series()
     repo = apply(series, "0001")
@@ -106,7 +106,7 @@ def test_a_context_line_changed_by_an_earlier_stage_fails_exactly(
 
 
 def test_a_test_tree_with_edits_is_refused(two_stages: Project):
-    from scripts.series.trees import stage_tree
+    from scripts.series.stages.trees import stage_tree
 
     series = two_stages.series()
     apply(series)
@@ -196,9 +196,9 @@ def _clean_ids(project: Project, tmp_path) -> str:
 
 
 def _interrupt(monkeypatch, name: str, when) -> None:
-    """Raise KeyboardInterrupt in scripts.series.apply's ``name`` when
+    """Raise KeyboardInterrupt in scripts.series.stages.apply's ``name`` when
     ``when(repo)`` holds, as a kill at that point would leave things."""
-    import scripts.series.apply as apply_module
+    import scripts.series.stages.apply as apply_module
 
     real = getattr(apply_module, name)
 
@@ -250,8 +250,8 @@ def test_an_apply_killed_after_its_commit_adopts_it(
     """Killed between stage 0002's commit and its tag and state: HEAD is the
     canonical commit, so the next apply adopts it instead of refusing it as
     a foreign commit; refresh and check work afterwards."""
-    from scripts.series.check import stale_files
-    from scripts.series.refresh import refresh
+    from scripts.series.stages.check import stale_files
+    from scripts.series.stages.refresh import refresh
 
     series = two_stages.series()
     _interrupt(monkeypatch, "_record_stage", _at_stage_0002)
@@ -498,7 +498,7 @@ def test_a_git_base_gets_the_version_metadata_an_install_would(project: Project)
     from dataclasses import replace
 
     from scripts.series.config import GitBase
-    from scripts.series.prepare import git_version, prepare
+    from scripts.series.stages.prepare import git_version, prepare
     from tests.tooling.conftest import sh
 
     upstream = project.upstream

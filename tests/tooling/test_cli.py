@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 from scripts.series.config import REPO_ROOT
 from tests.tooling.conftest import Project, sh, write_files
@@ -134,8 +133,8 @@ def test_a_failed_extraction_leaves_nothing_half_made(two_stages: Project, monke
 
     import pytest
 
-    import scripts.series.prepare as prepare_module
-    from scripts.series.apply import apply
+    import scripts.series.stages.prepare as prepare_module
+    from scripts.series.stages.apply import apply
 
     def disk_full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -259,11 +258,11 @@ def test_test_without_pytest_or_with_no_jobs_says_so(
 ):
     jobs = _cli(two_stages, "test", "--jobs", "0")
     assert jobs.returncode == 2 and "expected a positive integer" in jobs.stderr
-    from scripts.series import cli
+    from scripts.series import cli, commands
 
-    real_find_spec = cli.importlib.util.find_spec
+    real_find_spec = commands.importlib.util.find_spec
     monkeypatch.setattr(
-        cli.importlib.util,
+        commands.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "pytest" else real_find_spec(name, *a),
     )
@@ -369,7 +368,7 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
 def test_adding_a_stage_in_the_readmes_order(two_stages: Project):
     """README, 'Adding a stage', step by step through the command line: each
     step works as written, and the project ends where CI passes (check)."""
-    from scripts.series.overview import BEGIN, END
+    from scripts.series.stages.overview import BEGIN, END
 
     assert _cli(two_stages, "apply").returncode == 0  # 1. the tree at the top
     repo = two_stages.root / "build" / "vllm-git-v1"

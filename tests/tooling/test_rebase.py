@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 from conftest import Project, sh, write_files
 
-from scripts.series import SeriesError, rebase
-from scripts.series.apply import apply
+from scripts.series import SeriesError
 from scripts.series.config import GitBase, SdistBase, load_series
 from scripts.series.layout import review_dir
-from scripts.series.patchfile import read_patch
-from scripts.series.rebase_state import format_report, load_state
-from scripts.series.review import accept
-from scripts.series.testrun import TreeTester
+from scripts.series.rebase import rebase
+from scripts.series.rebase.review import accept
+from scripts.series.rebase.state import format_report, load_state
+from scripts.series.stages.apply import apply
+from scripts.series.stages.patchfile import read_patch
+from scripts.series.testing.testrun import TreeTester
 
 TARGET = "v2"
 
@@ -282,7 +283,7 @@ def test_accept_leaves_what_ci_checks_passing(two_stages):
     accept writes the README's stage table for the new series and keeps the
     rebase's report in docs/; a series that would fail the glue budget is
     refused, with nothing written."""
-    from scripts.series.overview import BEGIN, END, readme_table_is_current
+    from scripts.series.stages.overview import BEGIN, END, readme_table_is_current
 
     readme = two_stages.root / "README.md"
     readme.write_text(f"# Project\n\n{BEGIN}\nan old table\n{END}\n\nmore\n")
@@ -376,7 +377,7 @@ def test_a_killed_accept_is_finished_by_the_next_command(
     import os
 
     from scripts.series import cli
-    from scripts.series.review import ACCEPT_JOURNAL
+    from scripts.series.rebase.review import ACCEPT_JOURNAL
 
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target)

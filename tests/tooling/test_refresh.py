@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series.apply import apply
-from scripts.series.check import stale_files
 from scripts.series.git import changed_files, git_out
-from scripts.series.patchfile import read_patch
-from scripts.series.refresh import FORMAT_PATCH_FLAGS, refresh
-from scripts.series.status import format_status, tree_status
+from scripts.series.stages.apply import apply
+from scripts.series.stages.check import stale_files
+from scripts.series.stages.patchfile import read_patch
+from scripts.series.stages.refresh import FORMAT_PATCH_FLAGS, refresh
+from scripts.series.stages.status import format_status, tree_status
 from tests.tooling.conftest import Project, sh
 
 
@@ -429,8 +429,8 @@ def test_a_refresh_that_fails_after_folding_the_edits_is_undone(two_stages: Proj
 def _kill_refresh_while_reapplying(series, monkeypatch) -> None:
     """A refresh killed while re-applying the stages from the files it
     wrote, its own undo not run (as when the process is killed)."""
-    import scripts.series.apply as apply_module
-    import scripts.series.refresh as refresh_module
+    import scripts.series.stages.apply as apply_module
+    import scripts.series.stages.refresh as refresh_module
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
@@ -450,7 +450,7 @@ def test_a_killed_refresh_is_undone_by_the_next_run(
     """Killed while re-applying the stages from the files it wrote (its own
     undo never ran): the next refresh finds the journal, undoes the half
     refresh, then refreshes from the user's edits as if nothing happened."""
-    import scripts.series.refresh as refresh_module
+    import scripts.series.stages.refresh as refresh_module
 
     series = two_stages.series()
     repo = apply(series)
@@ -477,7 +477,7 @@ def test_the_undo_of_a_killed_refresh_keeps_edits_made_after_the_kill(
     next command: its undo keeps both (the tree at a ref, the patch beside
     itself) instead of checking out over them; the refresh's own writes
     are undone without a copy."""
-    import scripts.series.refresh as refresh_module
+    import scripts.series.stages.refresh as refresh_module
 
     series = two_stages.series()
     repo = apply(series)
@@ -528,7 +528,7 @@ def test_a_refresh_that_fails_before_folding_keeps_the_edits(
 ):
     """The amend itself fails (a full disk, say): the edits were never
     committed, and the undo must not check anything out over them."""
-    import scripts.series.refresh as refresh_module
+    import scripts.series.stages.refresh as refresh_module
 
     series = two_stages.series()
     repo = apply(series)

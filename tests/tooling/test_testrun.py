@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scripts.series.testrun import (
+from scripts.series.testing.testrun import (
     Tally,
     format_summary,
     read_junit,

@@ -39,7 +39,7 @@ from scripts.series.contract import (
 )
 from scripts.series.git import git
 from scripts.series.layout import results_dir
-from scripts.series.trees import stage_tree
+from scripts.series.stages.trees import stage_tree
 
 # Tests that compile the stages' Triton kernels for the AMD targets, run on
 # every stage's tree in a process of their own, and what they write.
@@ -365,9 +365,7 @@ def _last_duration(run: PytestRun) -> float:
 _PRINT_LOCK = threading.Lock()
 
 
-def _run_one(
-    run: PytestRun, python: str, extra: Sequence[str], cwd: Path
-) -> Tally:
+def _run_one(run: PytestRun, python: str, extra: Sequence[str], cwd: Path) -> Tally:
     """Run one pytest run; its output is printed whole when it ends."""
     run.junit.parent.mkdir(parents=True, exist_ok=True)
     run.junit.unlink(missing_ok=True)

@@ -16,23 +16,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.check import hunk_budget
 from scripts.series.config import GitBase, Series, Stage
 from scripts.series.git import changed_files, git, git_out, is_repo
 from scripts.series.layout import NEXT_DIR, RESOLUTIONS, review_dir, workdir
-from scripts.series.overview import BEGIN as README_TABLE_BEGIN
-from scripts.series.overview import END as README_TABLE_END
-from scripts.series.overview import stage_table
-from scripts.series.patchfile import read_patch
-from scripts.series.rebase_state import (
+from scripts.series.rebase.series_toml import (
+    base_fields,
+    series_toml,
+    updated_series_file,
+)
+from scripts.series.rebase.state import (
     RebaseState,
     format_report,
     state_file,
     target_from,
     work_repo,
 )
-from scripts.series.refresh import format_stage_patch, overlay_bytes
-from scripts.series.series_toml import base_fields, series_toml, updated_series_file
+from scripts.series.stages.check import hunk_budget
+from scripts.series.stages.overview import BEGIN as README_TABLE_BEGIN
+from scripts.series.stages.overview import END as README_TABLE_END
+from scripts.series.stages.overview import stage_table
+from scripts.series.stages.patchfile import read_patch
+from scripts.series.stages.refresh import format_stage_patch, overlay_bytes
 
 
 def series_digest(series: Series) -> str:

@@ -31,8 +31,8 @@ from scripts.series.layout import (
     stage_tag_ref,
     workdir,
 )
-from scripts.series.patchfile import read_patch
-from scripts.series.state import (
+from scripts.series.stages.patchfile import read_patch
+from scripts.series.stages.state import (
     Chain,
     load_state,
     read_chain,
@@ -228,7 +228,7 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
     tree that was exported; that state stays at refs/dsa-series/before-refresh
     either way.
     """
-    from scripts.series.apply import refuse_foreign_branch
+    from scripts.series.stages.apply import refuse_foreign_branch
 
     repo = workdir(series)
     recover_interrupted_refresh(repo)
@@ -298,7 +298,7 @@ def _refresh(
     commits: list[tuple[Stage, str]],
     journal: _Journal,
 ) -> list[Stage]:
-    from scripts.series.apply import apply
+    from scripts.series.stages.apply import apply
 
     if changed_files(repo):
         git(repo, "add", "-A")

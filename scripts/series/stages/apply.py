@@ -29,9 +29,9 @@ from scripts.series.git import (
     untracked_files,
 )
 from scripts.series.layout import SERIES_BRANCH, SERIES_REF, carry_path, stage_tag
-from scripts.series.patchfile import failing_hunk, read_patch
-from scripts.series.prepare import prepare
-from scripts.series.state import (
+from scripts.series.stages.patchfile import failing_hunk, read_patch
+from scripts.series.stages.prepare import prepare
+from scripts.series.stages.state import (
     Chain,
     fingerprint,
     in_progress_path,
