@@ -129,5 +129,5 @@ def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     if command.writes and is_repo(workdir(series)):
         recover_interrupted_refresh(workdir(series))
     if args.command in ("apply", "test"):
-        review.check_review_is_current(series)
+        review.note_if_review_is_stale(series)
     return command.run(series, args, extra) or 0

@@ -19,7 +19,7 @@ from scripts.series.contract import tree_env
 from scripts.series.export.export import export_stages, exporter_identity
 from scripts.series.export.pr_check import check_prs
 from scripts.series.install.install import install, stage_files
-from scripts.series.layout import INSTALL_RECORD_DIR, results_dir
+from scripts.series.layout import INSTALL_RECORD_DIR, results_dir, workdir
 from scripts.series.rebase import commands as rebase_commands
 from scripts.series.rebase import roll
 from scripts.series.stages.apply import apply
@@ -37,6 +37,7 @@ from scripts.series.stages.overview import (
 )
 from scripts.series.stages.prepare import prepare
 from scripts.series.stages.refresh import refresh
+from scripts.series.stages.state import read_chain
 from scripts.series.stages.status import format_status, tree_status
 from scripts.series.stages.trees import copy_tree, stage_tree
 from scripts.series.testing.testrun import (
@@ -144,6 +145,15 @@ def _refresh_args(parser: argparse.ArgumentParser) -> None:
 
 def _refresh(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
     written = refresh(series, into_top=args.into_top)
+    if written and read_chain(series, workdir(series)).current < len(series.stages):
+        # A lower stage changed: the stages above it follow, applied on it
+        # and written again (a patch names the blobs it applies to).
+        print(
+            "refreshed: " + ", ".join(s.id for s in written) + "; the later "
+            "stages follow"
+        )
+        apply(series, quiet=True)
+        written += [s for s in refresh(series) if s not in written]
     print("refreshed: " + (", ".join(s.id for s in written) or "no change"))
 
 

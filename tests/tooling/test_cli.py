@@ -168,14 +168,16 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     assert review.exists()
     assert _cli(two_stages, "--series", str(review), "apply").returncode == 0
     # An edit to the project's series makes the review stale: apply and
-    # test of it refuse, naming what to do.
+    # test of it say so and what to do, and still run (CI stays green).
     series_text = two_stages.series_file.read_text()
     two_stages.series_file.write_text(series_text + "# edited\n")
     for verb in ("apply", "test"):
         stale = _cli(two_stages, "--series", str(review), verb)
-        assert stale.returncode == 1
         assert "was rebased from an older version of patches/" in stale.stderr
         assert "nox -s refresh-reviews" in stale.stderr
+        # test runs (this project has no tests for the review to find).
+        assert verb == "test" or stale.returncode == 0, stale.stderr
+        assert verb == "apply" or "pytest runs took" in stale.stdout
     # One command brings every review up to date, onto its own target.
     refreshed = _cli(two_stages, "rebase", "--refresh")
     assert refreshed.returncode == 0, refreshed.stderr
@@ -536,3 +538,27 @@ def test_every_test_runs_every_time(two_stages: Project):
         assert result.returncode == 0, result.stdout
         assert "| base | 1 | 0 | 0 | - |" in result.stdout
         assert len(marker.read_text().splitlines()) == times
+
+
+def test_changing_a_lower_stage_is_apply_edit_refresh(two_stages: Project):
+    """README, 'Change a stage': apply up to the stage, edit, refresh. The
+    later stages follow in the same refresh (applied on the changed stage,
+    their patch files written again), so nothing is stale after it."""
+    assert _cli(two_stages, "apply").returncode == 0
+    assert _cli(two_stages, "refresh").returncode == 0
+    assert _cli(two_stages, "apply", "--upto", "0001").returncode == 0
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    ops = repo / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 3\n", "return 33\n"))
+    done = _cli(two_stages, "refresh")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("refreshed: 0001, 0002"), done.stdout
+    text = ops.read_text()
+    assert "return 33" in text and "return 2020" in text
+    check = _cli(two_stages, "check")
+    assert "patch files match a fresh export" in check.stdout, check.stdout
+    # Nothing changed: nothing is written, and the tree stays where it is.
+    assert _cli(two_stages, "apply", "--upto", "0001").returncode == 0
+    again = _cli(two_stages, "refresh")
+    assert again.stdout.strip().endswith("refreshed: no change"), again.stdout
+    assert "return 2020" not in ops.read_text()
