@@ -13,15 +13,9 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.commands import BY_NAME, COMMANDS
 from scripts.series.config import SERIES_FILE, Series, load_series
-from scripts.series.git import is_repo
-from scripts.series.layout import workdir
 from scripts.series.lock import project_lock
 from scripts.series.rebase import review
 from scripts.series.rebase.state import rebase_command
-from scripts.series.stages.refresh import (
-    recover_interrupted_refresh,
-    refresh_is_pending,
-)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,12 +80,6 @@ def main(argv: list[str] | None = None) -> int:
                     "an interrupted `rebase --accept` is pending; the next "
                     "writing command finishes it"
                 )
-            if is_repo(workdir(series)) and refresh_is_pending(workdir(series)):
-                pending.append(
-                    "an interrupted refresh is pending; the next writing "
-                    "command undoes it (edits made since are kept, and it says "
-                    "where)"
-                )
             if pending and args.command == "install":
                 raise SeriesError(
                     f"{pending[0]}: run `python -m scripts.series apply` first, "
@@ -126,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     command = BY_NAME[args.command]
     _check_arguments(series, args)
-    if command.writes and is_repo(workdir(series)):
-        recover_interrupted_refresh(workdir(series))
     if args.command in ("apply", "test"):
         review.note_if_review_is_stale(series)
     return command.run(series, args, extra) or 0

@@ -9,31 +9,33 @@ commit are byte-identical.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import re
 import shlex
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
-from scripts.series.git import changed_files, git, git_out, rev_parse, tree_id
+from scripts.series.git import (
+    Identity,
+    changed_files,
+    commit_tree,
+    git,
+    git_out,
+    tree_id,
+)
 from scripts.series.layout import (
     REFRESH_BACKUP_REF,
-    REFRESH_JOURNAL_FILE,
     SERIES_BRANCH,
     carry_path,
     git_file,
     stage_tag,
-    stage_tag_ref,
     workdir,
 )
-from scripts.series.stages.patchfile import read_patch
+from scripts.series.stages.patchfile import parse_patch, read_patch
 from scripts.series.stages.state import (
     Chain,
+    fingerprint,
     load_state,
     read_chain,
     save_state,
@@ -90,16 +92,11 @@ def _warn_new_files(stage: Stage, patch: Path) -> None:
         )
 
 
-def _write_stage(
-    series: Series,
-    repo: Path,
-    stage: Stage,
-    commit: str,
-    overlays_from: str,
-    journal: _Journal,
-) -> bool:
-    """Write a stage's patch (from its commit) and overlays (from the commit
-    ``overlays_from``); return whether any file changed."""
+def _stage_outputs(
+    series: Series, repo: Path, stage: Stage, commit: str, overlays_from: str
+) -> dict[Path, bytes]:
+    """A stage's series files: its patch (from its commit) and overlays
+    (from the commit ``overlays_from``), path -> bytes."""
     outputs = {
         series.patch_file(stage): format_stage_patch(series, repo, stage, commit)
     }
@@ -108,15 +105,7 @@ def _write_stage(
         if data is None:
             raise SeriesError(f"stage {stage.id}: overlay {overlay} is not in the tree")
         outputs[series.overlay_file(overlay)] = data
-    changed = False
-    for path, data in outputs.items():
-        if not path.exists() or path.read_bytes() != data:
-            journal.writing(repo, path, data)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-            changed = True
-    _warn_new_files(stage, series.patch_file(stage))
-    return changed
+    return outputs
 
 
 def _refuse_cross_stage_overlay_edits(
@@ -187,8 +176,8 @@ def _refuse_edits_to_lower_stages(
         f"the uncommitted edits change lines that a lower stage adds ({where}), "
         f"and would go into stage {top.id} as new hunks. To change the stage "
         f"that owns them, make the edit there: `git -C {tree} stash`, "
-        f"`apply --upto {first}`, `git -C {tree} stash pop`, `refresh`, then "
-        f"`apply`. To have stage {top.id} change them on purpose, run "
+        f"`apply --upto {first}`, `git -C {tree} stash pop`, `refresh` (the "
+        f"later stages follow). To have stage {top.id} change them on purpose, run "
         "`refresh --into-top`. Nothing was written."
     )
 
@@ -219,19 +208,24 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
     It works on the stages HEAD builds on, so the tree may be at an earlier
     stage (``apply --upto``). Commits on top of them become the next stages
     in series.toml (one commit per stage, their patch files not written yet).
-    It refuses when patches/ or vllm_overlay/ changed since the tree was
-    applied: the tree is then older than those files.
     Uncommitted edits go to the top stage, except edits to an overlay module,
     which go to the stage that owns it; an edit to lines a lower stage adds
-    is refused, naming that stage, unless ``into_top``. Afterwards the
-    stages are re-applied from the new files, and the result must equal the
-    tree that was exported; that state stays at refs/dsa-series/before-refresh
-    either way.
+    is refused, naming that stage, unless ``into_top``.
+
+    Everything is worked out in git's object store before anything changes:
+    the edits folded into a commit (HEAD and the tree untouched), every
+    series file's bytes, and the stages rebuilt from those bytes as a fresh
+    apply would, which must give the tree that was exported. Only then are
+    the series files written (each whole) and the tree's refs moved to the
+    rebuilt stages; the tree's files stay as they are. A refresh that fails
+    changes nothing; one killed while writing is finished by running it
+    again. It refuses to overwrite a series file that changed since the
+    tree was applied (an edit the tree does not hold), unless the file
+    already holds what it would write.
     """
     from scripts.series.stages.apply import refuse_foreign_branch
 
     repo = workdir(series)
-    recover_interrupted_refresh(repo)
     if carry_path(repo).exists():
         raise SeriesError(
             "a carried stage waits for its conflicts to be resolved; finish it "
@@ -239,15 +233,6 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
         )
     chain = read_chain(series, repo)
     below = _stages_below_head(repo, chain)
-    stale = below[chain.current :]
-    if stale:
-        files = [f"patches/{s.patch}" for s, _ in stale]
-        files += [f"vllm_overlay/{o}" for s, _ in stale for o in s.overlays]
-        raise SeriesError(
-            f"{', '.join(files)} changed since the tree was applied, so the tree "
-            "is older than them and refresh would overwrite them; run apply to "
-            "rebuild the tree from them (commit or stash tree edits first)"
-        )
     tip = below[-1][1] if below else chain.base
     extra = git(repo, "rev-list", "--reverse", f"{tip}..HEAD").stdout.split()
     new_stages = series.stages[len(below) :]
@@ -281,203 +266,167 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
     if not into_top:
         _refuse_edits_to_lower_stages(series, repo, commits)
     refuse_foreign_branch(repo, chain)
-    journal = _Journal.begin(series, repo, commits)
-    try:
-        changed = _refresh(series, repo, chain, commits, journal)
-    except BaseException:
-        journal.roll_back(repo, keep=False)  # nobody else touched anything
-        raise
-    journal.end(repo)
-    return changed
-
-
-def _refresh(
-    series: Series,
-    repo: Path,
-    chain: Chain,
-    commits: list[tuple[Stage, str]],
-    journal: _Journal,
-) -> list[Stage]:
-    from scripts.series.stages.apply import apply
 
     if changed_files(repo):
-        git(repo, "add", "-A")
-        git(repo, "commit", "-q", "--no-verify", "--amend", "--no-edit")
-        folded = rev_parse(repo, "HEAD")
-        assert folded is not None
-        commits[-1] = (commits[-1][0], folded)
-        journal.folded(repo, folded)
-    git(repo, "update-ref", REFRESH_BACKUP_REF, "HEAD")
-    exported_tree = tree_id(repo, "HEAD")
-    assert exported_tree is not None  # HEAD is the commit just folded or kept
-
+        commits[-1] = (commits[-1][0], _fold_edits(repo))
     final = commits[-1][1]
-    changed = [
-        s for s, c in commits if _write_stage(series, repo, s, c, final, journal)
-    ]
+    outputs = {
+        stage: _stage_outputs(series, repo, stage, commit, final)
+        for stage, commit in commits
+    }
+    _refuse_overwriting_newer_files(series, below, chain.base, outputs)
+    rebuilt = _rebuild(series, repo, chain.base, commits, outputs)
+    git(repo, "update-ref", REFRESH_BACKUP_REF, final)
 
-    # Rebuild the stages from the files just written, as a fresh apply would.
-    state = load_state(repo)
-    for stage, commit in commits:
-        state[stage.id] = {"commit": commit, "inputs": "refreshed"}
-        git(repo, "tag", "-f", stage_tag(stage.id), commit)
-    save_state(repo, state)
-    git(repo, "checkout", "-q", "-B", SERIES_BRANCH, chain.base)
-    apply(series, commits[-1][0].id, quiet=True)
-    if tree_id(repo, "HEAD") != exported_tree:
-        # What the series files cannot carry: an overlay's file mode, a
-        # symlink (written as a file holding its target).
-        diff = git(repo, "diff", "--raw", REFRESH_BACKUP_REF, "HEAD").stdout.decode()
-        differences = [line.split(maxsplit=5)[-1] for line in diff.splitlines()]
-        raise SeriesError(
-            "the re-applied stages differ from the tree that was exported in "
-            f"{', '.join(differences)} (the series keeps an overlay as a plain "
-            "file: no mode change, no symlink); refresh was undone (your edits "
-            f"are in the tree again, and at {REFRESH_BACKUP_REF})"
-        )
+    changed = []
+    for stage, files in outputs.items():
+        stale = [p for p, d in files.items() if not p.exists() or p.read_bytes() != d]
+        for path in stale:
+            _write_whole(path, files[path])
+        if stale:
+            changed.append(stage)
+        _warn_new_files(stage, series.patch_file(stage))
+    _adopt(series, repo, chain.base, rebuilt)
     return changed
 
 
-@dataclass
-class _Journal:
-    """What a refresh changes, recorded before it changes anything, so that a
-    refresh that fails or is killed is undone: the series files it writes,
-    the stage state and tags, and HEAD (the tree edits it folds into a commit
-    go back to being uncommitted edits). Kept in .git/ until it is done."""
-
-    head: str
-    branch: str | None  # the branch HEAD was on; None when detached
-    state: dict[str, dict[str, str]]
-    tags: dict[str, str | None]
-    files: dict[str, str | None]  # path -> original bytes (base64), None: absent
-    had_edits: bool  # uncommitted edits, which refresh folds into a commit
-    folded_into: str | None = None
-    written: dict[str, str] = field(default_factory=dict)  # path -> sha256
-
-    @classmethod
-    def begin(
-        cls, series: Series, repo: Path, commits: list[tuple[Stage, str]]
-    ) -> _Journal:
-        paths = [series.patch_file(s) for s in series.stages]
-        paths += [series.overlay_file(o) for s, _ in commits for o in s.overlays]
-        head = rev_parse(repo, "HEAD")
-        assert head is not None
-        branch = git(repo, "symbolic-ref", "-q", "--short", "HEAD", check=False)
-        journal = cls(
-            head=head,
-            branch=branch.stdout.decode().strip() or None,
-            state=load_state(repo),
-            tags={s.id: rev_parse(repo, stage_tag_ref(s.id)) for s in series.stages},
-            had_edits=bool(changed_files(repo)),
-            files={
-                str(p): base64.b64encode(p.read_bytes()).decode()
-                if p.exists()
-                else None
-                for p in paths
-            },
-        )
-        journal._save(repo)
-        return journal
-
-    def writing(self, repo: Path, path: Path, data: bytes) -> None:
-        """Record what refresh is about to write to ``path``, so an undo
-        after a kill can tell its writes from the user's later edits."""
-        self.written[str(path)] = hashlib.sha256(data).hexdigest()
-        self._save(repo)
-
-    def folded(self, repo: Path, commit: str) -> None:
-        self.folded_into = commit
-        self._save(repo)
-
-    def _save(self, repo: Path) -> None:
-        path = git_file(repo, REFRESH_JOURNAL_FILE)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(path)
-
-    def end(self, repo: Path) -> None:
-        git_file(repo, REFRESH_JOURNAL_FILE).unlink()
-
-    def roll_back(self, repo: Path, *, keep: bool = True) -> list[str]:
-        """Undo the refresh. After a kill (``keep``), edits made since to the
-        series files or the tree are kept first, and where is returned: an
-        undo never destroys what it did not write itself."""
-        kept = []
-        for name, data in self.files.items():
-            path = Path(name)
-            original = None if data is None else base64.b64decode(data)
-            if (
-                keep
-                and path.is_file()
-                and path.read_bytes() != original
-                and hashlib.sha256(path.read_bytes()).hexdigest()
-                != self.written.get(name)
-            ):
-                copy = path.with_name(path.name + KEPT_SUFFIX)
-                copy.write_bytes(path.read_bytes())
-                kept.append(str(copy))
-            if original is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.write_bytes(original)
-        save_state(repo, self.state)
-        for stage_id, commit in self.tags.items():
-            if commit:
-                git(repo, "tag", "-f", stage_tag(stage_id), commit)
-            else:
-                git(repo, "tag", "-d", stage_tag(stage_id), check=False)
-        # The tree as refresh found it: HEAD (and its branch) where it was,
-        # the folded edits back in the work tree, uncommitted.
-        folded = self.folded_into
-        if self.had_edits and folded is None:
-            head = rev_parse(repo, "HEAD")
-            if head == self.head:
-                # Never folded: HEAD and the edits are where they were.
-                self.end(repo)
-                return kept
-            # Killed between the amend and its journal entry: HEAD is the fold.
-            folded = head
-        if keep and changed_files(repo):
-            # Edits made since the kill: kept, before the tree is reset.
-            index = git_file(repo, "dsa-series-kept-index")
-            git(repo, "add", "-A", index_file=index)
-            tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
-            index.unlink()
-            commit = git_out(
-                repo, "commit-tree", tree, "-p", "HEAD", "-m", "the tree an "
-                "interrupted refresh was undone over",
-            )  # fmt: skip
-            git(repo, "update-ref", KEPT_TREE_REF, commit)
-            kept.append(f"{repo} at {KEPT_TREE_REF}")
-        git(repo, "checkout", "-q", "-f", "--detach", folded or self.head)
-        git(repo, "reset", "-q", "--soft", self.head)
-        if self.branch:
-            git(repo, "checkout", "-q", "-B", self.branch)
-        git(repo, "reset", "-q")
-        self.end(repo)
-        return kept
-
-
-# Where an undo keeps what it found changed: series files beside themselves,
-# the work tree as a commit.
-KEPT_SUFFIX = ".kept-by-undo"
-KEPT_TREE_REF = "refs/dsa-series/kept-by-undo"
-
-
-def refresh_is_pending(repo: Path) -> bool:
-    """Whether a killed refresh waits to be undone by a writing command."""
-    return git_file(repo, REFRESH_JOURNAL_FILE).exists()
-
-
-def recover_interrupted_refresh(repo: Path) -> None:
-    """Undo a refresh that was killed (its journal is still in .git/)."""
-    path = git_file(repo, REFRESH_JOURNAL_FILE)
-    if not path.exists():
-        return
-    kept = _Journal(**json.loads(path.read_text())).roll_back(repo)
-    print(
-        "an earlier refresh was interrupted and has been undone: the series "
-        "files, the tree and its edits are as they were before it"
+def _fold_edits(repo: Path) -> str:
+    """HEAD with the tree's uncommitted edits (untracked files too), as a
+    commit that keeps HEAD's author and message; HEAD, the index and the
+    tree are left as they are."""
+    index = git_file(repo, "dsa-series-refresh-index")
+    try:
+        git(repo, "read-tree", "HEAD", index_file=index)
+        git(repo, "add", "-A", index_file=index)
+        tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
+    finally:
+        index.unlink(missing_ok=True)
+    fields = git_out(repo, "log", "-1", "--format=%an%x00%ae%x00%aI%x00%P", "HEAD")
+    name, email, date, parent = fields.split("\0")
+    message = git(repo, "log", "-1", "--format=%B", "HEAD").stdout.decode()
+    # %B ends with one newline more than the message holds.
+    return commit_tree(
+        repo, tree, parent.split()[0], message[:-1], Identity(name, email, date)
     )
-    if kept:
-        print("edits made after the kill were kept before the undo: " + "; ".join(kept))
+
+
+def _refuse_overwriting_newer_files(
+    series: Series,
+    below: list[tuple[Stage, str]],
+    base: str,
+    outputs: dict[Stage, dict[Path, bytes]],
+) -> None:
+    """A series file edited after the tree was applied is newer than the tree:
+    refuse rather than overwrite it. A file that already holds what refresh
+    writes (from a refresh killed while writing) is no edit."""
+    state = load_state(workdir(series))
+    parent = base
+    newer = []
+    for stage, commit in below:
+        record = state.get(stage.id, {})
+        if record.get("inputs") != fingerprint(series, stage, parent):
+            files = outputs.get(stage, {series.patch_file(stage): b""})
+            newer += [
+                path
+                for path, data in files.items()
+                if not path.exists() or path.read_bytes() != data
+            ]
+        parent = commit
+    if newer:
+        shown = ", ".join(str(p.relative_to(series.root)) for p in newer)
+        raise SeriesError(
+            f"{shown} changed since the tree was applied, so the tree is older "
+            "than them and refresh would overwrite them; run apply to rebuild "
+            "the tree from them (commit or stash tree edits first)"
+        )
+
+
+def _rebuild(
+    series: Series,
+    repo: Path,
+    base: str,
+    commits: list[tuple[Stage, str]],
+    outputs: dict[Stage, dict[Path, bytes]],
+) -> list[tuple[Stage, str]]:
+    """The stage commits a fresh apply makes from ``outputs``, built in git's
+    object store; refuse if the top one's tree is not the exported tree
+    (what the series files cannot carry: a mode change, a symlink)."""
+    index = git_file(repo, "dsa-series-rebuild-index")
+    rebuilt = []
+    parent = base
+    try:
+        git(repo, "read-tree", base, index_file=index)
+        for stage, _ in commits:
+            patch = series.patch_file(stage)
+            data = outputs[stage][patch]
+            git(
+                repo,
+                "apply",
+                "--cached",
+                "--whitespace=nowarn",
+                "-",
+                input=data,
+                index_file=index,
+            )
+            for overlay in stage.overlays:
+                blob = git_out_bytes(repo, outputs[stage][series.overlay_file(overlay)])
+                git(
+                    repo,
+                    "update-index",
+                    "--add",
+                    "--cacheinfo",
+                    f"100644,{blob},{overlay}",
+                    index_file=index,
+                )
+            tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
+            info = parse_patch(data)
+            parent = commit_tree(repo, tree, parent, info.message, info.author)
+            rebuilt.append((stage, parent))
+    finally:
+        index.unlink(missing_ok=True)
+    exported = commits[-1][1]
+    if tree_id(repo, parent) != tree_id(repo, exported):
+        diff = git(repo, "diff", "--raw", exported, parent).stdout.decode()
+        differences = [line.split(maxsplit=5)[-1] for line in diff.splitlines()]
+        raise SeriesError(
+            "the stages re-applied from the series files would differ from your "
+            f"tree in {', '.join(differences)} (the series keeps an overlay as a "
+            "plain file: no mode change, no symlink); nothing was written"
+        )
+    return rebuilt
+
+
+def git_out_bytes(repo: Path, data: bytes) -> str:
+    """The blob id of ``data``, written to the object store."""
+    return git(repo, "hash-object", "-w", "--stdin", input=data).stdout.decode().strip()
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write ``path`` so that it holds its old bytes or the new ones, never
+    a part (a refresh killed here is finished by the next one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".dsa-partial")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
+def _adopt(
+    series: Series, repo: Path, base: str, rebuilt: list[tuple[Stage, str]]
+) -> None:
+    """Record the rebuilt stages and put the series branch and HEAD on the
+    top one. Its tree is the work tree's, so no file changes; the index is
+    reset to it."""
+    state = load_state(repo)
+    parent = base
+    for stage, commit in rebuilt:
+        state[stage.id] = {
+            "commit": commit,
+            "inputs": fingerprint(series, stage, parent),
+        }
+        parent = commit
+    save_state(repo, state)
+    for stage, commit in rebuilt:
+        git(repo, "tag", "-f", stage_tag(stage.id), commit)
+    git(repo, "update-ref", f"refs/heads/{SERIES_BRANCH}", parent)
+    git(repo, "symbolic-ref", "HEAD", f"refs/heads/{SERIES_BRANCH}")
+    git(repo, "reset", "-q")
