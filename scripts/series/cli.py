@@ -74,23 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({**parsed, "pytest_args": extra}, default=str))
             return 0
         if not BY_NAME[args.command].writes:
-            pending = []
-            if review.AcceptJournal.pending(series.patches_dir):
-                pending.append(
-                    "an interrupted `rebase --accept` is pending; the next "
-                    "writing command finishes it"
-                )
-            if pending and args.command == "install":
-                raise SeriesError(
-                    f"{pending[0]}: run `python -m scripts.series apply` first, "
-                    "then install"
-                )
-            for note in pending:
-                print(f"note: {note}", file=sys.stderr)
             return _run(series, args, extra)
         with project_lock(series, " ".join(argv)):
-            if review.finish_interrupted_accept(series.patches_dir):
-                series = load_series(args.series)
             return _run(series, args, extra)
     except SeriesError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -95,6 +95,15 @@ class Project:
     def series(self) -> Series:
         return load_series(self.series_file)
 
+    def commit_all(self) -> None:
+        """Commit the project as it is (a git checkout from the first call):
+        ``rebase --accept`` needs git to hold the files it replaces."""
+        if not (self.root / ".git").exists():
+            (self.root / ".gitignore").write_text("build/\n")
+            sh(self.root, "git", "init", "-q")
+        sh(self.root, "git", "add", "-A")
+        sh(self.root, "git", "commit", "-q", "--allow-empty", "-m", "project")
+
     def add_stage(
         self,
         stage_id: str,

@@ -189,6 +189,7 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     two_stages.series_file.write_text(series_text)
     assert _cli(two_stages, "rebase", "--refresh").returncode == 0
     assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
+    two_stages.commit_all()  # accept replaces only what git holds
     accepted = _cli(two_stages, "rebase", "--accept")
     assert accepted.returncode == 0, accepted.stderr
     main = sh(two_stages.upstream, "git", "rev-parse", "main").strip()
