@@ -369,7 +369,8 @@ def _rebuild(
                 index_file=index,
             )
             for overlay in stage.overlays:
-                blob = git_out_bytes(repo, outputs[stage][series.overlay_file(overlay)])
+                module = outputs[stage][series.overlay_file(overlay)]
+                blob = _blob_of(repo, overlay, module)
                 git(
                     repo,
                     "update-index",
@@ -396,9 +397,11 @@ def _rebuild(
     return rebuilt
 
 
-def git_out_bytes(repo: Path, data: bytes) -> str:
-    """The blob id of ``data``, written to the object store."""
-    return git(repo, "hash-object", "-w", "--stdin", input=data).stdout.decode().strip()
+def _blob_of(repo: Path, path: str, data: bytes) -> str:
+    """The blob id of ``data`` at ``path``, written to the object store (the
+    path's attributes apply, as they do when apply adds the overlay)."""
+    blob = git(repo, "hash-object", "-w", f"--path={path}", "--stdin", input=data)
+    return blob.stdout.decode().strip()
 
 
 def _write_whole(path: Path, data: bytes) -> None:
