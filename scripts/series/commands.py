@@ -40,12 +40,8 @@ from scripts.series.stages.refresh import refresh
 from scripts.series.stages.state import read_chain
 from scripts.series.stages.status import format_status, tree_status
 from scripts.series.stages.trees import copy_tree, stage_tree
-from scripts.series.testing.testrun import (
-    compile_summary,
-    format_summary,
-    format_timings,
-    run_tests,
-)
+from scripts.series.testing.results import format_summary, format_timings
+from scripts.series.testing.testrun import compile_summary, run_tests
 
 Run = Callable[[Series, argparse.Namespace, list[str]], int | None]
 Arguments = Callable[[argparse.ArgumentParser], None]

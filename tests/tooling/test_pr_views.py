@@ -22,7 +22,7 @@ from scripts.series.export.pr_check import check_prs, review_path
 from scripts.series.export.pr_views import AMD_CI, CPU, verdict
 from scripts.series.git import Identity
 from scripts.series.stages.apply import apply
-from scripts.series.testing.testrun import Tally
+from scripts.series.testing.results import Tally
 from tests.tooling.conftest import Project
 
 EXPORTER = Identity("Eve Exporter", "eve@example.org", "")

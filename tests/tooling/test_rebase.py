@@ -20,9 +20,9 @@ from scripts.series.layout import review_dir
 from scripts.series.rebase import rebase
 from scripts.series.rebase.review import accept
 from scripts.series.rebase.state import format_report, load_state
+from scripts.series.rebase.tree_tester import TreeTester
 from scripts.series.stages.apply import apply
 from scripts.series.stages.patchfile import read_patch
-from scripts.series.testing.testrun import TreeTester
 
 TARGET = "v2"
 

@@ -6,13 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scripts.series.testing.testrun import (
-    Tally,
-    format_summary,
-    read_junit,
-    stage_runs,
-    tooling_runs,
-)
+from scripts.series.testing.results import Tally, format_summary, read_junit
+from scripts.series.testing.testrun import stage_runs, tooling_runs
 from tests.tooling.conftest import Project
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>

@@ -31,7 +31,7 @@ from scripts.series.layout import (
 )
 from scripts.series.stages.refresh import FORMAT_PATCH_FLAGS
 from scripts.series.stages.state import read_chain
-from scripts.series.testing.testrun import junit_suite, read_junit
+from scripts.series.testing.results import junit_suite, read_junit
 
 _TRAILER = re.compile(r"^[A-Za-z-]+: .+$")
 

@@ -80,11 +80,11 @@ from scripts.series.rebase.state import (
     target_from,
     work_repo,
 )
+from scripts.series.rebase.tree_tester import TreeTester, probe_paths
 from scripts.series.stages.apply import apply
 from scripts.series.stages.patchfile import read_patch
 from scripts.series.stages.prepare import prepare, resolve_git_rev
 from scripts.series.stages.state import read_chain
-from scripts.series.testing.testrun import TreeTester, probe_paths
 
 
 def start(
