@@ -202,10 +202,13 @@ def apply(session: nox.Session) -> None:
 
 
 def _test_args(session: nox.Session) -> list[str]:
-    """``test``'s own --rerun, then -- and the rest for pytest."""
+    """-- and the session's arguments, for pytest. Every test runs every
+    time; --rerun, which once overrode a result cache, is still taken (and
+    dropped) so that older commands and scripts keep working."""
     posargs = list(session.posargs)
-    rerun = ["--rerun"] if "--rerun" in posargs else []
-    return [*rerun, "--", *(arg for arg in posargs if arg != "--rerun")]
+    if "--rerun" in posargs:
+        session.log("--rerun is no longer needed: every test runs every time")
+    return ["--", *(arg for arg in posargs if arg != "--rerun")]
 
 
 @nox.session
@@ -213,8 +216,7 @@ def _test_args(session: nox.Session) -> list[str]:
 def tests(session: nox.Session, stage: str) -> None:
     """Test one stage's tree: the base and the stages up to it.
 
-    -- --rerun also runs the pytest runs whose inputs are unchanged since
-    they passed; other arguments go to pytest.
+    Arguments after -- go to pytest.
     """
     _check_args(session, "test", stage, *_test_args(session))
     _series(session, "apply", "--upto", stage)
@@ -226,8 +228,7 @@ def tests(session: nox.Session, stage: str) -> None:
 def apply_and_test(session: nox.Session) -> None:
     """Apply every stage, test each stage's tree, and print one summary table.
 
-    -- --rerun also runs the pytest runs whose inputs are unchanged since
-    they passed; other arguments go to pytest.
+    Arguments after -- go to pytest.
     """
     _check_args(session, "test", "--tooling", *_test_args(session))
     started = time.monotonic()

@@ -25,8 +25,6 @@ REBASED_BRANCH = "rebased"
 REFRESH_BACKUP_REF = "refs/dsa-series/before-refresh"
 REBASE_OLD_REF = "refs/dsa-rebase/old"
 STATE_FILE = "dsa-series-state.json"  # under .git/
-APPLYING_FILE = "dsa-series-applying"  # under .git/, while apply runs
-REFRESH_JOURNAL_FILE = "dsa-series-refreshing.json"  # under .git/, while refresh runs
 
 # Beside an installed vLLM package (SITE/vllm/): what `install` wrote there.
 INSTALL_RECORD_DIR = ".dsa-series-install"

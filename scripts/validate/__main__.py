@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.install import check_site
+from scripts.series.install.install import check_site
 from scripts.validate.matrix import (
     SEEDS,
     Experiment,

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from scripts.series.install import installed_record
+from scripts.series.install.install import installed_record
 from scripts.validate.checks import log_problems, result_problems
 from scripts.validate.matrix import Experiment, Point, Variant, shell_line
 

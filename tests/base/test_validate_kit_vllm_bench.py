@@ -8,13 +8,13 @@ an MI355X."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.harness import serving
 from scripts.harness.tree import applied_tree
-from scripts.series import preload
 from scripts.validate import runner
 from scripts.validate.matrix import load_experiment
 from scripts.validate.report import write_report
@@ -73,9 +73,9 @@ def test_vllm_bench_results_are_checked_and_reported(tmp_path, monkeypatch):
     matrix = serving.write_matrix(
         tmp_path,
         serving.free_port(),
-        # Forked from the run's preload server when it has one (preload.py).
         [
-            *preload.python_command(str(bench)),
+            sys.executable,
+            str(bench),
             *placeholders,
             "{conc}",
             "{port}",

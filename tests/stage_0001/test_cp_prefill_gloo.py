@@ -24,7 +24,6 @@ from scripts.harness import adversary, indexer_batch, topk_reference
 from scripts.harness.multiproc import run_ranks
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
-from scripts.series import preload
 from scripts.series.contract import BASE_TREE_ENV, tree_env
 
 TREE = applied_tree("0001")
@@ -332,9 +331,8 @@ def base_outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
         "PYTHONPATH": f"{base_tree}:{project}",
     }
     requests = {name: SCENARIOS[name][0] for name in BYTE_IDENTITY_SCENARIOS}
-    # Forked from the run's preload server when it has one (preload.py).
     subprocess.run(
-        preload.python_command("-c", _BASE_RUN, str(out_file), repr(requests)),
+        [sys.executable, "-c", _BASE_RUN, str(out_file), repr(requests)],
         env=env,
         check=True,
         cwd=out_file.parent,

@@ -16,12 +16,12 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from scripts.harness.tree import applied_tree
-from scripts.series import preload
 
 TREE = applied_tree("0003")
 
@@ -103,9 +103,8 @@ SCENARIOS = {
 def started() -> dict[str, dict]:
     scenarios = [{"name": f"s{i}", **s} for i, s in enumerate(SCENARIOS.values())]
     project = Path(__file__).resolve().parents[2]
-    # Forked from the run's preload server when it has one (preload.py).
     done = subprocess.run(
-        preload.python_command("-m", "scripts.harness.rocm_startup"),
+        [sys.executable, "-m", "scripts.harness.rocm_startup"],
         input=json.dumps(scenarios),
         capture_output=True,
         text=True,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from scripts.series.config import REPO_ROOT, SERIES_FILE, Series, load_series
-from scripts.series.fetch import index_url, listed_files
 from scripts.series.git import git_env
-from scripts.series.install import stage_files
+from scripts.series.install.install import stage_files
+from scripts.series.stages.fetch import index_url, listed_files
 
 BASE_FILES = {
     "vllm/__init__.py": "",
@@ -94,6 +94,15 @@ class Project:
 
     def series(self) -> Series:
         return load_series(self.series_file)
+
+    def commit_all(self) -> None:
+        """Commit the project as it is (a git checkout from the first call):
+        ``rebase --accept`` needs git to hold the files it replaces."""
+        if not (self.root / ".git").exists():
+            (self.root / ".gitignore").write_text("build/\n")
+            sh(self.root, "git", "init", "-q")
+        sh(self.root, "git", "add", "-A")
+        sh(self.root, "git", "commit", "-q", "--allow-empty", "-m", "project")
 
     def add_stage(
         self,

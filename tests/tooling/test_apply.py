@@ -10,11 +10,10 @@ import subprocess
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series.apply import StageApplyError, apply
 from scripts.series.git import changed_files, git_out
 from scripts.series.layout import workdir
-from scripts.series.state import in_progress_path
-from scripts.series.status import format_status, tree_status
+from scripts.series.stages.apply import StageApplyError, apply
+from scripts.series.stages.status import format_status, tree_status
 from tests.tooling.conftest import Project
 
 
@@ -85,7 +84,6 @@ def test_a_failing_hunk_is_named_and_the_tree_stays_at_the_last_good_stage(
     )
     assert not changed_files(repo), "a failed stage must leave no partial edits"
     assert "CP_INDEXER = False" in (repo / "vllm/envs.py").read_text()
-    assert not in_progress_path(repo).exists()
 
 
 def test_a_context_line_changed_by_an_earlier_stage_fails_exactly(
@@ -94,7 +92,7 @@ def test_a_context_line_changed_by_an_earlier_stage_fails_exactly(
     """Stage 0001 now changes a line that is only context in stage 0002's
     envs.py hunk. A three-way merge would take it silently (the preimage blob
     is in the repo); the exact apply must stop and name the hunk."""
-    from scripts.series.refresh import refresh
+    from scripts.series.stages.refresh import refresh
 
     series = two_stages.series()
     repo = apply(series, "0001")
@@ -106,7 +104,7 @@ def test_a_context_line_changed_by_an_earlier_stage_fails_exactly(
 
 
 def test_a_test_tree_with_edits_is_refused(two_stages: Project):
-    from scripts.series.trees import stage_tree
+    from scripts.series.stages.trees import stage_tree
 
     series = two_stages.series()
     apply(series)
@@ -195,111 +193,88 @@ def _clean_ids(project: Project, tmp_path) -> str:
     return git_out(repo, "rev-parse", "stage/0001", "stage/0002")
 
 
-def _interrupt(monkeypatch, name: str, when) -> None:
-    """Raise KeyboardInterrupt in scripts.series.apply's ``name`` when
-    ``when(repo)`` holds, as a kill at that point would leave things."""
-    import scripts.series.apply as apply_module
+def _interrupt(monkeypatch, name: str, calls: int) -> None:
+    """Raise KeyboardInterrupt in scripts.series.stages.apply's ``name`` on
+    its ``calls``-th call, as a kill at that point would leave things."""
+    import scripts.series.stages.apply as apply_module
 
     real = getattr(apply_module, name)
+    seen = []
 
-    def interrupted(repo, *args, **kwargs):
-        if when(repo):
+    def interrupted(*args, **kwargs):
+        seen.append(1)
+        if len(seen) == calls:
             raise KeyboardInterrupt
-        return real(repo, *args, **kwargs)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(apply_module, name, interrupted)
 
 
-def _at_stage_0002(repo) -> bool:
-    return "2020" in (repo / "vllm/ops.py").read_text()
-
-
-def _killed_before_stage_0002_commit(series, monkeypatch):
-    """Apply, killed with stage 0002 in the tree but not committed."""
-    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
-    with pytest.raises(KeyboardInterrupt):
-        apply(series)
-    monkeypatch.undo()
-    return workdir(series)
-
-
-def test_an_apply_killed_before_its_commit_redoes_the_stage(
+def test_an_apply_killed_before_its_commit_leaves_the_tree_clean_and_resumes(
     two_stages: Project, monkeypatch, tmp_path
 ):
-    """Killed after stage 0002's patch and overlays are in the tree but before
-    its commit: the re-run drops those partial writes (they are its own) and
-    ends with the same commits as an uninterrupted apply, no stash left."""
+    """Killed before stage 0002's commit is made: the stage was built in
+    git's object store, so the tree is clean (at the base, where it was);
+    the next apply ends with the same commits as an uninterrupted one."""
     series = two_stages.series()
-    _interrupt(monkeypatch, "commit_verbatim", _at_stage_0002)
+    _interrupt(monkeypatch, "commit_tree", 2)
     with pytest.raises(KeyboardInterrupt):
         apply(series)
     repo = workdir(series)
-    assert changed_files(repo), "the interruption left a half-applied stage"
+    assert not changed_files(repo)
     monkeypatch.undo()
     apply(series)
     assert not changed_files(repo)
-    assert git_out(repo, "stash", "list") == ""
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(
+        repo, "rev-parse", "stage/0002"
+    )
     assert git_out(repo, "rev-parse", "stage/0001", "stage/0002") == _clean_ids(
         two_stages, tmp_path
     )
 
 
-def test_an_apply_killed_after_its_commit_adopts_it(
-    two_stages: Project, monkeypatch, tmp_path, capsys
+def test_an_apply_killed_after_its_commit_goes_on_from_it(
+    two_stages: Project, monkeypatch, tmp_path
 ):
-    """Killed between stage 0002's commit and its tag and state: HEAD is the
-    canonical commit, so the next apply adopts it instead of refusing it as
-    a foreign commit; refresh and check work afterwards."""
-    from scripts.series.check import stale_files
-    from scripts.series.refresh import refresh
+    """Killed after stage 0002's commit, before it is recorded: the commit is
+    remade (the same id) by the next apply; refresh and check work after."""
+    from scripts.series.stages.check import stale_files
+    from scripts.series.stages.refresh import refresh
 
     series = two_stages.series()
-    _interrupt(monkeypatch, "_record_stage", _at_stage_0002)
+    _interrupt(monkeypatch, "_record_stage", 2)
     with pytest.raises(KeyboardInterrupt):
         apply(series)
     repo = workdir(series)
-    committed = git_out(repo, "rev-parse", "HEAD")
+    assert not changed_files(repo)
     monkeypatch.undo()
     apply(series)
-    assert "finished the interrupted apply of stage 0002" in capsys.readouterr().out
-    assert (
-        git_out(repo, "rev-parse", "HEAD", "stage/0002") == f"{committed}\n{committed}"
-    )
     assert git_out(repo, "rev-parse", "stage/0001", "stage/0002") == _clean_ids(
         two_stages, tmp_path
+    )
+    assert git_out(repo, "rev-parse", "HEAD") == git_out(
+        repo, "rev-parse", "stage/0002"
     )
     refresh(series)
     assert stale_files(series) == []
 
 
-def test_a_commit_of_the_users_after_a_kill_is_not_adopted(
+def test_edits_made_after_a_killed_apply_are_refused_not_stashed(
     two_stages: Project, monkeypatch
 ):
-    """Killed before the commit, then the user commits the half-applied tree
-    themselves: that commit is not the stage's canonical one, so it is
-    refused as a commit on top, not adopted."""
-    from tests.tooling.conftest import sh
-
+    """A kill leaves no half-applied stage to tell apart from your edits, so
+    edits made after it are refused like any others, and kept."""
     series = two_stages.series()
-    repo = _killed_before_stage_0002_commit(series, monkeypatch)
-    sh(repo, "git", "commit", "-qm", "my own commit")
-    mine = git_out(repo, "rev-parse", "HEAD")
-    with pytest.raises(SeriesError, match="commits on top of the series"):
+    _interrupt(monkeypatch, "commit_tree", 2)
+    with pytest.raises(KeyboardInterrupt):
         apply(series)
-    assert git_out(repo, "rev-parse", "HEAD") == mine
-
-
-def test_edits_outside_the_interrupted_stage_are_stashed(
-    two_stages: Project, monkeypatch
-):
-    series = two_stages.series()
-    repo = _killed_before_stage_0002_commit(series, monkeypatch)
+    monkeypatch.undo()
+    repo = workdir(series)
     (repo / "README.md").write_text("my notes\n")
-    apply(series)
-    assert not changed_files(repo)
-    assert "interrupted apply of stage 0002" in git_out(repo, "stash", "list")
-    git_out(repo, "stash", "pop")
+    with pytest.raises(SeriesError, match="uncommitted edits"):
+        apply(series)
     assert (repo / "README.md").read_text() == "my notes\n"
+    assert git_out(repo, "stash", "list") == ""
 
 
 def test_commits_on_top_are_not_overwritten(two_stages: Project):
@@ -498,7 +473,7 @@ def test_a_git_base_gets_the_version_metadata_an_install_would(project: Project)
     from dataclasses import replace
 
     from scripts.series.config import GitBase
-    from scripts.series.prepare import git_version, prepare
+    from scripts.series.stages.prepare import git_version, prepare
     from tests.tooling.conftest import sh
 
     upstream = project.upstream
@@ -541,5 +516,4 @@ def test_an_overlay_that_is_a_symlink_loop_is_named(project: Project):
     assert overlay.is_symlink(), "the user's link is left as it is"
     repo = workdir(project.series())
     assert not changed_files(repo)
-    assert not in_progress_path(repo).exists()
     assert git_out(repo, "rev-parse", "HEAD") == git_out(repo, "rev-parse", "base")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from conftest import Project
 
-from scripts.series.check import HUNK_BUDGET, format_hunk_sizes, hunk_budget
 from scripts.series.config import SeriesFileError
-from scripts.series.overview import (
+from scripts.series.stages.check import HUNK_BUDGET, format_hunk_sizes, hunk_budget
+from scripts.series.stages.overview import (
     BEGIN,
     END,
     readme_table_is_current,

@@ -7,9 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-from scripts.series import testcache
 from scripts.series.config import REPO_ROOT
 from tests.tooling.conftest import Project, sh, write_files
 
@@ -135,8 +133,8 @@ def test_a_failed_extraction_leaves_nothing_half_made(two_stages: Project, monke
 
     import pytest
 
-    import scripts.series.prepare as prepare_module
-    from scripts.series.apply import apply
+    import scripts.series.stages.prepare as prepare_module
+    from scripts.series.stages.apply import apply
 
     def disk_full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -170,14 +168,16 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     assert review.exists()
     assert _cli(two_stages, "--series", str(review), "apply").returncode == 0
     # An edit to the project's series makes the review stale: apply and
-    # test of it refuse, naming what to do.
+    # test of it say so and what to do, and still run (CI stays green).
     series_text = two_stages.series_file.read_text()
     two_stages.series_file.write_text(series_text + "# edited\n")
     for verb in ("apply", "test"):
         stale = _cli(two_stages, "--series", str(review), verb)
-        assert stale.returncode == 1
         assert "was rebased from an older version of patches/" in stale.stderr
         assert "nox -s refresh-reviews" in stale.stderr
+        # test runs (this project has no tests for the review to find).
+        assert verb == "test" or stale.returncode == 0, stale.stderr
+        assert verb == "apply" or "pytest runs took" in stale.stdout
     # One command brings every review up to date, onto its own target.
     refreshed = _cli(two_stages, "rebase", "--refresh")
     assert refreshed.returncode == 0, refreshed.stderr
@@ -189,6 +189,7 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     two_stages.series_file.write_text(series_text)
     assert _cli(two_stages, "rebase", "--refresh").returncode == 0
     assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
+    two_stages.commit_all()  # accept replaces only what git holds
     accepted = _cli(two_stages, "rebase", "--accept")
     assert accepted.returncode == 0, accepted.stderr
     main = sh(two_stages.upstream, "git", "rev-parse", "main").strip()
@@ -248,14 +249,8 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
     ]
     assert "test_two::test_fails" in result.stdout.split("Failed:")[1]
     assert "=== 0002: series tests" in result.stdout
-    # Forked from the preload server or started fresh, a run sees the same.
-    fresh = _cli(two_stages, "test", "--jobs", "2", "--no-preload")
-    assert fresh.returncode == 1
-    assert [line for line in fresh.stdout.splitlines() if line.startswith("| ")] == rows
     # Arguments after -- go to every pytest run.
-    only = _cli(
-        two_stages, "test", "0002", "--no-preload", "--", "-k", "not test_fails"
-    )
+    only = _cli(two_stages, "test", "0002", "--", "-k", "not test_fails")
     assert only.returncode == 0, only.stdout
     assert "| 0002 | 4 | 0 | 0 | - |" in only.stdout
     assert _cli(two_stages, "test", "0009").returncode == 1
@@ -266,11 +261,11 @@ def test_test_without_pytest_or_with_no_jobs_says_so(
 ):
     jobs = _cli(two_stages, "test", "--jobs", "0")
     assert jobs.returncode == 2 and "expected a positive integer" in jobs.stderr
-    from scripts.series import cli
+    from scripts.series import cli, commands
 
-    real_find_spec = cli.importlib.util.find_spec
+    real_find_spec = commands.importlib.util.find_spec
     monkeypatch.setattr(
-        cli.importlib.util,
+        commands.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "pytest" else real_find_spec(name, *a),
     )
@@ -376,7 +371,7 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
 def test_adding_a_stage_in_the_readmes_order(two_stages: Project):
     """README, 'Adding a stage', step by step through the command line: each
     step works as written, and the project ends where CI passes (check)."""
-    from scripts.series.overview import BEGIN, END
+    from scripts.series.stages.overview import BEGIN, END
 
     assert _cli(two_stages, "apply").returncode == 0  # 1. the tree at the top
     repo = two_stages.root / "build" / "vllm-git-v1"
@@ -525,14 +520,10 @@ def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path)
     _one_line_error(export("--signoff", "just a name"), "expected 'Name <email>'")
 
 
-def test_an_unchanged_green_run_is_reported_from_its_last_result(two_stages: Project):
-    """A green run whose inputs are all unchanged is not run again; a change
-    to any input (a test file, the tree, the environment), a failure or
-    --rerun runs it. (Fresh interpreters: a preload server would import
-    torch for each of these small runs.)"""
+def test_every_test_runs_every_time(two_stages: Project):
+    """No result is reported from an earlier run: a green run runs again."""
     assert _cli(two_stages, "apply").returncode == 0
-    marker = two_stages.tmp / "ran.log"  # outside the project: not an input
-    test = two_stages.root / "tests" / "base" / "test_base.py"
+    marker = two_stages.tmp / "ran.log"  # outside the project
     write_files(
         two_stages.root / "tests",
         {
@@ -543,48 +534,32 @@ def test_an_unchanged_green_run_is_reported_from_its_last_result(two_stages: Pro
                 """),
         },
     )
-
-    def runs() -> int:
-        return len(marker.read_text().splitlines()) if marker.exists() else 0
-
-    def test_base(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-        return _cli(two_stages, "test", "base", "--no-preload", *args, **kwargs)
-
-    first = _cli(two_stages, "test", "base", "--no-preload")
-    assert first.returncode == 0 and runs() == 1
-    again = _cli(two_stages, "test", "base", "--no-preload")
-    assert again.returncode == 0 and runs() == 1, "unchanged: reported"
-    assert "| base | 1 | 0 | 0 | - |" in again.stdout
-    assert "1 of 1 pytest runs are reported from their last green run" in again.stdout
-    assert test_base("--rerun").returncode == 0 and runs() == 2
-    test.write_text(test.read_text() + "\n\ndef test_more():\n    pass\n")
-    assert test_base().returncode == 0 and runs() == 3
-    # The environment is an input.
-    assert test_base(env={"DSA_STANDIN_SEED": "7"}).returncode == 0 and runs() == 4
-    # A failing run keeps no key: it runs again next time.
-    test.write_text(test.read_text() + "\n\ndef test_fails():\n    assert False\n")
-    assert test_base().returncode == 1 and runs() == 5
-    assert test_base().returncode == 1 and runs() == 6
+    for times in (1, 2):
+        result = _cli(two_stages, "test", "base")
+        assert result.returncode == 0, result.stdout
+        assert "| base | 1 | 0 | 0 | - |" in result.stdout
+        assert len(marker.read_text().splitlines()) == times
 
 
-def test_a_tree_with_changes_beyond_its_commit_has_no_key(tmp_path: Path):
-    tree = tmp_path / "tree"
-    tree.mkdir()
-    sh(tree, "git", "init", "-q")
-    (tree / "a.py").write_text("x = 1\n")
-    sh(tree, "git", "add", "a.py")
-    sh(tree, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
-
-    def key() -> str | None:
-        return testcache.run_key(
-            args=["-q"], env={}, cwd=tree, python=sys.executable,
-            project="p", trees=[tree],
-        )  # fmt: skip
-
-    clean = key()
-    assert clean is not None and key() == clean
-    (tree / "b.py").write_text("y = 2\n")
-    assert key() is None, "an untracked file"
-    (tree / "b.py").unlink()
-    (tree / "a.py").write_text("x = 2\n")
-    assert key() is None, "an edit"
+def test_changing_a_lower_stage_is_apply_edit_refresh(two_stages: Project):
+    """README, 'Change a stage': apply up to the stage, edit, refresh. The
+    later stages follow in the same refresh (applied on the changed stage,
+    their patch files written again), so nothing is stale after it."""
+    assert _cli(two_stages, "apply").returncode == 0
+    assert _cli(two_stages, "refresh").returncode == 0
+    assert _cli(two_stages, "apply", "--upto", "0001").returncode == 0
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    ops = repo / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 3\n", "return 33\n"))
+    done = _cli(two_stages, "refresh")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("refreshed: 0001, 0002"), done.stdout
+    text = ops.read_text()
+    assert "return 33" in text and "return 2020" in text
+    check = _cli(two_stages, "check")
+    assert "patch files match a fresh export" in check.stdout, check.stdout
+    # Nothing changed: nothing is written, and the tree stays where it is.
+    assert _cli(two_stages, "apply", "--upto", "0001").returncode == 0
+    again = _cli(two_stages, "refresh")
+    assert again.stdout.strip().endswith("refreshed: no change"), again.stdout
+    assert "return 2020" not in ops.read_text()

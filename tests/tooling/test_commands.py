@@ -376,7 +376,7 @@ Or inline: `nox -s apply -- --upto`.
     good = """
 ```bash
 nox -s apply -- 0001
-nox -s "tests(<id>)" -- --rerun -k gate   # pytest's -k
+nox -s "tests(<id>)" -- -k gate           # pytest's -k
 ```
 """
     assert _failures(good) == []

@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series.apply import apply
 from scripts.series.config import load_series
-from scripts.series.export import export_stages
+from scripts.series.export.export import export_stages
+from scripts.series.export.pr_check import check_prs, review_path
 from scripts.series.git import Identity, changed_files, git_out
-from scripts.series.pr_check import check_prs, review_path
+from scripts.series.stages.apply import apply
 from tests.tooling.conftest import Project, sh, write_files
 
 EXPORTER = Identity("Eve Exporter", "eve@example.org", "")
@@ -107,7 +107,7 @@ def test_the_description_follows_the_targets_pr_template(two_stages: Project):
 def test_a_results_row_names_the_prs_own_test_instead_of_the_series_files():
     from types import SimpleNamespace
 
-    from scripts.series.export import _without_where
+    from scripts.series.export.export import _without_where
 
     stage = SimpleNamespace(vllm_tests=["tests/v1/test_x.py"])
     section = (

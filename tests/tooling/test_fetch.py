@@ -15,7 +15,7 @@ import pytest
 
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase
-from scripts.series.fetch import CACHE_ENV, INDEX_ENV, fetch_sdist
+from scripts.series.stages.fetch import CACHE_ENV, INDEX_ENV, fetch_sdist
 
 
 def _sdist_bytes() -> bytes:

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series import install as install_module
 from scripts.series.config import SERIES_FILE, load_series
-from scripts.series.install import install, installed_record, stage_files
+from scripts.series.install import install as install_module
+from scripts.series.install.install import install, installed_record, stage_files
 from scripts.series.layout import INSTALL_RECORD_DIR, workdir
-from scripts.series.state import read_chain
-from scripts.series.trees import stage_tree
+from scripts.series.stages.state import read_chain
+from scripts.series.stages.trees import stage_tree
 
 SERIES = load_series(SERIES_FILE)
 STAGES = ["base", *(s.id for s in SERIES.stages)]

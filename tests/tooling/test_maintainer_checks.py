@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts.series.maintainer_checks import layering
+from scripts.series.export.maintainer_checks import layering
 from tests.tooling.conftest import sh, write_files
 
 BASE = {
@@ -68,7 +68,7 @@ def test_hook_tools_pinned_by_frozen_commits_take_the_tagged_version(tmp_path):
     import pytest
 
     from scripts.series import SeriesError
-    from scripts.series.vllm_precommit import requirements
+    from scripts.series.export.vllm_precommit import requirements
 
     config = (
         "repos:\n"

@@ -2,7 +2,7 @@
 """The export's maintainer check runs each PR's tests as each CI machine
 would: on a CPU, and under vLLM's ROCm platform emulated as MI300 (gfx942)
 and MI355 (gfx950), each with VLLM_ROCM_USE_AITER=1 and =0
-(scripts/series/pr_views.py, scripts/harness/rocm_view_plugin.py).
+(scripts/series/export/pr_views.py, scripts/harness/rocm_view_plugin.py).
 
 The synthetic PR brings what the plugin needs of vLLM (a platform object,
 ``vllm/platforms/rocm.py`` reading the arch from AMD SMI, ``vllm/_aiter_ops.py``
@@ -17,12 +17,12 @@ from collections import Counter
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series.apply import apply
-from scripts.series.export import export_stages
+from scripts.series.export.export import export_stages
+from scripts.series.export.pr_check import check_prs, review_path
+from scripts.series.export.pr_views import AMD_CI, CPU, verdict
 from scripts.series.git import Identity
-from scripts.series.pr_check import check_prs, review_path
-from scripts.series.pr_views import AMD_CI, CPU, verdict
-from scripts.series.testrun import Tally
+from scripts.series.stages.apply import apply
+from scripts.series.testing.results import Tally
 from tests.tooling.conftest import Project
 
 EXPORTER = Identity("Eve Exporter", "eve@example.org", "")

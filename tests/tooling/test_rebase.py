@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 from conftest import Project, sh, write_files
 
-from scripts.series import SeriesError, rebase
-from scripts.series.apply import apply
+from scripts.series import SeriesError
 from scripts.series.config import GitBase, SdistBase, load_series
 from scripts.series.layout import review_dir
-from scripts.series.patchfile import read_patch
-from scripts.series.rebase_state import format_report, load_state
-from scripts.series.review import accept
-from scripts.series.testrun import TreeTester
+from scripts.series.rebase import rebase
+from scripts.series.rebase.review import accept
+from scripts.series.rebase.state import format_report, load_state
+from scripts.series.rebase.tree_tester import TreeTester
+from scripts.series.stages.apply import apply
+from scripts.series.stages.patchfile import read_patch
 
 TARGET = "v2"
 
@@ -267,6 +268,7 @@ def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
 def test_accept_adopts_the_rebased_series(two_stages):
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target)
+    two_stages.commit_all()
     accept(two_stages.series())
     series = two_stages.series()
     assert series.base == _pinned(target)
@@ -274,6 +276,7 @@ def test_accept_adopts_the_rebased_series(two_stages):
     tree = apply(series, quiet=True)
     assert "return 55" in (tree / "vllm/ops.py").read_text()
     with pytest.raises(SeriesError, match="name the rebased series"):
+        two_stages.commit_all()
         accept(series)
 
 
@@ -282,7 +285,7 @@ def test_accept_leaves_what_ci_checks_passing(two_stages):
     accept writes the README's stage table for the new series and keeps the
     rebase's report in docs/; a series that would fail the glue budget is
     refused, with nothing written."""
-    from scripts.series.overview import BEGIN, END, readme_table_is_current
+    from scripts.series.stages.overview import BEGIN, END, readme_table_is_current
 
     readme = two_stages.root / "README.md"
     readme.write_text(f"# Project\n\n{BEGIN}\nan old table\n{END}\n\nmore\n")
@@ -303,9 +306,11 @@ def test_accept_leaves_what_ci_checks_passing(two_stages):
     )
     before = _snapshot(two_stages)
     with pytest.raises(SeriesError, match="CI's check-patches refuses.*vllm/ops.py"):
+        two_stages.commit_all()
         accept(two_stages.series())
     assert _snapshot(two_stages) == before and readme.read_text().count("old table")
     series_file.write_text(good)
+    two_stages.commit_all()
     accept(two_stages.series())
     accepted = two_stages.series()
     assert readme_table_is_current(accepted, readme)
@@ -339,6 +344,7 @@ def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
         "changed by the rebase, kept in this folder's vllm_overlay/: "
         in (folder / "REBASE.md").read_text()
     )
+    two_stages.commit_all()
     accept(two_stages.series())
     assert project_copy.read_text() == adapted
     tree = apply(two_stages.series(), quiet=True)
@@ -363,44 +369,57 @@ def test_accept_without_tomlkit_changes_nothing(two_stages, monkeypatch):
     before = _project_files(two_stages)
     monkeypatch.setitem(sys.modules, "tomlkit", None)  # import fails
     with pytest.raises(SeriesError, match="tomlkit"):
+        two_stages.commit_all()
         accept(two_stages.series())
     assert _project_files(two_stages) == before
 
 
-def test_a_killed_accept_is_finished_by_the_next_command(
-    two_stages, monkeypatch, capsys
-):
-    """Killed after its journal and some of its writes, the accept is
-    finished by the next writing command: the project is the accepted
-    series, whole, and nothing of the review is left."""
-    import os
+def test_accept_never_replaces_what_git_does_not_hold(two_stages):
+    """An uncommitted edit to a file accept replaces, or a project outside
+    git, is refused with nothing written: git must hold what accept
+    replaces, so it needs no journal of its own."""
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    before = _snapshot(two_stages)
+    with pytest.raises(SeriesError, match="not a git checkout"):
+        accept(two_stages.series())
+    two_stages.commit_all()
+    patch = two_stages.root / "patches" / two_stages.stages[0]["patch"]
+    edited = patch.read_text() + "\n"
+    patch.write_text(edited)
+    with pytest.raises(SeriesError, match="git does not hold as they are: patches/"):
+        accept(two_stages.series())
+    assert patch.read_text() == edited
+    name = str(patch.relative_to(two_stages.root))
+    assert _snapshot(two_stages) == {**before, name: edited.encode()}
 
-    from scripts.series import cli
-    from scripts.series.review import ACCEPT_JOURNAL
+
+def test_a_killed_accept_is_put_back_with_git_and_run_again(two_stages, monkeypatch):
+    """Killed after some of its writes: accept again refuses, naming the
+    files; git puts them back (it held them), and accept then runs whole."""
+    import os
 
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target)
+    two_stages.commit_all()
     real_replace, done = os.replace, []
 
-    def killed_after_three(src, dst):
-        if len(done) == 3:
+    def killed_after_one(src, dst):
+        if done:
             raise KeyboardInterrupt
         done.append(dst)
         real_replace(src, dst)
 
-    monkeypatch.setattr(os, "replace", killed_after_three)
+    monkeypatch.setattr(os, "replace", killed_after_one)
     with pytest.raises(KeyboardInterrupt):
         accept(two_stages.series())
     monkeypatch.undo()
-    patches = two_stages.root / "patches"
-    assert (patches / ACCEPT_JOURNAL).exists()
-    capsys.readouterr()
-    assert cli.main(["--series", str(two_stages.series_file), "status"]) in (0, 1)
-    assert "interrupted `rebase --accept` is pending" in capsys.readouterr().err
-    assert (patches / ACCEPT_JOURNAL).exists(), "a reader only says so"
-    assert cli.main(["--series", str(two_stages.series_file), "apply"]) == 0
-    assert not (patches / ACCEPT_JOURNAL).exists()
-    assert not (patches / "next").exists()
+    with pytest.raises(SeriesError, match="an accept killed part-way"):
+        accept(two_stages.series())
+    sh(two_stages.root, "git", "checkout", "--", ".")
+    sh(two_stages.root, "git", "clean", "-fdq")
+    accept(two_stages.series())
+    assert not (two_stages.root / "patches" / "next").exists()
     series = two_stages.series()
     assert series.base == _pinned(target)
     tree = apply(series, quiet=True)
@@ -497,6 +516,7 @@ def test_accept_refuses_when_the_series_changed(two_stages):
     edited = patch.read_text() + "\n"
     patch.write_text(edited)
     with pytest.raises(SeriesError, match="changed since this rebase started"):
+        two_stages.commit_all()
         accept(two_stages.series())
     assert patch.read_text() == edited
 
@@ -812,6 +832,7 @@ def test_accept_keeps_the_resolutions_and_names_reviews_it_made_stale(
     sh(two_stages.upstream, "git", "tag", "v3", "v2")
     rebase.start(two_stages.series(), GitBase("vllm", two_stages.upstream, "v3"))
     capsys.readouterr()
+    two_stages.commit_all()
     accept(two_stages.series(), "vllm-git-v2")
     out = capsys.readouterr().out
     kept = two_stages.root / "patches/resolutions"
@@ -836,6 +857,7 @@ def test_accept_of_a_dropped_stage_edits_the_series_file_in_place(two_stages):
     )
     target = _upstream_merged_0001_differently(two_stages)
     rebase.start(two_stages.series(), target, drop=["0001"])
+    two_stages.commit_all()
     accept(two_stages.series())
     accepted = two_stages.series_file.read_text()
     assert "# a trailing note\n" in accepted and "# why this stage exists" in accepted
@@ -887,6 +909,7 @@ def test_accept_carries_the_reviews_series_file_whole(two_stages):
         .replace('"tests/test_kept.py"]', '"tests/test_kept.py", "tests/test_new.py"]')
         .replace('title = "Top-k gate"', 'title = "Top-k gate, reviewed"')
     )
+    two_stages.commit_all()
     accept(two_stages.series())
     accepted = two_stages.series()
     assert accepted.regression[0].paths == ("tests/test_kept.py", "tests/test_new.py")
@@ -909,6 +932,7 @@ def test_accept_takes_the_newest_release_and_removes_older_reviews(two_stages, c
         pin = f'version = "{version}"\nsha256 = "{"ab" * 32}"\n'
         (copy / "series.toml").write_text(re.sub(r"git = .*\nrev = .*\n", pin, text))
     shutil.rmtree(made)
+    two_stages.commit_all()
     accept(two_stages.series())
     assert two_stages.series().base == SdistBase("vllm", "0.34.0", "ab" * 32)
     assert not (two_stages.root / "patches" / "next").exists()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series.apply import apply
-from scripts.series.check import stale_files
 from scripts.series.git import changed_files, git_out
-from scripts.series.patchfile import read_patch
-from scripts.series.refresh import FORMAT_PATCH_FLAGS, refresh
-from scripts.series.status import format_status, tree_status
+from scripts.series.stages.apply import apply
+from scripts.series.stages.check import stale_files
+from scripts.series.stages.patchfile import read_patch
+from scripts.series.stages.refresh import FORMAT_PATCH_FLAGS, refresh
+from scripts.series.stages.status import format_status, tree_status
 from tests.tooling.conftest import Project, sh
 
 
@@ -403,10 +403,13 @@ def _edit_tree(repo) -> None:
     ops.write_text(ops.read_text().replace("return 7\n", "return 77\n"))
 
 
-def test_a_refresh_that_fails_after_folding_the_edits_is_undone(two_stages: Project):
+def test_a_refresh_that_fails_after_folding_the_edits_changes_nothing(
+    two_stages: Project,
+):
     """An overlay renamed in the tree fails the refresh after it folded the
-    tree edits into a commit: the series files, HEAD and the uncommitted
-    edits are as they were, and apply and refresh work again."""
+    tree edits into a commit (in git's object store only): the series
+    files, HEAD and the uncommitted edits are as they were, and apply and
+    refresh work again."""
     series = two_stages.series()
     repo = apply(series)
     refresh(series)
@@ -426,85 +429,77 @@ def test_a_refresh_that_fails_after_folding_the_edits_is_undone(two_stages: Proj
     assert stale_files(series) == []
 
 
-def _kill_refresh_while_reapplying(series, monkeypatch) -> None:
-    """A refresh killed while re-applying the stages from the files it
-    wrote, its own undo not run (as when the process is killed)."""
-    import scripts.series.apply as apply_module
-    import scripts.series.refresh as refresh_module
+def _kill_refresh_after_writing_one_file(series, monkeypatch) -> None:
+    """A refresh killed after it wrote its first series file (a kill runs
+    no clean-up, as an exception here does none either)."""
+    import scripts.series.stages.refresh as refresh_module
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt
+    real_write = refresh_module._write_whole
+    written = []
 
-    monkeypatch.setattr(apply_module, "apply", killed)
-    monkeypatch.setattr(
-        refresh_module._Journal, "roll_back", lambda self, repo, keep=True: None
-    )
+    def write_then_die(path, data):
+        if written:
+            raise KeyboardInterrupt
+        real_write(path, data)
+        written.append(path)
+
+    monkeypatch.setattr(refresh_module, "_write_whole", write_then_die)
     with pytest.raises(KeyboardInterrupt):
         refresh(series)
     monkeypatch.undo()
+    assert len(written) == 1
 
 
-def test_a_killed_refresh_is_undone_by_the_next_run(
-    two_stages: Project, monkeypatch, capsys
+def _edit_both_stages(repo) -> None:
+    """Edits that change a file of each stage: stage 0001's overlay module
+    (an overlay edit goes to the stage that owns it) and the top stage's
+    glue."""
+    _edit_tree(repo)
+    overlay = repo / "vllm/cp_indexer.py"
+    overlay.write_text(overlay.read_text() + "\n# edited\n")
+
+
+def test_a_killed_refresh_is_finished_by_running_it_again(
+    two_stages: Project, monkeypatch
 ):
-    """Killed while re-applying the stages from the files it wrote (its own
-    undo never ran): the next refresh finds the journal, undoes the half
-    refresh, then refreshes from the user's edits as if nothing happened."""
-    import scripts.series.refresh as refresh_module
-
+    """Killed after writing one series file of two: the tree, its HEAD and
+    the uncommitted edits are untouched, and the next refresh writes the
+    rest, ending where an uninterrupted refresh ends. No journal: the
+    first file already holds what refresh writes, so it is no edit."""
     series = two_stages.series()
     repo = apply(series)
     refresh(series)
-    files, head = _series_files(two_stages), git_out(repo, "rev-parse", "HEAD")
-    _edit_tree(repo)
+    head = git_out(repo, "rev-parse", "HEAD")
+    _edit_both_stages(repo)
+    before = _series_files(two_stages)
 
-    _kill_refresh_while_reapplying(series, monkeypatch)
-    assert _series_files(two_stages) != files, "the kill came after the writes"
-    refresh_module.recover_interrupted_refresh(repo)
-    assert "has been undone" in capsys.readouterr().out
-    assert _series_files(two_stages) == files
+    _kill_refresh_after_writing_one_file(series, monkeypatch)
     assert git_out(repo, "rev-parse", "HEAD") == head
     assert "return 77" in (repo / "vllm/ops.py").read_text()
     assert [s.id for s in refresh(series)] == ["0002"]
-    assert stale_files(series) == []
-    assert "return 77" in (repo / "vllm/ops.py").read_text()
+    after = _series_files(two_stages)
+    assert after["vllm_overlay/vllm/cp_indexer.py"].endswith(b"# edited\n")
+    assert after != before and stale_files(series) == []
+    assert not changed_files(repo) and "return 77" in (repo / "vllm/ops.py").read_text()
 
 
-def test_the_undo_of_a_killed_refresh_keeps_edits_made_after_the_kill(
-    two_stages: Project, monkeypatch, capsys
+def test_a_series_file_edited_after_a_killed_refresh_is_not_overwritten(
+    two_stages: Project, monkeypatch
 ):
-    """After a kill, the user edits the tree and a patch file before the
-    next command: its undo keeps both (the tree at a ref, the patch beside
-    itself) instead of checking out over them; the refresh's own writes
-    are undone without a copy."""
-    import scripts.series.refresh as refresh_module
-
+    """After a kill, the user edits a series file by hand before the next
+    refresh: it refuses, naming the file, and the edit stays."""
     series = two_stages.series()
     repo = apply(series)
     refresh(series)
-    _edit_tree(repo)
-
-    _kill_refresh_while_reapplying(series, monkeypatch)
-    (repo / "vllm/typed_after.py").write_text("x = 'typed after the kill'\n")
+    _edit_both_stages(repo)
+    _kill_refresh_after_writing_one_file(series, monkeypatch)
     first = two_stages.root / "patches" / two_stages.stages[0]["patch"]
     hand_edited = first.read_text() + "\n"
     first.write_text(hand_edited)
-    from scripts.series import cli
-
-    capsys.readouterr()
-    cli.main(["--series", str(two_stages.series_file), "status"])
-    assert "an interrupted refresh is pending" in capsys.readouterr().err
-    refresh_module.recover_interrupted_refresh(repo)
-    out = capsys.readouterr().out
-    assert "edits made after the kill were kept" in out
-    kept_patch = first.with_name(first.name + refresh_module.KEPT_SUFFIX)
-    assert kept_patch.read_text() == hand_edited
-    second = two_stages.root / "patches" / two_stages.stages[1]["patch"]
-    assert not second.with_name(second.name + refresh_module.KEPT_SUFFIX).exists()
-    kept = refresh_module.KEPT_TREE_REF
-    assert "typed after the kill" in git_out(
-        repo, "show", f"{kept}:vllm/typed_after.py"
-    )
+    with pytest.raises(SeriesError, match="changed since the tree was applied"):
+        refresh(series)
+    assert first.read_text() == hand_edited
+    assert "return 77" in (repo / "vllm/ops.py").read_text()
 
 
 def test_refresh_never_writes_through_a_symlink_out_of_the_project(
@@ -523,29 +518,28 @@ def test_refresh_never_writes_through_a_symlink_out_of_the_project(
     assert outside.read_text() == "not the project's\n"
 
 
-def test_a_refresh_that_fails_before_folding_keeps_the_edits(
+def test_a_refresh_that_fails_while_folding_keeps_the_edits(
     two_stages: Project, monkeypatch
 ):
-    """The amend itself fails (a full disk, say): the edits were never
-    committed, and the undo must not check anything out over them."""
-    import scripts.series.refresh as refresh_module
+    """Making the commit of the edits fails (a full disk, say): nothing was
+    checked out or reset over the edits, and the next refresh works."""
+    import scripts.series.stages.refresh as refresh_module
 
     series = two_stages.series()
     repo = apply(series)
     refresh(series)
     _edit_tree(repo)
-    real_git = refresh_module.git
+    files = _series_files(two_stages)
 
-    def failing_amend(repo_path, *args, **kwargs):
-        if "--amend" in args:
-            raise SeriesError("git commit failed: No space left on device")
-        return real_git(repo_path, *args, **kwargs)
+    def failing_commit(*args, **kwargs):
+        raise SeriesError("git commit-tree failed: No space left on device")
 
-    monkeypatch.setattr(refresh_module, "git", failing_amend)
+    monkeypatch.setattr(refresh_module, "commit_tree", failing_commit)
     with pytest.raises(SeriesError, match="No space left"):
         refresh(series)
     monkeypatch.undo()
     assert "return 77" in (repo / "vllm/ops.py").read_text()
+    assert _series_files(two_stages) == files
     assert [s.id for s in refresh(series)] == ["0002"]
 
 

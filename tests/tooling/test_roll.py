@@ -14,11 +14,12 @@ import threading
 import pytest
 from conftest import sh
 
-from scripts.series import SeriesError, roll
+from scripts.series import SeriesError
 from scripts.series.cli import main
 from scripts.series.config import SdistBase
-from scripts.series.fetch import CACHE_ENV, INDEX_ENV
 from scripts.series.layout import review_dir
+from scripts.series.rebase import roll
+from scripts.series.stages.fetch import CACHE_ENV, INDEX_ENV
 
 
 class Releases:

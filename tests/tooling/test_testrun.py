@@ -6,13 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scripts.series.testrun import (
-    Tally,
-    format_summary,
-    read_junit,
-    stage_runs,
-    tooling_runs,
-)
+from scripts.series.testing.results import Tally, format_summary, read_junit
+from scripts.series.testing.testrun import stage_runs, tooling_runs
 from tests.tooling.conftest import Project
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -63,13 +58,9 @@ def test_summary_table_lists_every_stage_and_reason():
 
 
 def _series_folders(runs) -> list[str]:
-    """The test folders of a tree's series runs (one run each)."""
-    folders = []
-    for run in runs:
-        if run.label.startswith("series tests"):
-            (folder,) = [a for a in run.args if not a.startswith("-")]
-            folders.append(folder)
-    return folders
+    """The test folders of a tree's series tests, which are one run."""
+    (run,) = [run for run in runs if run.label.startswith("series tests")]
+    return [a for a in run.args if not a.startswith("-")]
 
 
 def test_a_middle_stage_runs_its_own_tests(two_stages: Project):
@@ -160,36 +151,14 @@ def test_junit_counts_only_the_modules_asked_for(tmp_path: Path):
     assert read_junit(junit, ["t.x"]).failed == 1
 
 
-def test_the_tools_tests_run_one_file_each():
-    """Each tooling test file is a run of its own (with its own results), so
-    the longest-first order spreads them over the CPUs; none is left out."""
+def test_the_tools_tests_are_one_run_of_the_whole_folder():
+    """The tooling tests run as one pytest run of tests/tooling: no file is
+    left out."""
     from scripts.series.config import load_series
 
     series = load_series()
-    runs = tooling_runs(series)
-    files = sorted((series.tests_dir / "tooling").glob("test_*.py"))
-    assert [[a for a in r.args if not a.startswith("-")] for r in runs] == [
-        [str(f)] for f in files
+    (run,) = tooling_runs(series)
+    assert [a for a in run.args if not a.startswith("-")] == [
+        str(series.tests_dir / "tooling")
     ]
-    assert len({r.junit for r in runs}) == len(files) > 1
-    assert {r.row for r in runs} == {"tooling"}
-
-
-def test_a_preload_server_that_does_not_start_is_a_clear_error(tmp_path: Path):
-    """An interpreter that prints and exits instead of serving: the run
-    stops with the exit status and the way around it, not a traceback."""
-    import os
-
-    import pytest
-
-    from scripts.series import SeriesError, preload
-
-    python = tmp_path / "python"
-    python.write_text("#!/bin/sh\necho importing...\nexit 3\n")
-    python.chmod(0o755)
-    servers = preload.Servers(str(python))
-    try:
-        with pytest.raises(SeriesError, match="exited 3 before serving.*--no-preload"):
-            servers.run(["-q"], dict(os.environ), tmp_path)
-    finally:
-        servers.close()
+    assert run.row == "tooling"

@@ -18,8 +18,8 @@ import pytest
 
 from scripts.harness import serving
 from scripts.series.config import SERIES_FILE, load_series
-from scripts.series.install import install, installed_record, stage_files
-from scripts.series.trees import stage_tree
+from scripts.series.install.install import install, installed_record, stage_files
+from scripts.series.stages.trees import stage_tree
 from scripts.validate import runner
 from scripts.validate.__main__ import dry_run
 from scripts.validate.checks import log_problems, result_problems

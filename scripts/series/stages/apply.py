@@ -2,10 +2,13 @@
 """Apply the stages onto the base: one commit per stage, zero fuzz.
 
 Each stage's patch is applied exactly (``git apply``, no three-way merge, no
-fuzz), its overlay modules are copied in, and one commit is made with the
+fuzz), its overlay modules are added, and one commit is made with the
 patch's author, date, subject and body, so the commit id is the same on every
-machine. A failure names the stage, the file and the hunk and leaves the tree
-at the last good stage. Uncommitted edits are never overwritten.
+machine. The commits are made in git's object store (a scratch index, not
+the tree), each recorded as it is made; the tree is checked out once, at
+the end or at the last good stage when one fails. A killed apply thus
+leaves the tree at a stage it had, and the next one goes on from the stages
+recorded. Uncommitted edits are never overwritten.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import (
-    Identity,
     changed_files,
     commit_tree,
     commit_verbatim,
@@ -28,15 +30,19 @@ from scripts.series.git import (
     rev_parse,
     untracked_files,
 )
-from scripts.series.layout import SERIES_BRANCH, SERIES_REF, carry_path, stage_tag
-from scripts.series.patchfile import failing_hunk, read_patch
-from scripts.series.prepare import prepare
-from scripts.series.state import (
+from scripts.series.layout import (
+    SERIES_BRANCH,
+    SERIES_REF,
+    carry_path,
+    git_file,
+    stage_tag,
+)
+from scripts.series.stages.patchfile import failing_hunk, read_patch
+from scripts.series.stages.prepare import prepare
+from scripts.series.stages.state import (
     Chain,
     fingerprint,
-    in_progress_path,
     load_state,
-    parent_of,
     read_chain,
     save_state,
 )
@@ -61,66 +67,6 @@ def refuse_if_dirty(repo: Path) -> None:
         "`python -m scripts.series refresh` (or `nox -s refresh`); to keep them "
         f"aside, `git -C {tree} stash --include-untracked`; to drop them, {drop}"
     )
-
-
-def _recover_interrupted(series: Series, repo: Path) -> None:
-    """Finish or undo a stage apply that was killed. Its commit made, HEAD is
-    adopted (the commit is the canonical one: nothing but this tool commits
-    with the patch's identity and date as committer); not made, the stage's
-    own partial writes are dropped and it is redone. Edits to any other file
-    are set aside in a git stash, never deleted."""
-    marker = in_progress_path(repo)
-    if not marker.exists():
-        return
-    text = marker.read_text()
-    try:
-        record = json.loads(text)
-    except ValueError:  # written by an older version of the tool: the id only
-        record = {"stage": text.strip(), "parent": None, "inputs": ""}
-    stage = series.stage(record["stage"])
-    head = rev_parse(repo, "HEAD")
-    if (
-        head
-        and head != record["parent"]
-        and _is_stage_commit(series, repo, stage, record["parent"])
-    ):
-        _record_stage(repo, stage, head, record["inputs"])
-        print(f"finished the interrupted apply of stage {stage.id}")
-    elif set(changed_files(repo)) <= _files_of(series, stage):
-        git(repo, "reset", "-q", "--hard", "HEAD")
-        _remove_untracked(repo)
-    else:
-        git(
-            repo,
-            "stash",
-            "push",
-            "-q",
-            "--include-untracked",
-            "-m",
-            f"dsa-series: interrupted apply of stage {stage.id}",
-        )
-        print(
-            f"an earlier apply of stage {stage.id} was interrupted and files "
-            f"outside it changed since; they are in `git -C {repo} stash list`"
-        )
-    marker.unlink()
-
-
-def _is_stage_commit(series: Series, repo: Path, stage: Stage, parent: str) -> bool:
-    """Whether HEAD is the commit an apply of ``stage`` on ``parent`` makes
-    (its tree committed with the patch's message and identity), with a clean
-    tree."""
-    head = rev_parse(repo, "HEAD")
-    if parent_of(repo, "HEAD") != parent or changed_files(repo):
-        return False
-    info = read_patch(series.patch_file(stage))
-    return head == commit_tree(
-        repo, f"{head}^{{tree}}", parent, info.message, info.author
-    )
-
-
-def _files_of(series: Series, stage: Stage) -> set[str]:
-    return set(read_patch(series.patch_file(stage)).files) | set(stage.overlays)
 
 
 def _record_stage(repo: Path, stage: Stage, commit: str, inputs: str) -> None:
@@ -185,29 +131,54 @@ def _refuse_foreign_head(repo: Path, chain: Chain) -> None:
 def _apply_stage(
     series: Series, repo: Path, stage: Stage, parent: str, *, carry: bool = False
 ) -> str:
+    """Stage ``stage`` on ``parent`` as a commit in git's object store,
+    recorded; the tree is not touched, unless the patch no longer applies
+    and ``carry`` asks for a three-way merge in the tree."""
     patch_path = series.patch_file(stage)
     info = read_patch(patch_path)
     inputs = fingerprint(series, stage, parent)
-    marker = in_progress_path(repo)
-    marker.write_text(
-        json.dumps({"stage": stage.id, "parent": parent, "inputs": inputs})
-    )
-    check = git(repo, "apply", "--check", "--verbose", str(patch_path), check=False)
-    if check.returncode == 0:
-        git(repo, "apply", "--index", "--whitespace=nowarn", str(patch_path))
-    elif not carry:
-        marker.unlink()
-        where = failing_hunk(info, check.stderr.decode(errors="replace"))
+    index = git_file(repo, "dsa-series-apply-index")
+    try:
+        git(repo, "read-tree", parent, index_file=index)
+        applied = git(
+            repo,
+            "apply",
+            "--cached",
+            "--verbose",
+            "--whitespace=nowarn",
+            str(patch_path),
+            index_file=index,
+            check=False,
+        )
+        if applied.returncode == 0:
+            _add_overlays(series, repo, stage, index)
+            tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
+    finally:
+        index.unlink(missing_ok=True)
+    if applied.returncode == 0:
+        commit = commit_tree(repo, tree, parent, info.message, info.author)
+        _record_stage(repo, stage, commit, inputs)
+        return commit
+    if not carry:
+        where = failing_hunk(info, applied.stderr.decode(errors="replace"))
         raise StageApplyError(
             f"stage {stage.id} ({stage.title}): {stage.patch} does not apply: "
             f"{where}. The tree is left at the last good stage. To carry the "
             "stage onto it with a three-way merge (conflicts left to resolve), "
             "run `nox -s apply -- --carry` (README, 'Changing a stage')."
         )
-    else:
-        _carry_stage(series, repo, stage, parent, inputs)
-    _add_overlays(series, repo, stage, marker)
-    return _commit_stage(repo, stage, info.message, info.author, inputs, marker)
+    _move_tree(repo, parent)
+    _carry_stage(series, repo, stage, parent, inputs)
+    _copy_overlays(series, repo, stage)
+    commit = commit_verbatim(repo, info.message, info.author)
+    _record_stage(repo, stage, commit, inputs)
+    return commit
+
+
+def _move_tree(repo: Path, commit: str) -> None:
+    """The (clean) tree, on the series branch, at ``commit``."""
+    if rev_parse(repo, "HEAD") != commit or rev_parse(repo, SERIES_REF) != commit:
+        git(repo, "checkout", "-q", "-B", SERIES_BRANCH, commit)
 
 
 def _carry_stage(
@@ -232,7 +203,7 @@ def _carry_stage(
         return
     unmerged = git_out(repo, "diff", "--name-only", "--diff-filter=U").split()
     if not unmerged:  # git could not even start the merge: nothing to resolve
-        _undo(repo, in_progress_path(repo))
+        _undo(repo)
         reason = merged.stderr.decode(errors="replace").strip().splitlines()
         raise StageApplyError(
             f"stage {stage.id}: {stage.patch} cannot be carried by a three-way "
@@ -242,7 +213,6 @@ def _carry_stage(
     carry_path(repo).write_text(
         json.dumps({"stage": stage.id, "parent": parent, "inputs": inputs})
     )
-    in_progress_path(repo).unlink()
     raise SeriesError(
         f"stage {stage.id} ({stage.title}) carried with conflicts in "
         f"{', '.join(unmerged)} (in {repo}); resolve them, then run "
@@ -251,43 +221,53 @@ def _carry_stage(
     )
 
 
-def _add_overlays(
-    series: Series, repo: Path, stage: Stage, marker: Path, *, undo: bool = True
-) -> None:
-    """Copy the stage's overlays in. On a problem the stage's partial work is
-    undone, unless ``undo`` is off (a carried stage: the tree holds the
-    user's resolution)."""
+def _overlay_source(series: Series, stage: Stage, overlay: str) -> Path:
+    source = series.overlay_file(overlay)
+    if not source.is_file():
+        raise StageApplyError(
+            f"stage {stage.id}: overlay {overlay} is missing ({source} is not a file)"
+        )
+    return source
+
+
+def _overlay_exists(stage: Stage, overlay: str) -> StageApplyError:
+    return StageApplyError(
+        f"stage {stage.id}: overlay {overlay} would overwrite a file already "
+        "in the tree; overlays add new modules, change existing ones in the "
+        "patch"
+    )
+
+
+def _add_overlays(series: Series, repo: Path, stage: Stage, index: Path) -> None:
+    """Add the stage's overlays to the scratch ``index`` as plain files (as
+    git add of a copy would: the path's attributes apply)."""
     for overlay in stage.overlays:
-        source = series.overlay_file(overlay)
+        source = _overlay_source(series, stage, overlay)
+        if git(repo, "ls-files", "--", overlay, index_file=index).stdout:
+            raise _overlay_exists(stage, overlay)
+        blob = git_out(repo, "hash-object", "-w", f"--path={overlay}", str(source))
+        git(
+            repo,
+            "update-index",
+            "--add",
+            "--cacheinfo",
+            f"100644,{blob},{overlay}",
+            index_file=index,
+        )
+
+
+def _copy_overlays(series: Series, repo: Path, stage: Stage) -> None:
+    """Copy the stage's overlays into the tree of a carried stage (it holds
+    the user's resolution: nothing is undone on a problem)."""
+    for overlay in stage.overlays:
+        source = _overlay_source(series, stage, overlay)
         target = repo / overlay
-        if not source.is_file():
-            if undo:
-                _undo(repo, marker)
-            raise StageApplyError(
-                f"stage {stage.id}: overlay {overlay} is missing "
-                f"({source} is not a file)"
-            )
         if target.exists():
-            if undo:
-                _undo(repo, marker)
-            raise StageApplyError(
-                f"stage {stage.id}: overlay {overlay} would overwrite a file already "
-                "in the tree; overlays add new modules, change existing ones in the "
-                "patch"
-            )
+            raise _overlay_exists(stage, overlay)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target)
+        shutil.copyfile(source, target)
     if stage.overlays:
         git(repo, "add", "-f", "--", *stage.overlays)
-
-
-def _commit_stage(
-    repo: Path, stage: Stage, message: str, author: Identity, inputs: str, marker: Path
-) -> str:
-    commit = commit_verbatim(repo, message, author)
-    _record_stage(repo, stage, commit, inputs)
-    marker.unlink(missing_ok=True)
-    return commit
 
 
 def _continue_carry(series: Series, repo: Path) -> str:
@@ -300,12 +280,12 @@ def _continue_carry(series: Series, repo: Path) -> str:
             f"conflict markers are still in: {', '.join(leftover)} (in {repo}); "
             "resolve them, then `nox -s apply -- --continue` again"
         )
-    _add_overlays(series, repo, stage, in_progress_path(repo), undo=False)
+    _copy_overlays(series, repo, stage)
     git(repo, "add", "-A")
     info = read_patch(series.patch_file(stage))
-    commit = _commit_stage(
-        repo, stage, info.message, info.author, record["inputs"], carry_path(repo)
-    )
+    commit = commit_verbatim(repo, info.message, info.author)
+    _record_stage(repo, stage, commit, record["inputs"])
+    carry_path(repo).unlink()
     print(
         f"stage {stage.id}: carried as {commit[:12]}; run refresh to write its "
         "patch file from it"
@@ -321,10 +301,9 @@ def _abort_carry(repo: Path) -> None:
     carry_path(repo).unlink()
 
 
-def _undo(repo: Path, marker: Path) -> None:
+def _undo(repo: Path) -> None:
     git(repo, "reset", "-q", "--hard", "HEAD")
     _remove_untracked(repo)
-    marker.unlink(missing_ok=True)
 
 
 def apply(
@@ -343,7 +322,6 @@ def apply(
     commits the resolved stage and goes on; ``abort`` drops it."""
     target = series.stages_upto(upto)
     repo = prepare(series, offline=offline, quiet=quiet)
-    _recover_interrupted(series, repo)
     waiting = carry_path(repo).exists()
     if (resume or abort) and not waiting:
         raise SeriesError("no carried stage is waiting; nothing to continue or abort")
@@ -368,8 +346,6 @@ def apply(
     keep = min(chain.current, len(target))
     start = chain.applied[keep - 1][1] if keep else chain.base
     head = rev_parse(repo, "HEAD")
-    if head != start or rev_parse(repo, SERIES_REF) != start:
-        git(repo, "checkout", "-q", "-B", SERIES_BRANCH, start)
     parent = start
     for stage in target[:keep]:
         if not quiet:
@@ -382,8 +358,13 @@ def apply(
             f"moved the tree from stage {was} down to {now}; "
             f"{', '.join(above)} stay recorded and return with the next apply"
         )
-    for stage in target[keep:]:
-        parent = _apply_stage(series, repo, stage, parent, carry=carry)
-        if not quiet:
-            print(f"stage {stage.id}: applied ({stage.title}) as {parent[:12]}")
+    try:
+        for stage in target[keep:]:
+            parent = _apply_stage(series, repo, stage, parent, carry=carry)
+            if not quiet:
+                print(f"stage {stage.id}: applied ({stage.title}) as {parent[:12]}")
+    except StageApplyError:
+        _move_tree(repo, parent)  # the last good stage
+        raise
+    _move_tree(repo, parent)
     return repo

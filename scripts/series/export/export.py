@@ -29,9 +29,9 @@ from scripts.series.layout import (
     results_dir,
     workdir,
 )
-from scripts.series.refresh import FORMAT_PATCH_FLAGS
-from scripts.series.state import read_chain
-from scripts.series.testrun import junit_suite, read_junit
+from scripts.series.stages.refresh import FORMAT_PATCH_FLAGS
+from scripts.series.stages.state import read_chain
+from scripts.series.testing.results import junit_suite, read_junit
 
 _TRAILER = re.compile(r"^[A-Za-z-]+: .+$")
 

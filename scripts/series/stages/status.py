@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from scripts.series.config import Series
 from scripts.series.git import changed_files, git, rev_parse
 from scripts.series.layout import carry_path, workdir
-from scripts.series.state import read_chain
+from scripts.series.stages.state import read_chain
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from scripts.series.config import Series, Stage
-from scripts.series.patchfile import read_patch
+from scripts.series.stages.patchfile import read_patch
 
 BEGIN = "<!-- stage table: python -m scripts.series overview -->"
 END = "<!-- end of stage table -->"

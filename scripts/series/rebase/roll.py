@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 
-from scripts.series import SeriesError, rebase
+from scripts.series import SeriesError
 from scripts.series.config import SdistBase, Series
-from scripts.series.fetch import index_url, listed_files
 from scripts.series.layout import review_dir
-from scripts.series.rebase_state import rebase_command
-from scripts.series.review import review_is_current
+from scripts.series.rebase import rebase
+from scripts.series.rebase.review import review_is_current
+from scripts.series.rebase.state import rebase_command
+from scripts.series.stages.fetch import index_url, listed_files
 
 
 def version_key(version: str) -> tuple[int, ...]:

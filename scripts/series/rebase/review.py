@@ -5,34 +5,37 @@ checking that it is still made from the committed series, and adopting it
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 import os
 import re
 import shutil
+import sys
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.check import hunk_budget
 from scripts.series.config import GitBase, Series, Stage
 from scripts.series.git import changed_files, git, git_out, is_repo
 from scripts.series.layout import NEXT_DIR, RESOLUTIONS, review_dir, workdir
-from scripts.series.overview import BEGIN as README_TABLE_BEGIN
-from scripts.series.overview import END as README_TABLE_END
-from scripts.series.overview import stage_table
-from scripts.series.patchfile import read_patch
-from scripts.series.rebase_state import (
+from scripts.series.rebase.series_toml import (
+    base_fields,
+    series_toml,
+    updated_series_file,
+)
+from scripts.series.rebase.state import (
     RebaseState,
     format_report,
     state_file,
     target_from,
     work_repo,
 )
-from scripts.series.refresh import format_stage_patch, overlay_bytes
-from scripts.series.series_toml import base_fields, series_toml, updated_series_file
+from scripts.series.stages.check import hunk_budget
+from scripts.series.stages.overview import BEGIN as README_TABLE_BEGIN
+from scripts.series.stages.overview import END as README_TABLE_END
+from scripts.series.stages.overview import stage_table
+from scripts.series.stages.patchfile import read_patch
+from scripts.series.stages.refresh import format_stage_patch, overlay_bytes
 
 
 def series_digest(series: Series) -> str:
@@ -255,6 +258,14 @@ def accept(series: Series, label: str | None = None) -> None:
         p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
     )
     review = _review_to_accept(series, reviews, label)
+    # Named first: after a kill, these are what differ from the review's
+    # starting point.
+    _refuse_unless_git_holds(
+        series.root,
+        [series.patches_dir / "series.toml"]
+        + [series.patch_file(s) for s in series.stages]
+        + [series.overlay_file(o) for s in series.stages for o in s.overlays],
+    )
     if not review_is_current(series, review):
         raise SeriesError(
             "patches/ or vllm_overlay/ changed since this rebase started; refusing "
@@ -271,8 +282,7 @@ def accept(series: Series, label: str | None = None) -> None:
         )
     # Everything the accept writes is worked out before anything changes
     # (the review reads unchanged overlays from the very files about to be
-    # replaced; the series file needs tomlkit), then done as one journaled
-    # step that a killed run finishes on the next command.
+    # replaced; the series file needs tomlkit).
     files = {series.patch_file(s): (review / s.patch).read_bytes() for s in new.stages}
     for stage in new.stages:
         for overlay in stage.overlays:
@@ -315,15 +325,23 @@ def accept(series: Series, label: str | None = None) -> None:
         and _release(load_review(other)) is not None
         and _release(load_review(other)) <= _release(new)  # type: ignore[operator]
     ]
-    journal = AcceptJournal(
-        series.patches_dir,
-        writes={path: data for path, data in files.items()},
-        deletes=[path for path in old_files if path not in files],
-        review=review,
-        removed=passed,
-    )
-    journal.start()
-    journal.finish()
+    writes = {path: data for path, data in files.items()}
+    deletes = [path for path in old_files if path not in files]
+    _refuse_unless_git_holds(series.root, [*writes, *deletes, *passed])
+    # Git holds every file replaced here, so a run killed part-way is put
+    # back with git (the refusal above names the files) and run again.
+    for path in deletes:
+        path.unlink(missing_ok=True)
+    for path, data in writes.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".dsa-partial")
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    for folder in (review, *passed):
+        shutil.rmtree(folder, ignore_errors=True)
+    next_dir = series.patches_dir / NEXT_DIR
+    if next_dir.is_dir() and not any(next_dir.iterdir()):
+        next_dir.rmdir()
     for other in passed:
         print(f"removed {other.relative_to(series.root)}: the new pin is past it")
     print(
@@ -370,83 +388,34 @@ def _review_to_accept(series: Series, reviews: list[Path], label: str | None) ->
     return max(releases)[1]
 
 
-ACCEPT_JOURNAL = ".dsa-accept-journal.json"
-
-
-@dataclass
-class AcceptJournal:
-    """An accept's changes to the project, written down before the first
-    one is made: the files to write (with their bytes), the files to
-    delete, and the review folder to remove last. ``finish`` is idempotent,
-    so a run killed part-way is finished by the next command."""
-
-    patches_dir: Path
-    writes: dict[Path, bytes]
-    deletes: list[Path]
-    review: Path
-    removed: list[Path] = field(default_factory=list)  # older reviews
-
-    @property
-    def path(self) -> Path:
-        return self.patches_dir / ACCEPT_JOURNAL
-
-    def start(self) -> None:
-        record = {
-            "writes": {
-                str(p): base64.b64encode(d).decode() for p, d in self.writes.items()
-            },
-            "deletes": [str(p) for p in self.deletes],
-            "review": str(self.review),
-            "removed": [str(p) for p in self.removed],
-        }
-        partial = self.path.with_suffix(".partial")
-        partial.write_text(json.dumps(record))
-        os.replace(partial, self.path)  # the journal exists whole or not at all
-
-    def finish(self) -> None:
-        for path in self.deletes:
-            path.unlink(missing_ok=True)
-        for path, data in self.writes.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".dsa-partial")
-            partial.write_bytes(data)
-            os.replace(partial, path)
-        for folder in (self.review, *self.removed):
-            shutil.rmtree(folder, ignore_errors=True)
-        next_dir = self.patches_dir / NEXT_DIR
-        if next_dir.is_dir() and not any(next_dir.iterdir()):
-            next_dir.rmdir()
-        self.path.unlink()
-
-    @classmethod
-    def pending(cls, patches_dir: Path) -> AcceptJournal | None:
-        path = patches_dir / ACCEPT_JOURNAL
-        try:
-            record = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except ValueError as error:
-            raise SeriesError(
-                f"{path}: an interrupted `rebase --accept` left a journal that "
-                f"cannot be read ({error}); `git status` shows what it changed"
-            ) from error
-        return cls(
-            patches_dir,
-            writes={Path(p): base64.b64decode(d) for p, d in record["writes"].items()},
-            deletes=[Path(p) for p in record["deletes"]],
-            review=Path(record["review"]),
-            removed=[Path(p) for p in record.get("removed", [])],
+def _refuse_unless_git_holds(root: Path, paths: list[Path]) -> None:
+    """Refuse unless git holds what each of ``paths`` holds now (committed,
+    or absent and untracked): accept replaces them, and then git alone can
+    put them back."""
+    listed = git(
+        root,
+        "status",
+        "--porcelain",
+        "--untracked-files=all",
+        "--",
+        *(str(p) for p in paths),
+        check=False,
+    )
+    if listed.returncode != 0:
+        raise SeriesError(
+            f"{root} is not a git checkout: `rebase --accept` replaces files of "
+            "the series and needs git to hold what they hold now; nothing was "
+            "written"
         )
-
-
-def finish_interrupted_accept(patches_dir: Path) -> bool:
-    """Finish an accept that was killed part-way; whether there was one."""
-    journal = AcceptJournal.pending(patches_dir)
-    if journal is None:
-        return False
-    journal.finish()
-    print(f"finished an interrupted `rebase --accept` ({journal.review.name})")
-    return True
+    changed = [line[3:] for line in listed.stdout.decode().splitlines()]
+    if changed:
+        raise SeriesError(
+            "`rebase --accept` would replace files that git does not hold as "
+            f"they are: {', '.join(changed)}. Commit them, or drop the changes "
+            "(`git checkout -- FILE`; delete a file git does not track), then "
+            "accept again; an accept killed part-way leaves such changes. "
+            "Nothing was written"
+        )
 
 
 def review_is_current(series: Series, review: Path) -> bool:
@@ -456,19 +425,22 @@ def review_is_current(series: Series, review: Path) -> bool:
     return tomllib.loads(text).get("rebased_from") == series_digest(series)
 
 
-def check_review_is_current(series: Series) -> None:
-    """Raise if ``series`` is a rebased series under review (it has
-    ``rebased_from``) made from an older version of the project's series."""
+def note_if_review_is_stale(series: Series) -> None:
+    """Say so if ``series`` is a rebased series under review (it has
+    ``rebased_from``) made from an older version of the project's series.
+    Only a note: the review still applies and tests on its own target, and
+    a stage change should not turn CI red until it is rebased again."""
     project_dir = series.root / "patches"
     text = (series.patches_dir / "series.toml").read_text(encoding="utf-8")
     if series.patches_dir == project_dir or "rebased_from" not in tomllib.loads(text):
         return
     if not review_is_current(load_review(project_dir), series.patches_dir):
-        raise SeriesError(
-            f"{series.patches_dir} was rebased from an older version of "
-            "patches/; rebase it again with `nox -s refresh-reviews` (every "
-            "review under patches/next/; the recorded conflict resolutions "
-            "replay)"
+        print(
+            f"note: {series.patches_dir} was rebased from an older version of "
+            "patches/, so it does not show the latest stage changes; rebase it "
+            "again with `nox -s refresh-reviews` (every review under "
+            "patches/next/; the recorded conflict resolutions replay)",
+            file=sys.stderr,
         )
 
 

@@ -15,8 +15,8 @@ from scripts.series import SeriesError
 from scripts.series.config import Series
 from scripts.series.git import changed_files, git, rev_parse
 from scripts.series.layout import stage_tree_dir, workdir
-from scripts.series.prepare import extract_commit
-from scripts.series.state import read_chain
+from scripts.series.stages.prepare import extract_commit
+from scripts.series.stages.state import read_chain
 
 
 def stage_tree(series: Series, stage_id: str) -> Path:

@@ -125,7 +125,7 @@ def _pip(py: Path, packages: list[str]) -> None:
 
 
 def run_in_project(command: list[str], what: str) -> str:
-    project = Path(__file__).resolve().parents[2]
+    project = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         command, cwd=project, capture_output=True, text=True, check=False
     )

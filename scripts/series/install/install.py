@@ -34,7 +34,7 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase, Series
 from scripts.series.git import git
-from scripts.series.install_record import (
+from scripts.series.install.record import (
     FORMAT,
     PACKAGE,
     installed_version,
@@ -52,7 +52,7 @@ from scripts.series.layout import (
     install_staged,
     workdir,
 )
-from scripts.series.state import read_chain
+from scripts.series.stages.state import read_chain
 
 
 @dataclass(frozen=True)

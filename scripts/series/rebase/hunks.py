@@ -11,7 +11,7 @@ from pathlib import Path
 
 from scripts.series.git import git, git_out
 from scripts.series.layout import BASE_REF, REBASE_OLD_REF
-from scripts.series.patchfile import Hunk
+from scripts.series.stages.patchfile import Hunk
 
 _REPLAYED = re.compile(r"^(?:Staged|Resolved) '(.+)' using previous resolution\.$")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from scripts.series.config import Series, Stage
 from scripts.series.git import git_out
-from scripts.series.rebase_state import RebaseState
-from scripts.series.testrun import TreeTester, check_log
+from scripts.series.rebase.state import RebaseState
+from scripts.series.rebase.tree_tester import TreeTester, check_log
 
 
 def claimed_stages(series: Series, state: RebaseState) -> list[str]:

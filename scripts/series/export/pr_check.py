@@ -24,12 +24,22 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series
-from scripts.series.export import PullRequest
+from scripts.series.export.export import PullRequest
+from scripts.series.export.pr_views import (
+    VIEWS,
+    View,
+    missing_platform,
+    run_view,
+    verdict,
+)
+from scripts.series.export.vllm_precommit import (
+    hook_python,
+    hook_results,
+    run_in_project,
+)
 from scripts.series.git import git, git_out
 from scripts.series.layout import build_dir, workdir
-from scripts.series.pr_views import VIEWS, View, missing_platform, run_view, verdict
-from scripts.series.state import read_chain
-from scripts.series.vllm_precommit import hook_python, hook_results, run_in_project
+from scripts.series.stages.state import read_chain
 
 
 def maintainer_checks(
@@ -42,7 +52,7 @@ def maintainer_checks(
     command = [
         str(py),
         "-m",
-        "scripts.series.maintainer_checks",
+        "scripts.series.export.maintainer_checks",
         str(tree),
         out,
         *files,

@@ -39,7 +39,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.apply import apply
 from scripts.series.config import Base, GitBase, Series, Stage
 from scripts.series.git import (
     commit_verbatim,
@@ -57,19 +56,18 @@ from scripts.series.layout import (
     resolution_dirs,
     workdir,
 )
-from scripts.series.patchfile import read_patch
-from scripts.series.prepare import prepare, resolve_git_rev
-from scripts.series.rebase_checks import claimed_stages, stage_problem
-from scripts.series.rebase_hunks import (
+from scripts.series.rebase.checks import claimed_stages, stage_problem
+from scripts.series.rebase.hunks import (
     DELETED_ON_TARGET,
     hunk_on,
     moved_on_target,
     replayed_paths,
 )
-from scripts.series.rebase_hunks import (
+from scripts.series.rebase.hunks import (
     added_lines_present as _added_lines_present,
 )
-from scripts.series.rebase_state import (
+from scripts.series.rebase.review import project_snapshot, series_digest, write_review
+from scripts.series.rebase.state import (
     HunkReport,
     RebaseState,
     StageReport,
@@ -82,9 +80,11 @@ from scripts.series.rebase_state import (
     target_from,
     work_repo,
 )
-from scripts.series.review import project_snapshot, series_digest, write_review
-from scripts.series.state import read_chain
-from scripts.series.testrun import TreeTester, probe_paths
+from scripts.series.rebase.tree_tester import TreeTester, probe_paths
+from scripts.series.stages.apply import apply
+from scripts.series.stages.patchfile import read_patch
+from scripts.series.stages.prepare import prepare, resolve_git_rev
+from scripts.series.stages.state import read_chain
 
 
 def start(

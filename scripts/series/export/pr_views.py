@@ -24,7 +24,7 @@ from pathlib import Path
 
 from scripts.series.config import REPO_ROOT
 from scripts.series.contract import CPU_ENV
-from scripts.series.testrun import Tally, read_junit
+from scripts.series.testing.results import Tally, read_junit
 
 PLUGIN = "scripts.harness.rocm_view_plugin"
 VIEW_ENV = "DSA_ROCM_VIEW"  # the plugin's: the arch it emulates

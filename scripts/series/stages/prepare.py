@@ -19,7 +19,6 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, SdistBase, Series
-from scripts.series.fetch import fetch_sdist
 from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out, is_repo
 from scripts.series.layout import (
     BASE_REF,
@@ -28,6 +27,7 @@ from scripts.series.layout import (
     staging_dir,
     workdir,
 )
+from scripts.series.stages.fetch import fetch_sdist
 
 BASE_DATE = "2000-01-01T00:00:00+00:00"
 

@@ -18,7 +18,6 @@ from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import git, rev_parse
 from scripts.series.layout import (
-    APPLYING_FILE,
     BASE_REF,
     STATE_FILE,
     git_file,
@@ -28,10 +27,6 @@ from scripts.series.layout import (
 
 def _state_path(repo: Path) -> Path:
     return git_file(repo, STATE_FILE)
-
-
-def in_progress_path(repo: Path) -> Path:
-    return git_file(repo, APPLYING_FILE)
 
 
 def load_state(repo: Path) -> dict[str, dict[str, str]]:

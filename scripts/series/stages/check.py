@@ -16,9 +16,9 @@ from scripts.series import SeriesError
 from scripts.series.config import LargeHunk, Series, Stage
 from scripts.series.git import changed_files, rev_parse
 from scripts.series.layout import workdir
-from scripts.series.patchfile import Hunk, read_patch
-from scripts.series.refresh import format_stage_patch, overlay_bytes
-from scripts.series.state import read_chain
+from scripts.series.stages.patchfile import Hunk, read_patch
+from scripts.series.stages.refresh import format_stage_patch, overlay_bytes
+from scripts.series.stages.state import read_chain
 
 HUNK_BUDGET = 15
 

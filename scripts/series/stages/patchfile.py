@@ -50,7 +50,11 @@ def read_patch(path: Path) -> PatchInfo:
     such as "[ROCm][Perf] ..." keep their tags."""
     if not path.exists():
         raise SeriesError(f"patch file {path} does not exist")
-    data = path.read_bytes()
+    return parse_patch(path.read_bytes(), path.name)
+
+
+def parse_patch(data: bytes, name: str = "the patch") -> PatchInfo:
+    """``read_patch`` of a patch's bytes (``name``: for the errors)."""
     with tempfile.TemporaryDirectory() as tmp:
         msg_file = Path(tmp) / "msg"
         result = git(
@@ -64,7 +68,7 @@ def read_patch(path: Path) -> PatchInfo:
             check=False,
         )
         if result.returncode != 0:
-            raise SeriesError(f"{path.name}: not a git format-patch file")
+            raise SeriesError(f"{name}: not a git format-patch file")
         body = msg_file.read_text(encoding="utf-8").strip()
     headers: dict[str, str] = {}
     for line in result.stdout.decode("utf-8").splitlines():
@@ -73,14 +77,14 @@ def read_patch(path: Path) -> PatchInfo:
     missing = [k for k in ("Author", "Email", "Date", "Subject") if not headers.get(k)]
     if missing:
         raise SeriesError(
-            f"{path.name}: no {', '.join(missing)} header; write it with "
+            f"{name}: no {', '.join(missing)} header; write it with "
             "`python -m scripts.series refresh` (git format-patch form)"
         )
     message = headers["Subject"] + ("\n\n" + body if body else "") + "\n"
     author = Identity(headers["Author"], headers["Email"], headers["Date"])
     hunks, files, new_files = _scan_diff(data.decode("utf-8", errors="replace"))
     if not files:
-        raise SeriesError(f"{path.name}: the patch changes no file")
+        raise SeriesError(f"{name}: the patch changes no file")
     return PatchInfo(author, message, hunks, files, new_files)
 
 

@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rebasing the stages onto a newer vLLM, and the review it writes."""

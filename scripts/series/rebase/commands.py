@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``rebase`` and ``roll`` commands' arguments, and what ``rebase`` runs
+for each of its forms (start, --continue, --abort, --accept, --refresh)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import Base, GitBase, SdistBase, Series
+from scripts.series.layout import NEXT_DIR, review_dir
+from scripts.series.rebase import rebase, review, roll
+from scripts.series.rebase.state import rebase_command
+
+
+def roll_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--test-python",
+        help="a Python with the test dependencies, to check each stage on the "
+        "release (the nox session passes its own)",
+    )
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="go on with a stopped rebase once its conflicts are resolved (or "
+        "its failed check fixed) in the work repo",
+    )
+    action.add_argument(
+        "--abort",
+        action="store_true",
+        help="drop a stopped rebase; the conflicts resolved so far are kept "
+        "for the next one",
+    )
+    action.add_argument(
+        "--refresh",
+        action="store_true",
+        help="rebase again onto each target under patches/next/ whose review "
+        "is older than patches/ (after a stage change; recorded resolutions "
+        "replay)",
+    )
+    action.add_argument(
+        "--accept",
+        nargs="?",
+        const="",
+        metavar="TARGET",
+        help="adopt the rebased series under patches/next/ (TARGET: which one)",
+    )
+    parser.add_argument("--version", help="target vLLM release (its PyPI sdist)")
+    parser.add_argument(
+        "--sha256",
+        help="the target sdist's sha256 (--version alone prints the one the "
+        "package index lists)",
+    )
+    parser.add_argument("--git", type=Path, help="target: a local vLLM git checkout")
+    parser.add_argument("--rev", help="the revision of --git")
+    parser.add_argument(
+        "--test-python",
+        help="a Python with the test dependencies; with it a stage whose "
+        "upstream probe passes on the target without it counts as upstreamed "
+        "(kept by --continue)",
+    )
+    parser.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="leave this stage out (upstream has it in another form); with "
+        "--continue, also the stage in conflict",
+    )
+
+
+def stage_ids(args: argparse.Namespace) -> list[str]:
+    """The stages ``--drop`` names; a new rebase must also name a target."""
+    if not (args.resume or args.abort or args.refresh) and args.accept is None:
+        _target_form(args)
+    return [d for d in args.drop if d != "base"]
+
+
+def run(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
+    options = {"test_python": args.test_python, "drop": args.drop}
+    if args.abort:
+        rebase.abort(series)
+    elif args.accept is not None:
+        review.accept(series, args.accept or None)
+    elif args.resume:
+        rebase.resume(series, **options)
+    elif args.refresh:
+        refresh_reviews(series, options)
+    else:
+        rebase.start(series, _target(series, args), **options)
+
+
+def _target(series: Series, args: argparse.Namespace) -> Base:
+    name = series.base.name
+    form = _target_form(args)
+    if form == "git":
+        return GitBase(name, args.git.resolve(), args.rev)
+    if form == "sdist":
+        return SdistBase(name, args.version, args.sha256.lower())
+    sha256 = roll.sdist_sha256(name, args.version)
+    raise SeriesError(
+        f"--version needs the sdist's --sha256 as well; the package "
+        f"index lists {sha256} for {name} {args.version}. Check it "
+        "against the release page, then run "
+        + rebase_command(f"--version {args.version} --sha256 {sha256}")
+    )
+
+
+def _target_form(args: argparse.Namespace) -> str:
+    """Which target a new rebase names: "git", "sdist", or "version" (a
+    release without its hash: the command prints the index's hash)."""
+    if args.git and args.rev and not (args.version or args.sha256):
+        return "git"
+    if args.version and args.sha256 and not (args.git or args.rev):
+        return "sdist"
+    if args.version and not (args.sha256 or args.git or args.rev):
+        return "version"
+    raise SeriesError("give a target: --version V --sha256 H, or --git PATH --rev REV")
+
+
+def refresh_reviews(series: Series, options: dict) -> None:
+    """Each review under patches/next/ made from an older patches/, rebased
+    again onto its own target; one that stops on a conflict stops here."""
+    folders = sorted(
+        p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
+    )
+    if not folders:
+        print("no rebased series under review (patches/next/)")
+    for folder in folders:
+        if review.review_is_current(series, folder):
+            print(f"{folder.name}: up to date with patches/")
+            continue
+        target = review.load_review(folder).base
+        print(f"{folder.name}: rebasing again onto {target.label}")
+        rebase.start(series, target, **options)
+        # A git target is recorded by its commit: keep the review's own name.
+        written = review_dir(series, target)
+        if written != folder:
+            shutil.rmtree(folder)
+            written.rename(folder)

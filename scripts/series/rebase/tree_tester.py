@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests and imports on a checkout of a rebase repo's HEAD: what a rebase
+checks each stage with on its target."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import REPO_ROOT, Series, Stage
+from scripts.series.contract import tree_env
+from scripts.series.git import git
+from scripts.series.testing.results import Tally, read_junit
+from scripts.series.testing.testrun import run_pr_tests
+
+
+def check_log(repo: Path, kind: str) -> Path:
+    """The output of the last ``kind`` test run ("tests" or "pr-tests") on a
+    rebase repo's tree."""
+    return repo.parent / f"check-{kind}.log"
+
+
+def probe_paths(stage: Stage) -> tuple[str, ...]:
+    return stage.upstream_probe or (stage.tests,)
+
+
+# Imports the modules with vLLM's compiled extension stood in, as the tests do.
+_IMPORT_CHECK = """
+import importlib, sys, traceback
+from scripts.harness import compiled_stub
+compiled_stub.install()
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        print(f"{name}: {type(exc).__name__}: {exc}")
+        sys.exit(1)
+"""
+
+
+@dataclass(frozen=True)
+class TreeTester:
+    """Tests (the series' pytest files) and imports on a checkout of a rebase
+    repo's HEAD, with ``python`` (which has the test dependencies)."""
+
+    python: str
+
+    def __post_init__(self) -> None:
+        if shutil.which(self.python) is None:
+            raise SeriesError(f"--test-python {self.python}: no such Python")
+
+    def pytest(
+        self, series: Series, repo: Path, stages: list[str], paths: Sequence[str]
+    ) -> Tally:
+        """``paths`` (under tests/) on the tree, claimed to hold ``stages``.
+        Its output goes to ``check_log(repo, "tests")``, not to the terminal:
+        a probe is expected to fail, and the report says what it needs to."""
+        junit = repo.parent / "check.xml"
+        junit.unlink(missing_ok=True)
+        log_file = check_log(repo, "tests")
+        with self._checkout(repo) as tree, log_file.open("w") as log:
+            subprocess.run(
+                [
+                    self.python,
+                    "-m",
+                    "pytest",
+                    *(str(series.tests_dir / p) for p in paths),
+                    f"--junitxml={junit}",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                ],
+                env=self._env(tree, stages),
+                cwd=series.root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=False,
+            )
+        tally = read_junit(junit)
+        # Paths in the checkout, which is gone after this, as the tree's own.
+        tally.first_error = tally.first_error.replace(f"{tree}/", "")
+        return tally
+
+    def pr_tests(self, repo: Path, paths: Sequence[str]) -> Tally:
+        """``paths`` (tests the stages add to vLLM's tests/) on the tree,
+        with plain pytest from its root."""
+        with self._checkout(repo) as tree:
+            return run_pr_tests(
+                self.python,
+                tree,
+                paths,
+                repo.parent / "check-pr.xml",
+                check_log(repo, "pr-tests"),
+            )
+
+    def imports(
+        self, series: Series, repo: Path, stages: list[str], modules: Sequence[str]
+    ) -> str | None:
+        """The first of ``modules`` that fails to import, with the error."""
+        with self._checkout(repo) as tree:
+            done = subprocess.run(
+                [self.python, "-c", _IMPORT_CHECK, *modules],
+                # The stand-ins live with the tool, whatever project it serves.
+                env={**self._env(tree, stages), "PYTHONPATH": f"{tree}:{REPO_ROOT}"},
+                cwd=series.root,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        if done.returncode == 0:
+            return None
+        lines = (done.stdout or done.stderr).strip().splitlines()
+        return lines[-1] if lines else f"exit status {done.returncode}"
+
+    @staticmethod
+    def _env(tree: Path, stages: list[str]) -> dict[str, str]:
+        return {**os.environ, **tree_env(tree, stages, tree), "PYTHONPATH": str(tree)}
+
+    @staticmethod
+    @contextmanager
+    def _checkout(repo: Path) -> Iterator[Path]:
+        tree = repo.parent / "check"
+        shutil.rmtree(tree, ignore_errors=True)
+        git(repo, "worktree", "prune")
+        git(repo, "worktree", "add", "-q", "--detach", str(tree), "HEAD")
+        try:
+            yield tree
+        finally:
+            git(repo, "worktree", "remove", "--force", str(tree))

@@ -1,0 +1,297 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which pytest runs test a stage's tree, and running them.
+
+A stage's tree holds the base plus stages 1..N. It runs the base tests, the
+stage's own tests, the regression selection of vLLM's own tests and the
+tests the stage adds to vLLM's tests/ (its PR's, with plain pytest); the top
+stage's tree (the one users serve) runs every stage's tests, so a later stage
+that breaks an earlier one is caught there. The runs are independent
+processes and run side by side (one per CPU by default), the longest first
+by their last result. Results come back as JUnit XML, one file per run, and
+are summed into one table (``results``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.series.config import Series
+from scripts.series.contract import (
+    COMPILE_SUMMARY_ENV,
+    CPU_ENV,
+    PLUGIN_FILES_ENV,
+    tree_env,
+)
+from scripts.series.layout import results_dir
+from scripts.series.stages.trees import stage_tree
+from scripts.series.testing.results import RunTiming, Tally, junit_suite, read_junit
+
+# Tests that compile the stages' Triton kernels for the AMD targets, run on
+# every stage's tree in a process of their own, and what they write.
+COMPILE_TESTS = "gfx_compile"
+COMPILE_SUMMARY = "gfx-compile.json"
+
+
+@dataclass(frozen=True)
+class PytestRun:
+    """One pytest invocation: arguments (after ``python -m pytest``), env,
+    where it writes its JUnit XML and the folder it runs in (None: the
+    project). ``row`` is its line in the summary."""
+
+    row: str
+    label: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    junit: Path
+    cwd: Path | None = None
+
+
+def stage_runs(
+    series: Series, stage_id: str, tree: Path, base_tree: Path
+) -> list[PytestRun]:
+    """The pytest runs for one stage's tree ("base" or a stage id)."""
+    applied = series.stages_upto(stage_id)
+    stages = ["base", *(s.id for s in applied)]
+    out = results_dir(series) / stage_id
+    is_top = bool(applied) and applied[-1] == series.stages[-1]
+    tested = applied if is_top else applied[-1:]
+    own_dirs = ["base", *(s.tests for s in tested)]
+    env = tree_env(tree, stages, base_tree)
+    # Every folder in one run: each run imports torch and vLLM anew, and that
+    # import costs more than the balance of smaller runs side by side gains.
+    runs = [
+        PytestRun(
+            stage_id,
+            "series tests (" + ", ".join(own_dirs) + ")",
+            (
+                *(str(series.tests_dir / folder) for folder in own_dirs),
+                f"--junitxml={out / 'series.xml'}",
+                "-q",
+            ),
+            env,
+            out / "series.xml",
+        )
+    ]
+    if series.regression:
+        # vLLM's own tests, every suite in one run (each run imports vLLM
+        # anew). A suite's plugin applies to that suite's files only: the
+        # plugin finds them under its module name in PLUGIN_FILES_ENV.
+        junit = out / "vllm-tests.xml"
+        plugins = sorted({s.plugin for s in series.regression if s.plugin})
+        plugin_files = {
+            plugin: [
+                str(tree / p)
+                for s in series.regression
+                if s.plugin == plugin
+                for p in s.paths
+            ]
+            for plugin in plugins
+        }
+        runs.append(
+            PytestRun(
+                stage_id,
+                "vLLM tests (" + ", ".join(s.name for s in series.regression) + ")",
+                (
+                    "--noconftest",
+                    f"--rootdir={tree}",
+                    "-p",
+                    "no:cacheprovider",
+                    *(arg for plugin in plugins for arg in ("-p", plugin)),
+                    f"--junitxml={junit}",
+                    "-q",
+                    *(str(tree / p) for s in series.regression for p in s.paths),
+                ),
+                # vLLM's tests import `tests.*` helpers from the tree root;
+                # the plugins live in our scripts/harness/.
+                {
+                    **env,
+                    "PYTHONPATH": f"{tree}:{series.root}",
+                    PLUGIN_FILES_ENV: json.dumps(plugin_files),
+                },
+                junit,
+            )
+        )
+    if pr_tests := [path for stage in tested for path in stage.vllm_tests]:
+        runs.append(pr_tests_run(stage_id, tree, pr_tests, out / "pr-tests.xml"))
+    compile_tests = series.tests_dir / COMPILE_TESTS
+    if applied and compile_tests.is_dir():
+        # Triton's compiler, not its interpreter: the kernels are compiled
+        # for the AMD targets (tests/gfx_compile/conftest.py).
+        runs.append(
+            PytestRun(
+                stage_id,
+                "compile matrix (gfx950, gfx942)",
+                (
+                    str(compile_tests),
+                    f"--junitxml={out / 'gfx-compile.xml'}",
+                    "-q",
+                ),
+                {
+                    **env,
+                    "TRITON_INTERPRET": "0",
+                    COMPILE_SUMMARY_ENV: str(out / COMPILE_SUMMARY),
+                },
+                out / "gfx-compile.xml",
+            )
+        )
+    return runs
+
+
+def compile_summary(series: Series, stage_id: str) -> list[dict]:
+    """Per kernel and target, the variants a tree's compile matrix compiled
+    and failed (empty when it did not run)."""
+    path = results_dir(series) / stage_id / COMPILE_SUMMARY
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def pr_tests_run(row: str, tree: Path, paths: Sequence[str], junit: Path) -> PytestRun:
+    """The tests stages add to vLLM's tests/, as a vLLM checkout runs them:
+    plain pytest from the tree's root with vLLM's own conftest, nothing of
+    this project on the path."""
+    return PytestRun(
+        row,
+        "PR tests (vLLM's tests/, plain pytest)",
+        ("-p", "no:cacheprovider", f"--junitxml={junit}", "-q", *paths),
+        {**CPU_ENV, "PYTHONPATH": ""},
+        junit,
+        cwd=tree,
+    )
+
+
+def run_pr_tests(
+    python: str, tree: Path, paths: Sequence[str], junit: Path, log: Path
+) -> Tally:
+    """Run ``pr_tests_run`` now, its output to ``log``, with ``python``; its
+    results."""
+    junit.unlink(missing_ok=True)
+    run = pr_tests_run("check", tree, paths, junit)
+    with log.open("w") as out:
+        subprocess.run(
+            [python, "-m", "pytest", *run.args],
+            env={**os.environ, **run.env},
+            cwd=tree,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
+    return read_junit(junit)
+
+
+def tooling_runs(series: Series) -> list[PytestRun]:
+    """The tool's tests, in one run (they import no vLLM)."""
+    out = results_dir(series) / "tooling"
+    return [
+        PytestRun(
+            "tooling",
+            "tooling tests",
+            (
+                str(series.tests_dir / "tooling"),
+                f"--junitxml={out / 'tooling.xml'}",
+                "-q",
+            ),
+            {},
+            out / "tooling.xml",
+        )
+    ]
+
+
+def _last_duration(run: PytestRun) -> float:
+    """Seconds the run took last time (unknown: infinite, so it starts first)."""
+    try:
+        return float(junit_suite(run.junit).get("time", "inf"))
+    except ValueError:
+        return math.inf
+
+
+_PRINT_LOCK = threading.Lock()
+
+
+def _run_one(run: PytestRun, python: str, extra: Sequence[str], cwd: Path) -> Tally:
+    """Run one pytest run; its output is printed whole when it ends."""
+    run.junit.parent.mkdir(parents=True, exist_ok=True)
+    run.junit.unlink(missing_ok=True)
+    if summary := run.env.get(COMPILE_SUMMARY_ENV):
+        Path(summary).unlink(missing_ok=True)
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [python, "-m", "pytest", *run.args, *extra],
+        env={**os.environ, **run.env},
+        cwd=run.cwd or cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    assert process.stdout is not None
+    output = process.stdout.read()
+    # wait4: the run's own CPU time, its forked ranks included.
+    _, status, usage = os.wait4(process.pid, 0)
+    returncode = os.waitstatus_to_exitcode(status)
+    tally = read_junit(run.junit)
+    tally.timings.append(
+        RunTiming(
+            f"{run.row}: {run.label}",
+            time.monotonic() - started,
+            usage.ru_utime + usage.ru_stime,
+        )
+    )
+    # 0: passed, 1: some failed, 5: nothing collected; the rest is pytest
+    # itself failing (usage, internal error, interrupted).
+    if returncode not in (0, 1, 5):
+        tally.failed += 1
+        tally.failures.append(f"{run.row} {run.label}: pytest exited {returncode}")
+    with _PRINT_LOCK:
+        print(f"=== {run.row}: {run.label}\n{output}", flush=True)
+    return tally
+
+
+@dataclass
+class TestResults:
+    """One tally per summary row, in order."""
+
+    rows: list[tuple[str, Tally]]
+    runs: int
+    wall_s: float
+
+
+def run_tests(
+    series: Series,
+    stage_ids: Sequence[str],
+    *,
+    tooling: bool,
+    python: str = sys.executable,
+    jobs: int = 0,
+    extra: Sequence[str] = (),
+) -> TestResults:
+    """Run the tooling tests (if asked) and each stage's runs, ``jobs`` at a
+    time (0: one per CPU), the longest first by their last time."""
+    base_tree = stage_tree(series, "base")
+    runs = tooling_runs(series) if tooling else []
+    for stage_id in stage_ids:
+        runs += stage_runs(series, stage_id, stage_tree(series, stage_id), base_tree)
+    started = time.monotonic()
+    # Reversed first: with no results yet, the top tree's runs lead.
+    order = sorted(reversed(runs), key=_last_duration, reverse=True)
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        tallies = list(
+            pool.map(lambda run: _run_one(run, python, extra, series.root), order)
+        )
+    wall_s = time.monotonic() - started
+    print(f"{len(runs)} pytest runs took {wall_s:.0f} s")
+    rows: dict[str, Tally] = {run.row: Tally() for run in runs}
+    for run, tally in zip(order, tallies, strict=True):
+        rows[run.row].add(tally)
+    return TestResults(list(rows.items()), len(runs), wall_s)
