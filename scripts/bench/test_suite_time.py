@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Wall and CPU time of ``nox -s apply-and-test``, warm and cold, per pytest run.
 
-Warm: ``nox -s apply-and-test -- --rerun`` in this checkout, which must have
-run ``nox -s apply-and-test`` before (its venv, trees and caches exist).
+Warm: ``nox -s apply-and-test`` again in this checkout, which must have run
+it before (its venv and trees exist); every test runs every time.
 Cold: a fresh ``git clone`` of HEAD in a temporary folder, then
 ``nox -s apply-and-test`` there (a new venv, the sdist downloaded, nothing
 under build/), as the README's quick start does; the clone is deleted
@@ -97,7 +97,7 @@ def write_report(result: dict, out: Path) -> None:
         "",
         f"Measured {result['date']} on {result['machine']}, commit "
         f"{result['commit']}, with `{result['command']}`. Warm: "
-        "`nox -s apply-and-test -- --rerun` in a checkout that ran it before; "
+        "`nox -s apply-and-test` in a checkout that ran it before; "
         "cold: a fresh clone's first `nox -s apply-and-test` (new venv, the "
         "sdist and vLLM's wheel fetched, nothing under build/). What lives "
         "outside the clone stays: pip's cache, and Triton's kernel cache "
@@ -165,7 +165,7 @@ def main() -> None:
         "cold": [],
     }
     for i in range(args.warm):
-        result["warm"].append(one_run(ROOT, ["--", "--rerun"], logs / f"warm{i}.log"))
+        result["warm"].append(one_run(ROOT, [], logs / f"warm{i}.log"))
         print(f"warm {i + 1}: {result['warm'][-1]['nox_wall_s']} s", flush=True)
     for i in range(args.cold):
         clone = logs / "clone"
