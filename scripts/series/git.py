@@ -191,3 +191,15 @@ def commit_tree(
         identity=identity,
     )
     return out.stdout.decode().strip()
+
+
+def add_blob_to_index(repo: Path, path: str, blob: str, index: Path) -> None:
+    """Put ``blob`` at ``path`` (a plain file) in the scratch ``index``."""
+    git(
+        repo,
+        "update-index",
+        "--add",
+        "--cacheinfo",
+        f"100644,{blob},{path}",
+        index_file=index,
+    )

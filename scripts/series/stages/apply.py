@@ -21,6 +21,7 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import (
+    add_blob_to_index,
     changed_files,
     commit_tree,
     commit_verbatim,
@@ -246,14 +247,7 @@ def _add_overlays(series: Series, repo: Path, stage: Stage, index: Path) -> None
         if git(repo, "ls-files", "--", overlay, index_file=index).stdout:
             raise _overlay_exists(stage, overlay)
         blob = git_out(repo, "hash-object", "-w", f"--path={overlay}", str(source))
-        git(
-            repo,
-            "update-index",
-            "--add",
-            "--cacheinfo",
-            f"100644,{blob},{overlay}",
-            index_file=index,
-        )
+        add_blob_to_index(repo, overlay, blob, index)
 
 
 def _copy_overlays(series: Series, repo: Path, stage: Stage) -> None:

@@ -18,6 +18,7 @@ from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
 from scripts.series.git import (
     Identity,
+    add_blob_to_index,
     changed_files,
     commit_tree,
     git,
@@ -371,14 +372,7 @@ def _rebuild(
             for overlay in stage.overlays:
                 module = outputs[stage][series.overlay_file(overlay)]
                 blob = _blob_of(repo, overlay, module)
-                git(
-                    repo,
-                    "update-index",
-                    "--add",
-                    "--cacheinfo",
-                    f"100644,{blob},{overlay}",
-                    index_file=index,
-                )
+                add_blob_to_index(repo, overlay, blob, index)
             tree = git(repo, "write-tree", index_file=index).stdout.decode().strip()
             info = parse_patch(data)
             parent = commit_tree(repo, tree, parent, info.message, info.author)
