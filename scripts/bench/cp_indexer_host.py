@@ -385,15 +385,30 @@ def shipped_minimum() -> int:
     raise SystemExit(f"no MIN_SPLIT_KEY_ROWS in {source}")
 
 
-def balance(entry: dict | None, replicated: dict) -> tuple[str, str, str]:
-    """A split's slowest-rank GPU ms, max/mean rank GPU time and speedup
-    (replicated GPU ms over the slowest rank's), as table cells."""
+def modelled_balance(
+    step: list[tuple[int, int]], bounds: list[int], row_cost: int
+) -> float:
+    """max/mean rank cost of a split as its planner scored it (gfx950: a
+    row of a request with C cached tokens costs C + t + 1 keys, t its index
+    among the request's new rows, plus ``row_cost``)."""
+    costs = [c + t + 1 + row_cost for c, q in step for t in range(q)]
+    ranks = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return max(ranks) / statistics.mean(ranks)
+
+
+def balance(
+    entry: dict | None, replicated: dict, step: list[tuple[int, int]], row_cost: int
+) -> tuple[str, str, str, str]:
+    """A split's slowest-rank GPU ms, max/mean rank GPU time (measured, and
+    modelled) and speedup (replicated GPU ms over the slowest rank's), as
+    table cells."""
     if entry is None:
-        return "replicated", "-", "1.00"
+        return "replicated", "-", "-", "1.00"
     ranks = entry["per_rank_gpu_ms"]
     return (
         f"{max(ranks):.2f}",
         f"{max(ranks) / statistics.mean(ranks):.3f}",
+        f"{modelled_balance(step, entry['bounds'], row_cost):.3f}",
         f"{replicated['gpu_ms'] / max(ranks):.2f}",
     )
 
@@ -450,7 +465,8 @@ def report(docs: Path) -> str:
         "",
         "| step | tp | replicated GPU ms | "
         + " | ".join(
-            f"{name}: slowest rank ms / max/mean / speedup" for name in variants
+            f"{name}: slowest rank ms / max/mean measured / modelled / speedup"
+            for name in variants
         )
         + " |",
         "|---|---|---:|" + "---:|" * len(variants),
@@ -459,7 +475,8 @@ def report(docs: Path) -> str:
         name, tp = key.split(" | tp ")
         rep = result["replicated"]
         cells = [
-            " / ".join(balance(result["split"][variant], rep)) for variant in variants
+            " / ".join(balance(result["split"][variant], rep, STEPS[name], cost))
+            for variant, cost in variants.items()
         ]
         lines.append(
             f"| {name} | {tp} | {rep['gpu_ms']:.2f} | " + " | ".join(cells) + " |"
