@@ -39,34 +39,55 @@ def default_vllm_config(device: str) -> Any:
     return VllmConfig(device_config=DeviceConfig(device=device))
 
 
-def _stand_in_all_gatherv() -> None:
-    """vLLM's ``all_gatherv`` runs on PyNccl, which gloo ranks lack; the
-    same contract on gloo (vllm-project/vllm v0.32.0,
-    vllm/distributed/device_communicators/pynccl.py ``all_gatherv``: each
-    root's input broadcast into its slice of the output, in rank order;
-    cuda_communicator.py ``all_gatherv``: dim 0 only, a new output tensor)."""
-    import torch
+class GlooPyNccl:
+    """PyNccl's ``all_gatherv`` on gloo, for the TP group of gloo ranks,
+    which have no PyNccl (vllm-project/vllm v0.34.0,
+    vllm/distributed/device_communicators/pynccl.py L329-362: inside one
+    NCCL group, one ``ncclBroadcast`` per root from the root's input into
+    its slice of the output, the slices in rank order, ``sizes[r]`` rows
+    each). What NCCL leaves undefined fails here instead of passing: a
+    non-contiguous buffer (NCCL reads and writes raw memory), and a root's
+    input that overlaps the output other than as exactly its own slice
+    (NCCL's broadcast runs in place only when the root's send and receive
+    buffers are the same)."""
 
-    from vllm.distributed.device_communicators.base_device_communicator import (
-        DeviceCommunicatorBase,
-    )
+    disabled = False
 
-    def all_gatherv(self, input_, dim=0, sizes=None):
-        if dim != 0:
-            raise NotImplementedError("only dim 0 all-gatherv is supported")
-        if sizes is None:
-            sizes = [input_.shape[0]] * self.world_size
-        assert input_.shape[0] == sizes[self.rank_in_group]
-        out = input_.new_empty((sum(sizes), *input_.shape[1:]))
-        for root, part in enumerate(out.split(sizes)):
-            if root == self.rank_in_group:
-                part.copy_(input_)
-            torch.distributed.broadcast(
-                part, src=self.ranks[root], group=self.device_group
+    def __init__(self, coordinator) -> None:
+        self.coordinator = coordinator
+
+    def all_gatherv(self, output_tensor, input_tensor, sizes, stream=None):
+        import torch
+
+        group = self.coordinator
+        rank = group.rank_in_group
+        assert output_tensor.is_contiguous() and input_tensor.is_contiguous()
+        assert len(sizes) == group.world_size
+        assert output_tensor.shape[0] == sum(sizes)
+        assert input_tensor.shape == (sizes[rank], *output_tensor.shape[1:])
+        parts = output_tensor.split(sizes)
+        own = parts[rank]
+        in_place = input_tensor.data_ptr() == own.data_ptr()
+        if not in_place:
+            lo, hi = input_tensor.data_ptr(), input_tensor.data_ptr() + (
+                input_tensor.nbytes
             )
-        return out
+            out_lo = output_tensor.data_ptr()
+            out_hi = out_lo + output_tensor.nbytes
+            assert hi <= out_lo or lo >= out_hi, "input overlaps the output"
+            own.copy_(input_tensor)
+        for root, part in enumerate(parts):
+            torch.distributed.broadcast(
+                part, src=group.ranks[root], group=group.device_group
+            )
 
-    DeviceCommunicatorBase.all_gatherv = all_gatherv
+
+def _stand_in_pynccl() -> None:
+    """Give the gloo TP group's device communicator a PyNccl stand-in."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    group.device_communicator.pynccl_comm = GlooPyNccl(group)
 
 
 def _worker(
@@ -96,7 +117,7 @@ def _worker(
                 tensor_model_parallel_size=world_size
             )
             if backend == "gloo":
-                _stand_in_all_gatherv()
+                _stand_in_pynccl()
             try:
                 # Pickled by value: the queue's own pickler would share tensor
                 # storage through a file descriptor this process serves, and

@@ -6,8 +6,8 @@ a fresh prompt, several chunks, continuation chunks that reuse a gather) for
 two TP ranks; each rank's share of the real ``rocm_aiter_sparse_attn_indexer``
 then runs under ``torch.cuda.set_sync_debug_mode("error")``, which raises on
 any synchronizing call (a ``.item()``, a copy from pageable host memory, a
-``nonzero``). One GPU has no TP group, so the merge's all_gatherv is replaced
-by its local part. The logits and top-k are the fast GPU stand-ins
+``nonzero``). One GPU has no TP group, so the merge's PyNccl all_gatherv
+does nothing here. The logits and top-k are the fast GPU stand-ins
 (``scripts.harness.fast_indexer_kernels``), which make no sync themselves."""
 
 from __future__ import annotations
@@ -48,11 +48,9 @@ def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
         fast_indexer_kernels.top_k_per_row_prefill,
         raising=False,
     )
+    pynccl = SimpleNamespace(all_gatherv=lambda output, own, sizes: None)
     group = SimpleNamespace(
-        world_size=WORLD,
-        all_gatherv=lambda own, dim=0, sizes=None: own.new_empty(
-            (sum(sizes), *own.shape[1:])
-        ),
+        world_size=WORLD, device_communicator=SimpleNamespace(pynccl_comm=pynccl)
     )
     monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
     monkeypatch.setattr(rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: rank)

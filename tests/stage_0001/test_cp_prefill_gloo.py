@@ -15,20 +15,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from scripts.harness import adversary, indexer_batch, topk_reference
-from scripts.harness.multiproc import run_ranks
+from scripts.harness.multiproc import GlooPyNccl, run_ranks
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
 from scripts.series.contract import BASE_TREE_ENV, tree_env
 
 TREE = applied_tree("0001")
 
-from vllm.distributed.parallel_state import GroupCoordinator  # noqa: E402
 from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
 from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerPrefill  # noqa: E402
 
@@ -104,43 +102,51 @@ def _build_all(tp_size: int, cp: bool) -> dict:
 
 def _run(batch) -> dict:
     """Run the op on one batch, recording the buffer before the merge and
-    every collective: all_reduce, and vLLM's all_gatherv (the rows this rank
-    sends, the sizes, the group)."""
+    every collective: all_reduce, and PyNccl's all_gatherv (the rows this
+    rank sends, the sizes, the group, and where its input and output lie in
+    the top-k buffer, in rows)."""
     reduces: list[tuple[int, ...]] = []
-    gathers: list[tuple[tuple[int, ...], list[int] | None]] = []
+    gathers: list[tuple[tuple[int, ...], list[int]]] = []
     groups: list[str] = []
+    places: list[tuple[int, int]] = []
     before_merge: list[torch.Tensor] = []
     real_all_reduce = torch.distributed.all_reduce
-    real_all_gatherv = GroupCoordinator.all_gatherv
+    real_all_gatherv = GlooPyNccl.all_gatherv
     real_merge = CPIndexerPrefill.merge
 
     def counting_all_reduce(tensor, *args, **kwargs):
         reduces.append(tuple(tensor.shape))
         return real_all_reduce(tensor, *args, **kwargs)
 
-    def counting_all_gatherv(self, input_, dim=0, sizes=None):
+    def counting_all_gatherv(self, output, input_, sizes, stream=None):
         gathers.append((tuple(input_.shape), sizes))
-        groups.append(_group_name(self))
-        return real_all_gatherv(self, input_, dim, sizes)
+        groups.append(_group_name(self.coordinator))
+        places.append((output.data_ptr(), input_.data_ptr()))
+        return real_all_gatherv(self, output, input_, sizes, stream)
 
-    def recording_merge(self, buffer, topk):
+    def recording_merge(self, buffer):
         before_merge.append(buffer.clone())
-        return real_merge(self, buffer, topk)
+        return real_merge(self, buffer)
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(torch.distributed, "all_reduce", counting_all_reduce)
-        monkeypatch.setattr(GroupCoordinator, "all_gatherv", counting_all_gatherv)
+        monkeypatch.setattr(GlooPyNccl, "all_gatherv", counting_all_gatherv)
         monkeypatch.setattr(CPIndexerPrefill, "merge", recording_merge)
         with emulate_rocm("gfx950"):
             out = indexer_batch.run_indexer(
                 batch, TOPK, skip_k_cache_insert=True, torch_gather=True
             )
+    row_bytes = out.stride(0) * out.element_size()
     return {
         "out": out,
         "before_merge": before_merge[-1] if before_merge else None,
         "reduces": reduces,
         "gathers": gathers,
         "groups": groups,
+        "places": [
+            ((o - out.data_ptr()) / row_bytes, (i - out.data_ptr()) / row_bytes)
+            for o, i in places
+        ],
         "decode": batch.num_decode_tokens,
         "prefill": batch.num_prefill_tokens,
         "chunks": len(batch.metadata.prefill.chunks) if batch.metadata.prefill else 0,
@@ -148,7 +154,7 @@ def _run(batch) -> dict:
     }
 
 
-def _group_name(group: GroupCoordinator) -> str:
+def _group_name(group) -> str:
     """Which of vLLM's groups ``group`` is (the merge must use the TP group)."""
     from vllm.distributed import get_tp_group
 
@@ -223,8 +229,9 @@ def test_every_prefill_row_is_written_by_exactly_one_rank(split_ranks, name):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_one_merge_per_prefill_over_the_prefill_rows_only(split_ranks, name):
-    """One all_gatherv over the TP group per prefill; each rank sends only
-    its own rows, and the ranks' rows add up to the prefill rows."""
+    """One all_gatherv over the TP group per prefill, in place: each rank
+    sends only its own rows, from where they lie in the top-k buffer, into
+    the buffer's prefill rows, and the ranks' rows add up to them."""
     world_size, ranks = split_ranks
     for rank, result in enumerate(ranks):
         scenario = result[name]
@@ -233,10 +240,12 @@ def test_one_merge_per_prefill_over_the_prefill_rows_only(split_ranks, name):
             assert scenario["gathers"] == []
             continue
         [(sent, sizes)] = scenario["gathers"]
-        assert sizes is not None and len(sizes) == world_size
+        assert len(sizes) == world_size
         assert sum(sizes) == scenario["prefill"] and min(sizes) >= 1
         assert sent == (sizes[rank], TOPK)
         assert scenario["groups"] == ["tp"]
+        decode = scenario["decode"]
+        assert scenario["places"] == [(decode, decode + sum(sizes[:rank]))]
 
 
 def _build_no_split(world_size: int) -> dict:
@@ -396,7 +405,7 @@ def test_the_profiling_run_makes_no_collective(monkeypatch):
         torch.distributed, "all_reduce", lambda *a, **k: reduces.append(a)
     )
     monkeypatch.setattr(
-        GroupCoordinator, "all_gatherv", lambda *a, **k: reduces.append(a)
+        rocm_cp_indexer, "get_tp_group", lambda: reduces.append("tp group")
     )
     buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
     out = _profiling_run(buffer)
@@ -405,25 +414,16 @@ def test_the_profiling_run_makes_no_collective(monkeypatch):
 
 
 @pytest.mark.parametrize("cp", [True, False])
-def test_the_profiling_run_reserves_the_merge(monkeypatch, cp):
-    """The dummy run returns before any merge, so the memory profile sees the
-    merge's transient only if the op's profiling branch reserves it with the
-    logits: the gathered rows of the top-k buffer (a rank's own rows are a
-    view of it), 64 rows x 16 columns x 4 bytes (int32) = 4,096 bytes at tp 2
-    with the split on (the profiling run comes before the metadata builders,
-    so it decides from the settings itself), nothing with it off. The op's
-    own torch.empty calls are recorded; the sizes are worked out here, not
-    by cp_indexer_merge_bytes."""
+def test_the_profiling_run_reserves_the_logits_only(monkeypatch, cp):
+    """The merge gathers in place into the top-k buffer, so it needs no
+    memory of its own, and the dummy run reserves the logits budget alone,
+    the split on or off (1 MiB, as set here). The op's own torch.empty
+    calls are recorded."""
     import vllm.envs as envs
     from vllm.v1.attention.ops import rocm_aiter_mla_sparse
 
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
     monkeypatch.setattr(envs, "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", 1, raising=False)
-    # A tp 2 group, as the merge needs, without starting one.
-    monkeypatch.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
-    monkeypatch.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=2)
-    )
     real_empty = torch.empty
     sizes: list[int] = []
 
@@ -436,11 +436,8 @@ def test_the_profiling_run_reserves_the_merge(monkeypatch, cp):
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", recording_empty)
-    buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
-    _profiling_run(buffer)
-    logits = 1 << 20  # 1 MiB of logits, as set above
-    merge = 64 * TOPK * 4 if cp else 0
-    assert sizes == [logits + merge]
+    _profiling_run(torch.full((64, TOPK), 7, dtype=torch.int32))
+    assert sizes == [1 << 20]
 
 
 # vLLM's chunker at its default 512 MiB logits budget splits a 6,711-row

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stage 0001: with the flag on, the TP ranks' CP indexer decision and plan
-settings are checked to agree once, when vLLM's indexer metadata builder is
-created on every rank of a real vLLM TP group (gloo). A mismatch is a clear
-error on every rank, never a hang in the merge's collective or rows that no
-rank scores. With the flag off the ranks make no collective at all (the
-flag itself must then agree: docs/stage_0001.md)."""
+"""Stage 0001: the TP ranks' CP indexer flag, decision and plan settings
+are checked to agree once, when vLLM's indexer metadata builder is created
+on every rank of a real vLLM TP group (gloo), through the group's store. A
+mismatch is a clear error on every rank with the flag on, never a hang in
+the merge or rows that no rank scores; a rank with the flag off only
+publishes its flag and makes no collective."""
 
 from __future__ import annotations
 
@@ -46,11 +46,15 @@ def _start(rank: int, world_size: int, settings: list[tuple]):
             )
         try:
             builder = indexer_batch.make_builder(config, monkeypatch)
+            result = ("ok", builder.cp_indexer is not None)
         except ValueError as error:
-            return "error", str(error)
-    if os.environ.get("COUNT_COLLECTIVES"):
-        return "ok", builder.cp_indexer is not None, calls
-    return "ok", builder.cp_indexer is not None
+            result = ("error", str(error))
+    # Every rank stays up until all have started, as an engine's do (rank 0
+    # serves the group's store).
+    torch.distributed.barrier()
+    if os.environ.get("COUNT_COLLECTIVES") and result[0] == "ok":
+        return (*result, calls)
+    return result
 
 
 def _on_every_rank(settings: list[tuple]) -> list[tuple[str, object]]:
@@ -62,25 +66,40 @@ def test_the_same_settings_start():
     assert _on_every_rank([("0",)] * TP) == [("ok", False)] * TP
 
 
-def test_the_flag_off_makes_no_collective_and_on_makes_one():
+def test_the_startup_check_makes_no_collective():
     counting = {"COUNT_COLLECTIVES": "1"}
     assert _on_every_rank([("0", counting)] * TP) == [("ok", False, [])] * TP
-    on = [("ok", True, ["all_gather_object"])] * TP
-    assert _on_every_rank([("1", counting)] * TP) == on
+    assert _on_every_rank([("1", counting)] * TP) == [("ok", True, [])] * TP
+
+
+@pytest.mark.parametrize("off", [0, 2])
+def test_the_flag_off_on_one_rank_is_an_error_on_the_others(off):
+    """The rank with the flag off goes on without waiting (it would be
+    stopped with the engine); every rank with it on names the flag and the
+    ranks, rather than waiting for that rank in the merge."""
+    settings = [("0",) if r == off else ("1",) for r in range(TP)]
+    for rank, result in enumerate(_on_every_rank(settings)):
+        if rank == off:
+            assert result == ("ok", False)
+            continue
+        status, message = result
+        assert status == "error", message
+        flags = ", ".join(f"rank {r}: {r != off}" for r in range(TP))
+        assert f"VLLM_ROCM_USE_AITER_CP_INDEXER differs across the TP ranks ({flags})" in message
 
 
 @pytest.mark.parametrize(
     "variable, value, says",
     [
-        # Rank 1 would plan a split the others do not, and wait in the merge.
+        # The others would plan a split rank 1 does not, and wait in the merge.
         pytest.param(
-            "VLLM_USE_NCCL_SYMM_MEM",
+            "VLLM_DISABLE_PYNCCL",
             "1",
             [
                 "the CP indexer's decision differs across the TP ranks",
-                "rank 0: 'split', rank 1: \"the merge's all_gatherv does not use",
+                "rank 0: 'split', rank 1: 'the merge runs on PyNccl",
             ],
-            id="the decision (symmetric memory on one rank)",
+            id="the decision (PyNccl off on one rank)",
         ),
         # The logits budget shapes the chunks, and the cuts with them.
         pytest.param(

@@ -8,8 +8,9 @@ the same top-k set per row as with the flag off.
 
 Runs on gloo ranks on a CPU (the Triton kernels through TRITON_INTERPRET=1)
 and over two GPUs on ROCm with AITER. On a CPU, what it lacks is stood in:
-the ROCm platform check, AITER's prefill logits kernel (by vLLM's own torch
-reference, ``fp8_mqa_logits_torch``) and ``_C.top_k_per_row_prefill`` (a
+the ROCm platform check, PyNccl (by gloo broadcasts), AITER's prefill logits
+kernel (by vLLM's own torch reference, ``fp8_mqa_logits_torch``) and
+``_C.top_k_per_row_prefill`` (a
 torch top-k with the kernel's contract: indices relative to the row's start,
 as vLLM's AITER adapter ``_localize_aiter_prefill_topk`` assumes, -1 past a
 short row; output order and the choice among tied k-th values unspecified,
@@ -70,6 +71,34 @@ TINY_DSV32 = {
 _LIBRARIES: list = []
 
 
+class _GlooPyNccl:
+    """PyNccl's all_gatherv, which gloo ranks lack, on gloo: inside one NCCL
+    group, one broadcast per root from its input into its slice of the
+    output, in rank order (vllm/distributed/device_communicators/pynccl.py,
+    ``all_gatherv``). Fails where NCCL is undefined: non-contiguous buffers,
+    and a root's input overlapping the output other than as exactly its own
+    slice (NCCL broadcasts in place only when send and receive are one)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def all_gatherv(self, output, input_, sizes, stream=None):
+        rank = self.group.rank_in_group
+        assert output.is_contiguous() and input_.is_contiguous()
+        assert output.shape[0] == sum(sizes) and len(sizes) == self.group.world_size
+        assert input_.shape == (sizes[rank], *output.shape[1:])
+        parts = output.split(sizes)
+        if input_.data_ptr() != parts[rank].data_ptr():
+            end = input_.data_ptr() + input_.nbytes
+            out_end = output.data_ptr() + output.nbytes
+            assert end <= output.data_ptr() or input_.data_ptr() >= out_end
+            parts[rank].copy_(input_)
+        for root, part in enumerate(parts):
+            torch.distributed.broadcast(
+                part, src=self.group.ranks[root], group=self.group.device_group
+            )
+
+
 def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     """The ROCm platform with AITER, on a CPU."""
     import vllm._aiter_ops as aiter_ops
@@ -84,26 +113,6 @@ def _stand_in_for_rocm(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
         aiter_ops.rocm_aiter_ops, "is_indexer_top_k_enabled", lambda: False
     )
     monkeypatch.setattr(indexer, "num_compute_units", lambda device_index: 256)
-    # The merge's all_gatherv runs on PyNccl, which gloo ranks lack: the same
-    # contract (each rank's rows, in rank order; pynccl.py's all_gatherv
-    # broadcasts each root's input into its slice of the output).
-    from vllm.distributed.device_communicators.base_device_communicator import (
-        DeviceCommunicatorBase,
-    )
-
-    def all_gatherv(self, input_, dim=0, sizes=None):
-        assert dim == 0 and sizes is not None
-        assert input_.shape[0] == sizes[self.rank_in_group]
-        out = input_.new_empty((sum(sizes), *input_.shape[1:]))
-        for root, part in enumerate(out.split(sizes)):
-            if root == self.rank_in_group:
-                part.copy_(input_)
-            torch.distributed.broadcast(
-                part, src=self.ranks[root], group=self.device_group
-            )
-        return out
-
-    monkeypatch.setattr(DeviceCommunicatorBase, "all_gatherv", all_gatherv)
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", op.fp8_mqa_logits_torch)
     # The workspace frees the accelerator's cache when it grows; a CPU has none.
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
@@ -332,6 +341,10 @@ def _worker(
             world_size, rank, f"tcp://localhost:{port}", rank, backend=backend
         )
         ensure_model_parallel_initialized(world_size, 1)
+    if device.type == "cpu":
+        from vllm.distributed import get_tp_group
+
+        get_tp_group().device_communicator.pynccl_comm = _GlooPyNccl(get_tp_group())
     # What VllmConfig sets for a sparse MLA model.
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     workspace.init_workspace_manager(device)

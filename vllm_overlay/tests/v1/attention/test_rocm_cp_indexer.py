@@ -10,7 +10,9 @@ tests patch them. The real op over a TP group, split and merged against the
 flag off, is tested in tests/distributed/test_rocm_cp_indexer_merge.py.
 """
 
+import threading
 from bisect import bisect_left
+from datetime import timedelta
 from itertools import accumulate
 from types import SimpleNamespace
 from typing import Any
@@ -400,38 +402,6 @@ def test_a_ranks_rows_over_slices_of_one_request_take_fewer_equal_calls(
     assert [w.gather_keys for w in windows] == [True, False, False]
 
 
-def test_the_profile_reserves_the_gathered_rows_when_a_split_may_run(cp_on):
-    """The profiling run, which runs before the metadata builders exist,
-    reserves the merge's gathered rows (every row of the buffer at most)
-    when the builders will split: the flag on, a TP group of two or more,
-    and no unsafe configuration; nothing otherwise."""
-    from vllm.config import set_current_vllm_config
-
-    buffer = torch.empty(64, 2048, dtype=torch.int32)
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0  # no TP group
-    cp_on.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
-    cp_on.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
-    )
-    gathered = 64 * 2048 * 4
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == gathered
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(None) == 0
-    with set_current_vllm_config(_config("FULL", tp=4)):  # unsafe: replicated
-        assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
-    with set_current_vllm_config(_config(tp=4)):
-        assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == gathered
-    cp_on.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=1)
-    )
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
-    cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
-    rocm_aiter_ops.refresh_env_variables()
-    cp_on.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: SimpleNamespace(world_size=4)
-    )
-    assert rocm_cp_indexer.cp_indexer_merge_bytes(buffer) == 0
-
-
 @pytest.mark.parametrize("gfx942", [True, False])
 def test_rows_pay_for_the_logits_fill_only_where_the_kernel_fills(cp_on, gfx942):
     """gfx942's FlyDSL logits write -inf over the chunk's whole output (vLLM
@@ -481,20 +451,90 @@ def test_the_deprecated_stripe_size_is_accepted_and_ignored(cp_on, stripe):
     assert len(warned) == 1 and "deprecated and ignored" in warned[0]
 
 
-def test_the_ranks_are_asked_only_with_the_flag_on(rocm_aiter):
-    """In a TP group, the settings are compared across the ranks once per
-    builder with the flag on; with it off, nothing is asked of the group."""
+def test_every_rank_publishes_its_flag_and_compares_only_with_it_on(rocm_aiter):
+    """In a TP group, every rank publishes its flag once per builder; only
+    with the flag on does it publish the decision and plan settings too,
+    and compare them with the other ranks'."""
     asked = []
     rocm_aiter.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
     rocm_aiter.setattr(
-        rocm_cp_indexer, "_check_ranks_agree", lambda settings: asked.append(settings)
+        rocm_cp_indexer,
+        "_publish_and_compare",
+        lambda settings, compare: asked.append((settings, compare)),
     )
     assert _at_startup(2) is None
-    assert asked == []
+    assert asked == [({"VLLM_ROCM_USE_AITER_CP_INDEXER": False}, False)]
+    asked.clear()
     rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
     rocm_aiter_ops.refresh_env_variables()
     assert _at_startup(2) is not None
-    assert len(asked) == 1 and asked[0]["the CP indexer's decision"] == "split"
+    [(settings, compare)] = asked
+    assert compare and settings["VLLM_ROCM_USE_AITER_CP_INDEXER"] is True
+    assert settings["the CP indexer's decision"] == "split"
+
+
+def _publish_on_ranks(monkeypatch, settings: list[dict], calls: int = 1) -> list:
+    """``_publish_and_compare`` on one thread per rank over one real torch
+    store, each rank comparing when its flag is on, ``calls`` times (one
+    per builder); each rank's outcome of its last call: None, or the
+    error's message."""
+    store = torch.distributed.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    local = threading.local()
+    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: local.group)
+    outcomes: list = [None] * len(settings)
+
+    def rank_main(rank: int) -> None:
+        local.group = SimpleNamespace(
+            cpu_group=SimpleNamespace(get_group_store=lambda: store),
+            rank_in_group=rank,
+            world_size=len(settings),
+        )
+        mine = settings[rank]
+        for _ in range(calls):
+            try:
+                rocm_cp_indexer._publish_and_compare(
+                    mine, compare=mine["VLLM_ROCM_USE_AITER_CP_INDEXER"]
+                )
+                outcomes[rank] = None
+            except ValueError as error:
+                outcomes[rank] = str(error)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a rank hangs"
+    return outcomes
+
+
+def test_ranks_that_agree_start_builder_after_builder(monkeypatch):
+    on = {"VLLM_ROCM_USE_AITER_CP_INDEXER": True, "budget": 512}
+    assert _publish_on_ranks(monkeypatch, [on] * 4, calls=3) == [None] * 4
+
+
+def test_a_rank_with_the_flag_off_fails_the_others_without_waiting(monkeypatch):
+    on = {"VLLM_ROCM_USE_AITER_CP_INDEXER": True, "budget": 512}
+    off = {"VLLM_ROCM_USE_AITER_CP_INDEXER": False}
+    outcomes = _publish_on_ranks(monkeypatch, [on, off, on, on])
+    assert outcomes[1] is None
+    for rank in (0, 2, 3):
+        assert outcomes[rank] == (
+            "VLLM_ROCM_USE_AITER_CP_INDEXER differs across the TP ranks (rank 0: "
+            "True, rank 1: False, rank 2: True, rank 3: True); the CP indexer "
+            "needs the same on every rank"
+        )
+
+
+def test_a_plan_setting_that_differs_is_an_error_on_every_rank(monkeypatch):
+    on = {"VLLM_ROCM_USE_AITER_CP_INDEXER": True, "budget": 512}
+    outcomes = _publish_on_ranks(monkeypatch, [on, on, on, {**on, "budget": 256}])
+    assert all(
+        "budget differs across the TP ranks (rank 0: 512, rank 1: 512, "
+        "rank 2: 512, rank 3: 256)" in outcome
+        for outcome in outcomes
+    )
 
 
 def test_flag_off_aiter_off_or_not_rocm_means_no_split(rocm_aiter):
@@ -517,8 +557,7 @@ def test_flag_off_aiter_off_or_not_rocm_means_no_split(rocm_aiter):
         (1, True, None, False, "prefill context parallelism"),
         (1, False, "FULL", False, "FULL CUDA graphs"),
         (1, False, None, True, "batch invariance"),
-        (1, False, None, "VLLM_DISABLE_PYNCCL", "needs PyNccl"),
-        (1, False, None, "VLLM_USE_NCCL_SYMM_MEM", "symmetric memory"),
+        (1, False, None, "VLLM_DISABLE_PYNCCL", "runs on PyNccl"),
     ],
 )
 def test_unsafe_configurations_stay_off_with_a_startup_log_line(
@@ -526,8 +565,9 @@ def test_unsafe_configurations_stay_off_with_a_startup_log_line(
 ):
     """``invariant``: True for batch invariance, or another switch to set."""
     cp_on.setattr(envs, "VLLM_BATCH_INVARIANT", invariant is True, raising=False)
-    for name in ("VLLM_DISABLE_PYNCCL", "VLLM_USE_NCCL_SYMM_MEM"):
-        cp_on.setattr(envs, name, invariant == name, raising=False)
+    cp_on.setattr(
+        envs, "VLLM_DISABLE_PYNCCL", invariant == "VLLM_DISABLE_PYNCCL", raising=False
+    )
     logged = []
     cp_on.setattr(
         rocm_cp_indexer.logger,

@@ -6,7 +6,7 @@ Every TP rank holds the same indexer inputs, so without this each rank scores
 all prefill rows. With ``VLLM_ROCM_USE_AITER_CP_INDEXER=1`` each rank scores
 only its own contiguous range of the step's prefill rows (logits and top-k),
 and one all_gatherv per prefill puts every rank's rows into every rank's
-``topk_indices_buffer``.
+``topk_indices_buffer``, in place.
 
 The ranges are balanced by cost, not by row count: a row costs its causal
 key count, which the metadata builder knows on the host (sequence and query
@@ -28,9 +28,9 @@ merged row has exactly one writer (the top-k kernels choose freely among
 tied columns, so two ranks' copies of a row could differ).
 
 The settings are read once, when the indexer metadata builder is created,
-and with the flag on checked to agree across the TP group there: a rank
-that merges while another does not would hang in the collective, and
-different chunk sizes would cut the rows differently.
+and checked there to agree across the TP group, through its store (no
+collective): a rank that merges while another does not would hang in the
+merge, and different chunk sizes would cut the rows differently.
 ``VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE`` is deprecated and ignored:
 AITER's logits and top-k run one program per row, so a rank's rows need
 no alignment.
@@ -38,6 +38,7 @@ no alignment.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -71,12 +72,8 @@ def unsafe_config_reason(
         return "prefill context parallelism shards the prefill rows already"
     if envs.VLLM_BATCH_INVARIANT:
         return "batch invariance needs every rank to compute every row"
-    # The merge is vLLM's all_gatherv, which runs on PyNccl; with symmetric
-    # memory, equal shares would take its window-registration path.
     if envs.VLLM_DISABLE_PYNCCL:
-        return "the merge's all_gatherv needs PyNccl (VLLM_DISABLE_PYNCCL is set)"
-    if envs.VLLM_USE_NCCL_SYMM_MEM:
-        return "the merge's all_gatherv does not use NCCL symmetric memory"
+        return "the merge runs on PyNccl (VLLM_DISABLE_PYNCCL is set)"
     mode = vllm_config.compilation_config.cudagraph_mode or CUDAGraphMode.NONE
     if mode.mixed_mode() == CUDAGraphMode.FULL:
         return "FULL CUDA graphs capture mixed batches, which split rows cannot"
@@ -95,18 +92,37 @@ def _off_reason(
     return unsafe_config_reason(vllm_config, dcp_world_size, use_pcp)
 
 
-def _check_ranks_agree(settings: dict[str, object]) -> None:
-    """Every TP rank must hold the same settings and come to the same
-    decision; raise on every rank, naming what differs and each rank's
-    value, if they do not (a rank that merges while another does not would
-    wait alone in the collective; other settings would cut differently)."""
+# Keys of the startup records in the TP group's store.
+_STARTUP_KEY = "rocm_cp_indexer_startup"
+
+
+def _publish_and_compare(settings: dict[str, object], compare: bool) -> None:
+    """Publish this rank's settings in the TP group's store; with
+    ``compare``, wait for every rank's and raise, naming what differs and
+    each rank's value, if they do not all agree.
+
+    Through the store rather than a collective, so that a rank with the flag
+    off only writes and goes on: a collective it skipped would leave the
+    others waiting for it, and one it joined would tax every deployment. The
+    ranks with the flag on then see its record and fail at startup."""
     group = get_tp_group()
-    gathered: list[dict[str, object]] = [{}] * group.world_size
-    torch.distributed.all_gather_object(gathered, settings, group=group.cpu_group)
+    store = group.cpu_group.get_group_store()
+    rank = group.rank_in_group
+    # Every rank creates its builders in the same order: the n-th call on
+    # one rank meets the n-th on the others.
+    call = store.add(f"{_STARTUP_KEY}/calls/{rank}", 1)
+    shown = {name: repr(value) for name, value in settings.items()}
+    store.set(f"{_STARTUP_KEY}/{call}/{rank}", json.dumps(shown))
+    if not compare:
+        return
+    gathered = [
+        json.loads(store.get(f"{_STARTUP_KEY}/{call}/{r}"))
+        for r in range(group.world_size)
+    ]
     for name in settings:
         values = [ranks_settings.get(name) for ranks_settings in gathered]
-        if len(set(map(repr, values))) > 1:
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ValueError(
                 f"{name} differs across the TP ranks ({per_rank}); the CP "
                 "indexer needs the same on every rank"
@@ -137,15 +153,14 @@ def cp_indexer_at_startup(
     prefill, else None.
 
     Called once per indexer metadata builder at engine start, on every rank.
-    With the flag off it returns at once: no collective. With it on, it
-    decides (an unsafe configuration, or an FP4 indexer cache,
-    ``fp4_cache``, whose op scores every prefill row on every rank), then
-    checks that the TP ranks agree on the decision and on every setting that
-    shapes the plan (one collective on the TP group's CPU group), and only
-    then says why the split stays off. Every rank reads the flag from its
-    own environment: a single-node engine's workers inherit the engine's,
-    and Ray's get its vLLM variables; a multi-node deployment must set it
-    alike on every node (a rank with it on waits for the others)."""
+    Every rank publishes its flag in the TP group's store; with the flag off
+    that is all (no collective, no wait). With it on, a rank decides (an
+    unsafe configuration, or an FP4 indexer cache, ``fp4_cache``, whose op
+    scores every prefill row on every rank), publishes the decision and
+    every setting that shapes the plan, checks them against every rank's,
+    and only then says why the split stays off. So a rank whose flag,
+    decision or plan settings differ from another's is an error at startup
+    on every rank with the flag on, not a hang in the merge."""
     # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
@@ -153,27 +168,31 @@ def cp_indexer_at_startup(
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     if tp_size < 2 or not current_platform.is_rocm():
         return None
-    if not rocm_aiter_ops.is_cp_indexer_enabled():
-        return None
-    if envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE is not None:
-        logger.warning_once(
-            "%s is deprecated and ignored: the CP indexer cuts its row ranges "
-            "by cost, with no alignment.",
-            STRIPE_SIZE_ENV,
-        )
-    reason = _off_reason(vllm_config, dcp_world_size, use_pcp, fp4_cache)
-    fill = _logits_fill_their_chunk()
-    settings: dict[str, object] = {"the CP indexer's decision": reason or "split"}
-    if reason is None:
-        # What shapes the plan: the chunks and the row costs.
-        settings["VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"] = (
-            envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB
-        )
-        settings["the logits kernel's -inf fill"] = fill
+    enabled = bool(rocm_aiter_ops.is_cp_indexer_enabled())
+    settings: dict[str, object] = {"VLLM_ROCM_USE_AITER_CP_INDEXER": enabled}
+    reason = fill = None
+    if enabled:
+        if envs.VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE is not None:
+            logger.warning_once(
+                "%s is deprecated and ignored: the CP indexer cuts its row "
+                "ranges by cost, with no alignment.",
+                STRIPE_SIZE_ENV,
+            )
+        reason = _off_reason(vllm_config, dcp_world_size, use_pcp, fp4_cache)
+        fill = _logits_fill_their_chunk()
+        settings["the CP indexer's decision"] = reason or "split"
+        if reason is None:
+            # What shapes the plan: the chunks and the row costs.
+            settings["VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"] = (
+                envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB
+            )
+            settings["the logits kernel's -inf fill"] = fill
     # Engines always build the TP group before the attention backends; only
     # a builder made outside an engine (a unit test) has no group to ask.
     if model_parallel_is_initialized():
-        _check_ranks_agree(settings)
+        _publish_and_compare(settings, compare=enabled)
+    if not enabled:
+        return None
     if reason is not None:
         logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
@@ -452,50 +471,22 @@ class CPIndexerPrefill:
                     run[0], first, last, ks, ke, longest, gather_keys=call == 0
                 )
 
-    def merge(self, topk_indices_buffer: torch.Tensor, topk: int) -> None:
-        """One all_gatherv of each rank's own rows into every rank's buffer,
-        once per prefill, on every rank alike; nothing without a split."""
+    def merge(self, topk_indices_buffer: torch.Tensor) -> None:
+        """Give every rank every prefill row, once per prefill, on every
+        rank alike; nothing without a split.
+
+        In place: PyNccl's all_gatherv broadcasts each rank's rows into its
+        slice of the output, and a rank's own rows are that slice already
+        (NCCL broadcasts in place when the root's send and receive buffers
+        are one), so the merge allocates and copies nothing. Whole rows of
+        the buffer travel, which is contiguous in them. Called on PyNccl
+        directly: the coordinator's all_gatherv returns a new tensor, and
+        the split is off wherever it would take another path
+        (``unsafe_config_reason``)."""
         if self.split is None:
             return
-        bounds = self.split.bounds
-        # Kept referenced until the gather's output is copied: the gather
-        # may still be reading it.
-        own = topk_indices_buffer[self.start : self.end, :topk].contiguous()
-        merged = get_tp_group().all_gatherv(own, dim=0, sizes=self.split.sizes)
-        topk_indices_buffer[bounds[0] : bounds[-1], :topk] = merged
-
-
-def cp_indexer_merge_bytes(topk_indices_buffer: torch.Tensor | None) -> int:
-    """The merge's transient when this engine's builders will plan splits,
-    else 0: the gathered rows, at most every row of the buffer (a rank's own
-    rows are a view of the buffer when top-k spans its width, as the indexer
-    allocates it). The profiling run reserves it, since it returns before
-    any merge; it runs before the metadata builders exist, so the decision
-    is worked out again here from the settings and the process groups, and
-    taken as a split where the configuration is not at hand."""
-    from vllm._aiter_ops import rocm_aiter_ops
-    from vllm.config import get_current_vllm_config_or_none
-
-    if (
-        topk_indices_buffer is None
-        or not current_platform.is_rocm()
-        or not rocm_aiter_ops.is_cp_indexer_enabled()
-        or not model_parallel_is_initialized()
-        or get_tp_group().world_size < 2
-    ):
-        return 0
-    config = get_current_vllm_config_or_none()
-    if config is not None:
-        from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
-
-        parallel = config.parallel_config
-        reason = _off_reason(
-            config,
-            parallel.decode_context_parallel_size,
-            parallel.prefill_context_parallel_size > 1,
-            dsa_indexer_uses_fp4(config),
-        )
-        if reason is not None:
-            return 0
-    rows, width = topk_indices_buffer.shape[:2]
-    return rows * width * topk_indices_buffer.element_size()
+        first, last = self.split.bounds[0], self.split.bounds[-1]
+        rows = topk_indices_buffer[first:last]
+        own = rows[self.start - first : self.end - first]
+        pynccl = get_tp_group().device_communicator.pynccl_comm
+        pynccl.all_gatherv(rows, own, self.split.sizes)
