@@ -155,12 +155,20 @@ def _top_k_per_row_kernel(
     BLOCK: tl.constexpr,
     RELATIVE: tl.constexpr,
 ):
+    # Program (row, segment) of (rows, segments): the segment-th equal part
+    # of the row's range, its k written at column segment * K of the output.
     row = tl.program_id(0)
-    ks = tl.load(starts_ptr + row)
-    ke = tl.load(ends_ptr + row)
+    segment = tl.program_id(1)
+    segments = tl.num_programs(1)
+    row_start = tl.load(starts_ptr + row)
+    row_length = tl.load(ends_ptr + row) - row_start
+    ks = row_start + (row_length.to(tl.int64) * segment // segments).to(tl.int32)
+    ke = row_start + (row_length.to(tl.int64) * (segment + 1) // segments).to(
+        tl.int32
+    )
     length = ke - ks
     row_logits = logits_ptr + row.to(tl.int64) * stride0
-    row_out = out_ptr + row.to(tl.int64) * out_stride
+    row_out = out_ptr + row.to(tl.int64) * out_stride + segment * K
     lanes = tl.arange(0, BLOCK)
     if length <= K:
         # Every key of the row, then -1.
@@ -254,18 +262,70 @@ def aiter_top_k_per_row_prefill(
     _top_k(logits, rowStarts, rowEnds, indices, numRows, stride0, stride1, k, False)
 
 
+def uses_multi_block(rows: int, stride0: int) -> bool:
+    """Whether AITER's prefill top-k takes its multi-block kernel for a call
+    of ``rows`` rows over logits ``stride0`` wide, on a GPU of 128 compute
+    units or more (MI355X; the H200 has 132): ROCm/aiter
+    ``csrc/kernels/topk_per_row_kernels.cu`` L2624-2665 at e4048607
+    (``should_use_mulblocks``, its ``num_cu >= 128`` branch)."""
+    if rows <= 2:
+        return stride0 >= 65536
+    if rows <= 32:
+        return stride0 >= 98304
+    if rows <= 64:
+        return stride0 >= 131072
+    return rows <= 128 and stride0 >= rows * 2048
+
+
 def _top_k(logits, starts, ends, indices, rows, stride0, stride1, k, relative):
     if rows == 0:
         return
     assert indices.stride(1) == 1
-    _top_k_per_row_kernel[(rows,)](
+    if not uses_multi_block(rows, stride0):
+        _launch(logits, starts, ends, indices, rows, 1, stride0, stride1, k, relative)
+        return
+    # As AITER's multi-block kernel, several programs share a row: each takes
+    # the top k of an equal part of the row's range, then one program per row
+    # takes the top k of those candidates. Two passes and a gather, with no
+    # host sync; the number of parts fills the GPU about twice over.
+    units = (
+        torch.cuda.get_device_properties(logits.device).multi_processor_count
+        if logits.is_cuda
+        else 8
+    )
+    segments = max(2, min(2 * units // rows, stride0 // (4 * k)))
+    candidates = torch.empty((rows, segments * k), dtype=torch.int32, device=logits.device)
+    _launch(logits, starts, ends, candidates, rows, segments, stride0, stride1, k, False)
+    valid = candidates >= 0
+    scores = logits[:rows].gather(1, candidates.clamp(min=0).long())
+    scores = scores.masked_fill_(~valid, float("-inf"))
+    zeros = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+    width = torch.full_like(zeros, segments * k)
+    picked = torch.empty((rows, k), dtype=torch.int32, device=logits.device)
+    _launch(scores, zeros, width, picked, rows, 1, segments * k, 1, k, True)
+    chosen = candidates.gather(1, picked.long())
+    # A row no longer than k: all its columns in order, then -1, as the
+    # one-block path writes it.
+    length = (ends[:rows] - starts[:rows]).to(torch.int32)
+    column = torch.arange(k, dtype=torch.int32, device=logits.device)
+    whole = torch.where(
+        column < length[:, None], column + starts[:rows, None].to(torch.int32), -1
+    )
+    chosen = torch.where((length <= k)[:, None], whole, chosen)
+    if relative:
+        chosen = torch.where(chosen >= 0, chosen - starts[:rows, None], -1)
+    indices[:rows, :k] = chosen
+
+
+def _launch(logits, starts, ends, out, rows, segments, stride0, stride1, k, relative):
+    _top_k_per_row_kernel[(rows, segments)](
         logits,
         starts,
         ends,
-        indices,
+        out,
         stride0,
         stride1,
-        indices.stride(0),
+        out.stride(0),
         K=k,
         BLOCK=TOPK_BLOCK,
         RELATIVE=relative,

@@ -21,6 +21,14 @@ from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (  # noqa: E402
 )
 
 K = 300
+
+
+def test_the_multi_block_rule_is_aiters_for_128_or_more_compute_units():
+    use = fast_indexer_kernels.uses_multi_block
+    assert use(2, 65536) and not use(2, 65535)
+    assert use(32, 98304) and not use(33, 98304) and use(33, 131072)
+    assert use(100, 204800) and not use(100, 204799)
+    assert not use(129, 1 << 30)
 DEVICES = [
     pytest.param(
         "cpu",
@@ -72,7 +80,15 @@ def _aiter_topk(logits, starts, ends, out, k):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("entry", [_vllm_topk, _aiter_topk], ids=["vllm", "aiter"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fast_topk_picks_the_k_largest_of_each_rows_range(seed, entry, device):
+@pytest.mark.parametrize("multi_block", [False, True], ids=["one-block", "multi-block"])
+def test_fast_topk_picks_the_k_largest_of_each_rows_range(
+    seed, entry, device, multi_block, monkeypatch
+):
+    """Both paths, the multi-block one forced (AITER takes it only for wide
+    calls of few rows, ``uses_multi_block``)."""
+    monkeypatch.setattr(
+        fast_indexer_kernels, "uses_multi_block", lambda rows, width: multi_block
+    )
     scores, poisoned, starts, ends = _rows(seed)
     rows = scores.shape[0]
     out = torch.full((rows, K + 5), -7, dtype=torch.int32, device=device)
