@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import functools
 import json
 import statistics
 import sys
@@ -68,47 +67,57 @@ STEPS: dict[str, list[tuple[int, int]]] = {
 TPS = (2, 8)
 
 
-def _timed(fn, runs: int) -> dict:
-    """Median GPU ms, host ms and the syncs of one call."""
+def _timed(fn, ranks: list[int], runs: int) -> list[dict]:
+    """Per rank: median GPU ms, host ms and the syncs of one call of
+    ``fn(rank)``. The ranks take turns call by call, so that a drift of the
+    GPU's clocks over the run weighs on every rank alike."""
     import torch
 
-    fn()  # warm-up: Triton compiles, workspace grows
+    for rank in ranks:
+        fn(rank)  # warm-up: Triton compiles, workspace grows
     torch.cuda.synchronize()
-    gpu, host = [], []
+    gpu: dict[int, list[float]] = {rank: [] for rank in ranks}
+    host: dict[int, list[float]] = {rank: [] for rank in ranks}
     for _ in range(runs):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        torch.cuda.synchronize()
-        gpu.append(start.elapsed_time(end))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchronizing" in str(w.message) for w in caught)
-    return {
-        "gpu_ms": statistics.median(gpu),
-        "host_ms": statistics.median(host),
-        "syncs": syncs,
-    }
+        for rank in ranks:
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            torch.cuda.synchronize()
+            start.record()
+            t0 = time.perf_counter()
+            fn(rank)
+            host[rank].append((time.perf_counter() - t0) * 1e3)
+            end.record()
+            torch.cuda.synchronize()
+            gpu[rank].append(start.elapsed_time(end))
+    timings = []
+    for rank in ranks:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn(rank)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        timings.append(
+            {
+                "gpu_ms": statistics.median(gpu[rank]),
+                "host_ms": statistics.median(host[rank]),
+                "syncs": sum("synchronizing" in str(w.message) for w in caught),
+            }
+        )
+    return timings
 
 
 def _bench(
     step: list[tuple[int, int]],
     tp: int,
     runs: int,
-    variants: dict[str, int | None],
+    variants: dict[str, tuple[int, int] | None],
     force_split: bool = False,
 ) -> dict:
     """The step replicated, then split under each planner variant (a name
-    and its ``ROW_COST_KEYS``; None: the shipped planner as it is)."""
+    and its ``ROW_COST_KEYS`` and ``CALL_COST_KEYS``; None: the shipped
+    planner as it is)."""
     import pytest
     import torch
 
@@ -142,7 +151,9 @@ def _bench(
                 fast.aiter_top_k_per_row_prefill,
             )
             if variant is not None and variants[variant] is not None:
-                mp.setattr(rocm_cp_indexer, "ROW_COST_KEYS", variants[variant])
+                row_cost, call_cost = variants[variant]
+                mp.setattr(rocm_cp_indexer, "ROW_COST_KEYS", row_cost)
+                mp.setattr(rocm_cp_indexer, "CALL_COST_KEYS", call_cost)
             if force_split:
                 mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
             config = indexer_batch.make_vllm_config(
@@ -167,42 +178,43 @@ def _bench(
                 ).sum()
             )
             result["chunks"] = len(prefill.chunks)
+            # The runs of chunks over the same keys: (first row, end, the
+            # largest chunk's rows), for the modelled per-call cost.
+            result["runs"] = [
+                (run[0].token_start, run[-1].token_end,
+                 max(c.token_end - c.token_start for c in run))
+                for run in rocm_cp_indexer._runs_of_shared_keys(prefill.chunks)
+            ]  # fmt: skip
             if mode == "split" and split is None:
                 result["split"][variant] = None  # below the minimum: replicated
                 continue
-            # One GPU: no TP group. The merge keeps its local work (its own
-            # rows made contiguous, the gathered rows written back).
+            # One GPU: no TP group. The merge gathers in place, so it has
+            # no local work to keep.
+            pynccl = SimpleNamespace(all_gatherv=lambda rows, own, sizes: None)
             group = SimpleNamespace(
                 world_size=tp,
                 device_group=None,
-                all_gatherv=lambda own, dim=0, sizes=None: own.new_empty(
-                    (sum(sizes), *own.shape[1:])
-                ),
+                device_communicator=SimpleNamespace(pynccl_comm=pynccl),
             )
             mp.setattr(
                 rocm_cp_indexer, "get_tp_group", lambda g=group: g, raising=False
             )
             mp.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
-            ranks = range(tp) if mode == "split" else [0]
-            per_rank = []
-            for rank in ranks:
-                mp.setattr(
-                    rocm_cp_indexer,
-                    "get_tensor_model_parallel_rank",
-                    lambda r=rank: r,
-                    raising=False,
-                )
-                per_rank.append(
-                    _timed(
-                        functools.partial(
-                            indexer_batch.run_indexer,
-                            batch,
-                            TOPK,
-                            skip_k_cache_insert=True,
-                        ),
-                        runs,
-                    )
-                )
+            ranks = list(range(tp)) if mode == "split" else [0]
+
+            this_rank = [0]
+            mp.setattr(
+                rocm_cp_indexer,
+                "get_tensor_model_parallel_rank",
+                lambda: this_rank[0],
+                raising=False,
+            )
+
+            def call(rank: int, batch=batch, this_rank=this_rank) -> None:
+                this_rank[0] = rank
+                indexer_batch.run_indexer(batch, TOPK, skip_k_cache_insert=True)
+
+            per_rank = _timed(call, ranks, runs)
             entry = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
             entry["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
             if mode == "split":
@@ -255,8 +267,8 @@ def calibrate(runs: int) -> dict:
             sample = {
                 "rows": rows,
                 "keys": keys,
-                "logits_ms": _timed(score, runs)["gpu_ms"],
-                "topk_ms": _timed(select, runs)["gpu_ms"],
+                "logits_ms": _timed(lambda _: score(), [0], runs)[0]["gpu_ms"],
+                "topk_ms": _timed(lambda _: select(), [0], runs)[0]["gpu_ms"],
             }
             samples.append(sample)
             print("calibration", sample, flush=True)
@@ -283,6 +295,9 @@ def calibrate(runs: int) -> dict:
         }
     fit["row_cost_keys"] = round(
         fit["total"]["ns_per_row"] / fit["total"]["ns_per_key_row"]
+    )
+    fit["call_cost_keys"] = round(
+        fit["total"]["us_per_call"] * 1e3 / fit["total"]["ns_per_key_row"]
     )
     return {"samples": samples, "fit": fit}
 
@@ -386,18 +401,32 @@ def shipped_minimum() -> int:
 
 
 def modelled_balance(
-    step: list[tuple[int, int]], bounds: list[int], row_cost: int
+    step: list[tuple[int, int]],
+    bounds: list[int],
+    costs: tuple[int, int],
+    runs: list[tuple[int, int, int]],
 ) -> float:
     """max/mean rank cost of a split as its planner scored it (gfx950: a
     row of a request with C cached tokens costs C + t + 1 keys, t its index
-    among the request's new rows, plus ``row_cost``)."""
-    costs = [c + t + 1 + row_cost for c, q in step for t in range(q)]
-    ranks = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    among the request's new rows, plus the row cost; each call the rank
+    makes, as few per run of chunks as its largest chunk allows, the call
+    cost)."""
+    row_cost, call_cost = costs
+    rows = [c + t + 1 + row_cost for c, q in step for t in range(q)]
+    ranks = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        overlaps = [min(b, last) - max(a, first) for first, last, _ in runs]
+        calls = sum(-(-n // most) for n, (*_, most) in zip(overlaps, runs) if n > 0)
+        ranks.append(sum(rows[a:b]) + call_cost * calls)
     return max(ranks) / statistics.mean(ranks)
 
 
 def balance(
-    entry: dict | None, replicated: dict, step: list[tuple[int, int]], row_cost: int
+    entry: dict | None,
+    replicated: dict,
+    step: list[tuple[int, int]],
+    costs: tuple[int, int],
+    runs: list[tuple[int, int, int]],
 ) -> tuple[str, str, str, str]:
     """A split's slowest-rank GPU ms, max/mean rank GPU time (measured, and
     modelled) and speedup (replicated GPU ms over the slowest rank's), as
@@ -408,7 +437,7 @@ def balance(
     return (
         f"{max(ranks):.2f}",
         f"{max(ranks) / statistics.mean(ranks):.3f}",
-        f"{modelled_balance(step, entry['bounds'], row_cost):.3f}",
+        f"{modelled_balance(step, entry['bounds'], costs, runs):.3f}",
         f"{replicated['gpu_ms'] / max(ranks):.2f}",
     )
 
@@ -427,9 +456,15 @@ def report(docs: Path) -> str:
         "on; one GPU runs each rank's share in turn, and the merge's "
         "collective is not timed). max/mean: the ranks' GPU times; speedup: "
         "replicated GPU ms over the slowest rank's (ideal: tp). Planner "
-        "variants by the row cost they plan with (`ROW_COST_KEYS`): "
-        + ", ".join(f"*{name}* {value}" for name, value in variants.items())
-        + ".",
+        "variants by the row and call costs they plan with (`ROW_COST_KEYS`, "
+        "`CALL_COST_KEYS`, key-rows): "
+        + ", ".join(
+            f"*{name}* {row:,} and {call:,}"
+            for name, (row, call) in variants.items()
+        )
+        + ". A variant timed again plans the same split as the first with its "
+        "costs: the difference between the two is this run's noise. The ranks "
+        "take turns call by call (each rank's median).",
         "",
         "Logits and top-k are the fast stand-ins of "
         "`scripts/harness/fast_indexer_kernels.py`: a Triton fp8 MQA-logits "
@@ -459,7 +494,8 @@ def report(docs: Path) -> str:
         )
     lines += [
         "",
-        f"A row's fixed cost is b / a = {fit['row_cost_keys']} key-rows.",
+        f"A row's fixed cost is b / a = {fit['row_cost_keys']} key-rows, a "
+        f"call's c / a = {fit['call_cost_keys']:,}.",
         "",
         "## Balance and speedup",
         "",
@@ -475,8 +511,12 @@ def report(docs: Path) -> str:
         name, tp = key.split(" | tp ")
         rep = result["replicated"]
         cells = [
-            " / ".join(balance(result["split"][variant], rep, STEPS[name], cost))
-            for variant, cost in variants.items()
+            " / ".join(
+                balance(
+                    result["split"][variant], rep, STEPS[name], costs, result["runs"]
+                )
+            )
+            for variant, costs in variants.items()
         ]
         lines.append(
             f"| {name} | {tp} | {rep['gpu_ms']:.2f} | " + " | ".join(cells) + " |"
@@ -545,16 +585,20 @@ def _run_steps() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     calibration = calibrate(args.runs)
+    fit = calibration["fit"]
+    shipped = rocm_cp_indexer.ROW_COST_KEYS
     values = {
-        "keys only": 0,
-        "shipped": rocm_cp_indexer.ROW_COST_KEYS,
-        "fitted": calibration["fit"]["row_cost_keys"],
+        "shipped": (shipped, rocm_cp_indexer.CALL_COST_KEYS),
+        "calls unpriced": (shipped, 0),
+        "fitted": (fit["row_cost_keys"], fit["call_cost_keys"]),
     }
-    # One run per distinct row cost, named by the first variant that has it.
-    variants: dict[str, int | None] = {}
+    # One run per distinct pair of costs, named by the first variant with it.
+    variants: dict[str, tuple[int, int] | None] = {}
     for name, value in values.items():
         if value not in variants.values():
             variants[name] = value
+    # The shipped planner twice: the spread between the two is the noise.
+    variants["shipped, timed again"] = variants["shipped"]
     results = {}
     for name, step in STEPS.items():
         for tp in TPS:

@@ -31,7 +31,10 @@ def _chunk(token_start: int, token_end: int, total_seq_lens: int):
     """A prefill chunk as the planner reads it (batch rows and key width);
     vLLM's DeepseekV32IndexerPrefillChunkMetadata carries these and more."""
     return SimpleNamespace(
-        token_start=token_start, token_end=token_end, total_seq_lens=total_seq_lens
+        token_start=token_start,
+        token_end=token_end,
+        total_seq_lens=total_seq_lens,
+        skip_kv_gather=False,
     )
 
 
@@ -132,7 +135,16 @@ def test_the_cut_bounds_are_exactly_the_hand_worked_ones(monkeypatch, name):
         ).tolist()
         == costs
     )
+    # Calls unpriced: these are the cuts before CALL_COST_KEYS moves them
+    # (tested in the stage's PR test).
     split = rocm_cp_indexer.plan_cp_indexer_split(
-        tp, decodes, seq_lens, query_lens, ratio, chunks, row_cost_keys=row_cost
+        tp,
+        decodes,
+        seq_lens,
+        query_lens,
+        ratio,
+        chunks,
+        row_cost_keys=row_cost,
+        call_cost_keys=0,
     )
     assert split is not None and split.bounds == bounds

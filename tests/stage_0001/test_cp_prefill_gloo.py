@@ -73,10 +73,12 @@ def _configure(monkeypatch: pytest.MonkeyPatch, cp: bool, logits: int = LOGITS) 
     indexer_batch.shrink_logits_budget(monkeypatch, logits)
     # These batches are far below the work that repays a split in serving,
     # and their rows hold tens of keys, not thousands: with serving's fixed
-    # row cost every row would cost about the same, and the cuts would not
+    # row cost every row would cost about the same (and with its call cost a
+    # second chunk would outweigh a rank's rows), and the cuts would not
     # give the ranks the uneven row counts these scenarios are for.
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     monkeypatch.setattr(rocm_cp_indexer, "ROW_COST_KEYS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", 0)
 
 
 def _build_all(tp_size: int, cp: bool) -> dict:

@@ -81,7 +81,7 @@ def _one_chunk(requests, first_row: int = 0) -> list[SimpleNamespace]:
     rows = sum(new for _, new in requests)
     width = sum(cached + new for cached, new in requests)
     return [SimpleNamespace(token_start=first_row, token_end=first_row + rows,
-                            total_seq_lens=width)]  # fmt: skip
+                            total_seq_lens=width, skip_kv_gather=False)]  # fmt: skip
 
 
 def _plan(tp: int, requests, first_row: int = 0, minimum=None):
@@ -216,6 +216,37 @@ def test_rows_pay_a_fixed_cost_besides_their_keys():
     row = bisect_left(cumulative, cumulative[-1] / 8)
     assert abs(weighed.bounds[1] - row) <= 1
     assert weighed.bounds[1] < keys_only.bounds[1] - 200
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_a_rank_that_pays_a_second_call_takes_less_of_the_rows(tp):
+    """A 512-row turn over 100K cached keys and a fresh 8K prompt, one chunk
+    each: the rank whose rows cross from the turn into the prompt makes two
+    calls. Priced at CALL_COST_KEYS, the costliest rank (rows and calls)
+    costs less than with calls unpriced, and at most one row's cost above
+    the mean."""
+    call = rocm_cp_indexer.CALL_COST_KEYS
+    assert call > 0
+    seq, query = torch.tensor([100 * 1024 + 512, 8192]), torch.tensor([512, 8192])
+    chunks = [
+        SimpleNamespace(token_start=0, token_end=512, skip_kv_gather=False),
+        SimpleNamespace(token_start=512, token_end=8704, skip_kv_gather=False),
+    ]
+    costs = [100 * 1024 + t + 1 + ROW for t in range(512)]
+    costs += [t + 1 + ROW for t in range(8192)]
+
+    def totals(split) -> list[int]:
+        """Each rank's rows' cost plus a call per chunk its rows touch."""
+        return [
+            sum(costs[a:b]) + call * sum(a < c.token_end and b > c.token_start
+                                         for c in chunks)
+            for a, b in zip(split.bounds, split.bounds[1:])
+        ]  # fmt: skip
+
+    unpriced = plan_cp_indexer_split(tp, 0, seq, query, 1, chunks, None, ROW, 0)
+    priced = plan_cp_indexer_split(tp, 0, seq, query, 1, chunks, None, ROW)
+    assert max(totals(priced)) < max(totals(unpriced))
+    assert max(totals(priced)) - sum(totals(priced)) / tp <= max(costs)
 
 
 @pytest.mark.parametrize(

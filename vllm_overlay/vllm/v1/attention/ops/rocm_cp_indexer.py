@@ -14,7 +14,9 @@ lengths), and a new chat turn over a long cached prefix costs 10-100x a
 fresh prompt's row. A row also costs a fixed part (``ROW_COST_KEYS``: its
 top-k's own work and output), and on gfx942 its chunk's whole key width,
 which the logits kernel fills with -inf (``LOGITS_FILL_DIVISOR``). The cuts
-fall where the cumulative cost crosses each rank's share.
+fall where the cumulative cost crosses each rank's share, then move so that
+a rank whose rows span two runs of chunks, and so pays a second call
+(``CALL_COST_KEYS``), takes less of the rows' cost.
 A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
@@ -198,7 +200,7 @@ def cp_indexer_at_startup(
         return None
     logger.info_once("CP indexer on: %d TP ranks, cost-balanced row ranges.", tp_size)
     return CPIndexerPlanner(
-        tp_size, LOGITS_FILL_DIVISOR if fill else None, ROW_COST_KEYS
+        tp_size, LOGITS_FILL_DIVISOR if fill else None, ROW_COST_KEYS, CALL_COST_KEYS
     )
 
 
@@ -228,6 +230,12 @@ LOGITS_FILL_DIVISOR = 8
 # AITER's top-k on many short rows, or a faster logits kernel, would raise
 # it there.
 ROW_COST_KEYS = 700
+# Each logits and top-k call's fixed cost, in key-rows: a rank whose rows
+# cross into another run of chunks pays a second call
+# (``CPIndexerPrefill.windows``). Fitted with ``ROW_COST_KEYS``, as c / a
+# (130-180 us a call against 0.06 ns a key-row: 2.2M-3.0M in three runs);
+# the same caveats.
+CALL_COST_KEYS = 2_600_000
 
 
 @dataclass(frozen=True)
@@ -294,6 +302,7 @@ def plan_cp_indexer_split(
     chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
     fill_divisor: int | None = LOGITS_FILL_DIVISOR,
     row_cost_keys: int = ROW_COST_KEYS,
+    call_cost_keys: int = CALL_COST_KEYS,
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
@@ -321,17 +330,82 @@ def plan_cp_indexer_split(
     if total < MIN_SPLIT_KEY_ROWS:
         return None
     shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
-    # Cut at the row boundary whose cost before it is nearest each share.
+    bounds = _cut_at(before, shares)
+    if call_cost_keys:
+        runs = [
+            (run[0].token_start - num_decode_tokens,
+             run[-1].token_end - num_decode_tokens,
+             max(c.token_end - c.token_start for c in run))
+            for run in _runs_of_shared_keys(chunks)
+        ]  # fmt: skip
+        bounds = _weigh_calls(before, bounds, runs, call_cost_keys)
+    return CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
+
+
+def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
+    """Each rank's bounds: the row boundary whose cost before it is nearest
+    each share (cumulative), at least one row per rank, in order."""
+    num_rows = before.numel() - 1
+    tp_size = shares.numel() + 1
     above = torch.searchsorted(before, shares).clamp_(1, num_rows)
     below = above - 1
     cuts = torch.where(shares - before[below] < before[above] - shares, below, above)
     bounds = [0, *cuts.tolist(), num_rows]
-    # At least one row per rank, in order.
     for rank in range(1, tp_size):
         bounds[rank] = max(bounds[rank], bounds[rank - 1] + 1)
     for rank in range(tp_size - 1, 0, -1):
         bounds[rank] = min(bounds[rank], bounds[rank + 1] - 1)
-    return CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
+    return bounds
+
+
+def _calls_of(start: int, end: int, runs: list[tuple[int, int, int]]) -> int:
+    """How many logits and top-k calls ``CPIndexerPrefill.windows`` makes for
+    rows ``start:end``: per run of chunks over the same keys (``first``,
+    ``last``, its largest chunk's rows), as few as that chunk allows."""
+    calls = 0
+    for first, last, most in runs:
+        rows = min(end, last) - max(start, first)
+        if rows > 0:
+            calls += -(-rows // most)
+    return calls
+
+
+def _weigh_calls(
+    before: torch.Tensor,
+    bounds: list[int],
+    runs: list[tuple[int, int, int]],
+    call_cost_keys: int,
+) -> list[int]:
+    """The cuts again, with each rank's calls priced at ``call_cost_keys``: a
+    rank whose rows cross into another run of chunks pays a second call, so
+    it takes fewer rows' cost. The calls depend on the cuts, so the cuts are
+    made again from the calls a few times; the plan whose costliest rank
+    costs least is kept (the first one among them)."""
+    tp_size = len(bounds) - 1
+    total = int(before[-1])
+
+    def rank_costs(bounds: list[int]) -> list[int]:
+        return [
+            int(before[end] - before[start])
+            + call_cost_keys * _calls_of(start, end, runs)
+            for start, end in zip(bounds, bounds[1:])
+        ]
+
+    best, best_cost = bounds, max(rank_costs(bounds))
+    for _ in range(3):
+        calls = [_calls_of(a, b, runs) for a, b in zip(bounds, bounds[1:])]
+        if len(set(calls)) == 1:
+            break  # priced alike, the cuts stay where they are
+        mean = (total + call_cost_keys * sum(calls)) / tp_size
+        targets = torch.tensor(
+            [mean - call_cost_keys * c for c in calls[:-1]], dtype=torch.float64
+        )
+        shares = torch.cumsum(targets, 0).round().to(torch.int64)
+        bounds = _cut_at(before, shares)
+        cost = max(rank_costs(bounds))
+        if cost < best_cost:
+            best, best_cost = bounds, cost
+    return best
 
 
 @dataclass(frozen=True)
@@ -342,6 +416,7 @@ class CPIndexerPlanner:
     # LOGITS_FILL_DIVISOR where the logits kernel fills its chunk, else None.
     fill_divisor: int | None = None
     row_cost_keys: int = ROW_COST_KEYS
+    call_cost_keys: int = CALL_COST_KEYS
 
     def plan(
         self,
@@ -361,6 +436,7 @@ class CPIndexerPlanner:
             chunks,
             self.fill_divisor,
             self.row_cost_keys,
+            self.call_cost_keys,
         )
 
 
