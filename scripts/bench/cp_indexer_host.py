@@ -150,8 +150,9 @@ def _bench(
                 "top_k_per_row_prefill",
                 fast.aiter_top_k_per_row_prefill,
             )
-            if variant is not None and variants[variant] is not None:
-                row_cost, call_cost = variants[variant]
+            costs = variants[variant] if variant is not None else None
+            if costs is not None:
+                row_cost, call_cost = costs
                 mp.setattr(rocm_cp_indexer, "ROW_COST_KEYS", row_cost)
                 mp.setattr(rocm_cp_indexer, "CALL_COST_KEYS", call_cost)
             if force_split:
@@ -206,7 +207,7 @@ def _bench(
             mp.setattr(
                 rocm_cp_indexer,
                 "get_tensor_model_parallel_rank",
-                lambda: this_rank[0],
+                lambda this_rank=this_rank: this_rank[0],
                 raising=False,
             )
 
@@ -416,7 +417,9 @@ def modelled_balance(
     ranks = []
     for a, b in zip(bounds, bounds[1:], strict=False):
         overlaps = [min(b, last) - max(a, first) for first, last, _ in runs]
-        calls = sum(-(-n // most) for n, (*_, most) in zip(overlaps, runs) if n > 0)
+        calls = sum(
+            -(-n // most) for n, (*_, most) in zip(overlaps, runs, strict=True) if n > 0
+        )
         ranks.append(sum(rows[a:b]) + call_cost * calls)
     return max(ranks) / statistics.mean(ranks)
 
@@ -459,8 +462,7 @@ def report(docs: Path) -> str:
         "variants by the row and call costs they plan with (`ROW_COST_KEYS`, "
         "`CALL_COST_KEYS`, key-rows): "
         + ", ".join(
-            f"*{name}* {row:,} and {call:,}"
-            for name, (row, call) in variants.items()
+            f"*{name}* {row:,} and {call:,}" for name, (row, call) in variants.items()
         )
         + ". A variant timed again plans the same split as the first with its "
         "costs: the difference between the two is this run's noise. The ranks "

@@ -163,9 +163,7 @@ def _top_k_per_row_kernel(
     row_start = tl.load(starts_ptr + row)
     row_length = tl.load(ends_ptr + row) - row_start
     ks = row_start + (row_length.to(tl.int64) * segment // segments).to(tl.int32)
-    ke = row_start + (row_length.to(tl.int64) * (segment + 1) // segments).to(
-        tl.int32
-    )
+    ke = row_start + (row_length.to(tl.int64) * (segment + 1) // segments).to(tl.int32)
     length = ke - ks
     row_logits = logits_ptr + row.to(tl.int64) * stride0
     row_out = out_ptr + row.to(tl.int64) * out_stride + segment * K
@@ -294,8 +292,12 @@ def _top_k(logits, starts, ends, indices, rows, stride0, stride1, k, relative):
         else 8
     )
     segments = max(2, min(2 * units // rows, stride0 // (4 * k)))
-    candidates = torch.empty((rows, segments * k), dtype=torch.int32, device=logits.device)
-    _launch(logits, starts, ends, candidates, rows, segments, stride0, stride1, k, False)
+    candidates = torch.empty(
+        (rows, segments * k), dtype=torch.int32, device=logits.device
+    )
+    _launch(
+        logits, starts, ends, candidates, rows, segments, stride0, stride1, k, False
+    )
     valid = candidates >= 0
     scores = logits[:rows].gather(1, candidates.clamp(min=0).long())
     scores = scores.masked_fill_(~valid, float("-inf"))

@@ -69,8 +69,9 @@ class GlooPyNccl:
         own = parts[rank]
         in_place = input_tensor.data_ptr() == own.data_ptr()
         if not in_place:
-            lo, hi = input_tensor.data_ptr(), input_tensor.data_ptr() + (
-                input_tensor.nbytes
+            lo, hi = (
+                input_tensor.data_ptr(),
+                input_tensor.data_ptr() + (input_tensor.nbytes),
             )
             out_lo = output_tensor.data_ptr()
             out_hi = out_lo + output_tensor.nbytes

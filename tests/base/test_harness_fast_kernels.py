@@ -29,6 +29,8 @@ def test_the_multi_block_rule_is_aiters_for_128_or_more_compute_units():
     assert use(32, 98304) and not use(33, 98304) and use(33, 131072)
     assert use(100, 204800) and not use(100, 204799)
     assert not use(129, 1 << 30)
+
+
 DEVICES = [
     pytest.param(
         "cpu",

@@ -85,7 +85,10 @@ def test_the_flag_off_on_one_rank_is_an_error_on_the_others(off):
         status, message = result
         assert status == "error", message
         flags = ", ".join(f"rank {r}: {r != off}" for r in range(TP))
-        assert f"VLLM_ROCM_USE_AITER_CP_INDEXER differs across the TP ranks ({flags})" in message
+        assert (
+            f"VLLM_ROCM_USE_AITER_CP_INDEXER differs across the TP ranks ({flags})"
+            in message
+        )
 
 
 @pytest.mark.parametrize(
