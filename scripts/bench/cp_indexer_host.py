@@ -191,7 +191,9 @@ def _bench(
                 continue
             # One GPU: no TP group. The merge gathers in place, so it has
             # no local work to keep.
-            pynccl = SimpleNamespace(all_gatherv=lambda rows, own, sizes: None)
+            pynccl = SimpleNamespace(
+                disabled=False, all_gatherv=lambda rows, own, sizes: None
+            )
             group = SimpleNamespace(
                 world_size=tp,
                 device_group=None,

@@ -48,7 +48,9 @@ def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
         fast_indexer_kernels.top_k_per_row_prefill,
         raising=False,
     )
-    pynccl = SimpleNamespace(all_gatherv=lambda output, own, sizes: None)
+    pynccl = SimpleNamespace(
+        disabled=False, all_gatherv=lambda output, own, sizes: None
+    )
     group = SimpleNamespace(
         world_size=WORLD, device_communicator=SimpleNamespace(pynccl_comm=pynccl)
     )

@@ -79,6 +79,8 @@ class _GlooPyNccl:
     and a root's input overlapping the output other than as exactly its own
     slice (NCCL broadcasts in place only when send and receive are one)."""
 
+    disabled = False
+
     def __init__(self, group) -> None:
         self.group = group
 

@@ -564,5 +564,7 @@ class CPIndexerPrefill:
         first, last = self.split.bounds[0], self.split.bounds[-1]
         rows = topk_indices_buffer[first:last]
         own = rows[self.start - first : self.end - first]
-        pynccl = get_tp_group().device_communicator.pynccl_comm
+        pynccl = getattr(get_tp_group().device_communicator, "pynccl_comm", None)
+        # The split is off without PyNccl (unsafe_config_reason).
+        assert pynccl is not None and not pynccl.disabled
         pynccl.all_gatherv(rows, own, self.split.sizes)
