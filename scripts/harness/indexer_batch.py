@@ -95,13 +95,18 @@ TINY_MAX_POSITIONS = 163840
 
 
 @functools.cache
-def _tiny_checkpoint(max_len: int) -> str:
+def _tiny_checkpoint(max_len: int, index_heads: int) -> str:
     """Its config.json, with room for ``max_len`` positions (the long-context
-    tests go to 1M tokens; vLLM refuses a longer max_model_len)."""
+    tests go to 1M tokens; vLLM refuses a longer max_model_len) and
+    ``index_heads`` indexer heads."""
     folder = Path(tempfile.mkdtemp(prefix="dsa-tiny-dsv32-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     positions = max(TINY_MAX_POSITIONS, max_len)
-    config = {**TINY_DSV32, "max_position_embeddings": positions}
+    config = {
+        **TINY_DSV32,
+        "max_position_embeddings": positions,
+        "index_n_heads": index_heads,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder)
 
@@ -124,9 +129,11 @@ def make_vllm_config(
     max_len: int = MAX_MODEL_LEN,
     max_tokens: int = MAX_TOKENS,
     num_speculative_tokens: int = 0,
+    index_heads: int = HEADS,
 ):
     """vLLM's own VllmConfig of the tiny DeepSeek-V3.2 (``TINY_DSV32``),
-    with MTP drafts when ``num_speculative_tokens`` is set."""
+    with MTP drafts when ``num_speculative_tokens`` is set, and
+    ``index_heads`` indexer heads (the published model has 64)."""
     from vllm.config import (
         DeviceConfig,
         ModelConfig,
@@ -143,7 +150,7 @@ def make_vllm_config(
     parallel = ParallelConfig(tensor_parallel_size=1 if one_gpu else tp_size)
     with _inspect_models_in_process():
         model = ModelConfig(
-            model=_tiny_checkpoint(max_len),
+            model=_tiny_checkpoint(max_len, index_heads),
             skip_tokenizer_init=True,
             max_model_len=max_len,
         )

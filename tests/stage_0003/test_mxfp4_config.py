@@ -7,8 +7,6 @@ vllm_overlay/ here)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -36,30 +34,17 @@ from vllm.v1.attention.ops.rocm_paged_mxfp4_indexer import (  # noqa: E402
     RocmPagedMxfp4CacheLayout,
 )
 
-HEAD_DIM, INDEX_HEADS = 128, 64
-DEEPSEEK_V32 = ("deepseek_v32", ["DeepseekV32ForCausalLM"])
+HEAD_DIM = indexer_batch.HEAD_DIM
 
 
-def _config(
-    model=DEEPSEEK_V32,
-    kv_dtype="mxfp4",
-    block_size: int | None = 64,
-    dcp=1,
-    pcp=1,
-):
-    """A config as vLLM has it at model construction; ``block_size`` as
-    given with --block-size, None for no --block-size (vLLM's default then,
-    until update_block_size_for_backend picks one)."""
-    config = indexer_batch.make_vllm_config()
-    model_type, architectures = model
-    hf_config = SimpleNamespace(
-        model_type=model_type,
-        architectures=architectures,
-        index_n_heads=INDEX_HEADS,
-        index_head_dim=HEAD_DIM,
-    )
-    config.model_config.hf_config = hf_config
-    config.model_config.hf_text_config = hf_config
+def _config(kv_dtype="mxfp4", block_size: int | None = 64, dcp=1, pcp=1):
+    """vLLM's config of the harness's tiny DeepSeek-V3.2 checkpoint, as vLLM
+    has it at model construction; ``block_size`` as given with
+    --block-size, None for no --block-size (vLLM's default then, until
+    update_block_size_for_backend picks one)."""
+    # DeepSeek-V3.2's 64 indexer heads: the cache layout depends on them.
+    config = indexer_batch.make_vllm_config(index_heads=64)
+    assert config.model_config.hf_config.model_type == "deepseek_v32"
     config.attention_config.indexer_kv_dtype = kv_dtype
     if block_size is not None:
         config.cache_config.block_size = block_size
