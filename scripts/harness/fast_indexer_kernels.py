@@ -13,7 +13,9 @@ speed, not for adversarial contracts:
   81-128 at e4048607; see docs/aiter_contracts.md): ``logits[i, j] = sum_h w[i, h] *
   relu(q[i, h] . k[j] * scale[j])`` for keys ``ks[i] <= j < ke[i]``, -inf
   elsewhere; fp8 e4m3 dot products, tiles of keys outside a row block's
-  range skipped (the causal half of a fresh prompt).
+  range skipped (the causal half of a fresh prompt); one program per row
+  (two for many rows of few heads), looping over the row's keys, as AITER's
+  gfx950 kernel does (``logits_rows_per_program``).
 - ``top_k_per_row_prefill``: ``_C.top_k_per_row_prefill``'s contract
   (indices relative to the row's start, -1 past a short row; csrc/sampler.cu)
   as one Triton program per row that reads only the row's own key range
@@ -35,12 +37,19 @@ import torch
 
 from vllm.triton_utils import tl, triton
 
-BLOCK_M = 4  # query rows per program (x heads: the MMA's M)
 BLOCK_N = 128  # keys per tile
-# Programs per row block, each taking every KEY_SPLITS-th tile of the block's
-# key range: the grid does not grow with the chunk's width, as AITER's one
-# program per row does not.
-KEY_SPLITS = 16
+
+
+def logits_rows_per_program(rows: int, heads: int) -> int:
+    """The query rows one program of AITER's gfx950 prefill logits kernel
+    walks, each over its own key range, tile after tile (no program splits
+    a row's keys): 2 with 32 heads or fewer and more than 4,096 rows, else 1
+    (ROCm/aiter ``aiter/ops/triton/attention/fp8_mqa_logits.py`` at
+    e4048607: L130, the gluon kernel from Triton 3.6; L206, gfx950's
+    ``block_m``; L228, the grid ``cdiv(rows, block_m)``; the plain Triton
+    kernel, L169, runs one program per row). A few long rows thus leave
+    most of the GPU idle, as they do there."""
+    return 2 if heads <= 32 and rows > 4096 else 1
 
 
 @triton.jit
@@ -59,10 +68,8 @@ def _mqa_logits_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KEY_SPLITS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
     starts = tl.load(starts_ptr + rows, mask=row_ok, other=num_keys)
@@ -76,7 +83,7 @@ def _mqa_logits_kernel(
     weights = tl.load(w_ptr + heads, mask=head_ok, other=0.0)
     first_tile = tl.min(starts, axis=0) // BLOCK_N
     end_tile = tl.cdiv(tl.max(ends, axis=0), BLOCK_N)
-    for tile in range(first_tile + pid_n, end_tile, KEY_SPLITS):
+    for tile in range(first_tile, end_tile):
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < num_keys
         k = tl.load(
@@ -110,8 +117,8 @@ def mqa_logits(
     out = torch.empty((rows, keys), dtype=torch.float32, device=q.device)
     if rows == 0 or keys == 0:
         return out
-    grid = (triton.cdiv(rows, BLOCK_M), KEY_SPLITS)
-    _mqa_logits_kernel[grid](
+    block_m = logits_rows_per_program(rows, heads)
+    _mqa_logits_kernel[(triton.cdiv(rows, block_m),)](
         q.contiguous(),
         k_fp8.contiguous(),
         k_scale.reshape(-1).contiguous(),
@@ -124,9 +131,8 @@ def mqa_logits(
         out.stride(0),
         H=heads,
         D=dim,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
-        KEY_SPLITS=KEY_SPLITS,
     )
     return out
 

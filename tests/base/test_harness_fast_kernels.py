@@ -112,7 +112,17 @@ def test_fast_topk_picks_the_k_largest_of_each_rows_range(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fast_logits_match_vllms_reference_within_each_rows_range(device):
+@pytest.mark.parametrize("rows_per_program", [1, 2])
+def test_fast_logits_match_vllms_reference_within_each_rows_range(
+    device, rows_per_program, monkeypatch
+):
+    """One row a program, and two (AITER's choice for many rows of few
+    heads), over an odd row count."""
+    monkeypatch.setattr(
+        fast_indexer_kernels,
+        "logits_rows_per_program",
+        lambda rows, heads: rows_per_program,
+    )
     gen = torch.Generator().manual_seed(0)
     rows, keys, heads = 9, 700, 32
     q = torch.randn(rows, heads, 128, generator=gen).to(torch.float8_e4m3fn)

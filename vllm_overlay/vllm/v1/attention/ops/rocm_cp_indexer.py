@@ -226,14 +226,16 @@ LOGITS_FILL_DIVISOR = 8
 # Each row's fixed cost, in key-rows: what it costs besides its keys (its
 # top-k's program and its k indices written). Fitted on one H200 with Triton
 # stand-ins of AITER's prefill logits and per-row top-k (time = a key-rows +
-# b rows + c per call; b / a from 591 to 839 in four runs), not on MI355X:
-# AITER's top-k on many short rows, or a faster logits kernel, would raise
-# it there.
+# b rows + c per call; b / a from 591 to 839 in four runs). With the logits
+# stand-in on AITER's grid (one program per row) the fit gives 129, yet 700
+# still balances a fresh 16K prompt better on the whole op (1.02 against
+# 1.05 at tp 2). Not fitted on MI355X: AITER's top-k on many short rows, or
+# a faster logits kernel, would raise it there.
 ROW_COST_KEYS = 700
 # Each logits and top-k call's fixed cost, in key-rows: a rank whose rows
 # cross into another run of chunks pays a second call
 # (``CPIndexerPrefill.windows``). Fitted with ``ROW_COST_KEYS``, as c / a
-# (130-180 us a call against 0.06 ns a key-row: 2.2M-3.0M in three runs);
+# (130-180 us a call against 0.06-0.07 ns a key-row: 2.2M-3.0M in four runs);
 # the same caveats.
 CALL_COST_KEYS = 2_600_000
 
