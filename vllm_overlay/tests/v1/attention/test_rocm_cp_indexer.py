@@ -488,6 +488,7 @@ def test_every_rank_publishes_its_flag_and_compares_only_with_it_on(rocm_aiter):
     and compare them with the other ranks'."""
     asked = []
     rocm_aiter.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
+    rocm_aiter.setattr(rocm_cp_indexer, "_pynccl_missing", lambda: False)
     rocm_aiter.setattr(
         rocm_cp_indexer,
         "_publish_and_compare",
@@ -513,7 +514,7 @@ def _publish_on_ranks(monkeypatch, settings: list[dict], calls: int = 1) -> list
     store.set_timeout(timedelta(seconds=30))
     local = threading.local()
     monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: local.group)
-    outcomes: list = [None] * len(settings)
+    outcomes: list = ["never ran"] * len(settings)
 
     def rank_main(rank: int) -> None:
         local.group = SimpleNamespace(
@@ -530,8 +531,12 @@ def _publish_on_ranks(monkeypatch, settings: list[dict], calls: int = 1) -> list
                 outcomes[rank] = None
             except ValueError as error:
                 outcomes[rank] = str(error)
+            except Exception as error:  # a timeout or a crash: not agreement
+                outcomes[rank] = repr(error)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+    threads = [
+        threading.Thread(target=rank_main, args=(r,)) for r in range(len(settings))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -556,6 +561,67 @@ def test_a_rank_with_the_flag_off_fails_the_others_without_waiting(monkeypatch):
             "True, rank 1: False, rank 2: True, rank 3: True); the CP indexer "
             "needs the same on every rank"
         )
+
+
+def test_a_rank_that_never_publishes_is_named_not_waited_for(monkeypatch):
+    """Ranks 1-3 never reach the check: rank 0 stops after the wait with
+    their numbers, rather than waiting as long as the store would."""
+    monkeypatch.setattr(rocm_cp_indexer, "_STARTUP_WAIT", timedelta(seconds=1))
+    store = torch.distributed.HashStore()
+    group = SimpleNamespace(
+        cpu_group=SimpleNamespace(get_group_store=lambda: store),
+        rank_in_group=0,
+        world_size=4,
+    )
+    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    with pytest.raises(RuntimeError, match=r"TP ranks \[1, 2, 3\] published no"):
+        rocm_cp_indexer._publish_and_compare(
+            {"VLLM_ROCM_USE_AITER_CP_INDEXER": True}, compare=True
+        )
+
+
+def test_a_store_that_fails_does_not_stop_a_rank_with_the_flag_off(monkeypatch):
+    def broken():
+        raise RuntimeError("store down")
+
+    group = SimpleNamespace(
+        cpu_group=SimpleNamespace(get_group_store=broken), rank_in_group=0
+    )
+    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    warned = []
+    monkeypatch.setattr(
+        rocm_cp_indexer.logger, "warning_once", lambda msg, *a: warned.append(msg % a)
+    )
+    off = {"VLLM_ROCM_USE_AITER_CP_INDEXER": False}
+    rocm_cp_indexer._publish_and_compare(off, compare=False)
+    assert warned == ["CP indexer: could not publish its flag: store down"]
+    with pytest.raises(RuntimeError, match="store down"):
+        rocm_cp_indexer._publish_and_compare(
+            {"VLLM_ROCM_USE_AITER_CP_INDEXER": True}, compare=True
+        )
+
+
+def test_a_tp_group_without_pynccl_keeps_the_split_off(cp_on):
+    """The merge runs on the TP group's PyNccl: without a working one (a
+    library that did not load, not only VLLM_DISABLE_PYNCCL) the split
+    stays off, and the decision goes through the ranks' check."""
+    asked = []
+    cp_on.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
+    cp_on.setattr(
+        rocm_cp_indexer,
+        "_publish_and_compare",
+        lambda settings, compare: asked.append(settings),
+    )
+    for pynccl in (None, SimpleNamespace(disabled=True)):
+        group = SimpleNamespace(device_communicator=SimpleNamespace(pynccl_comm=pynccl))
+        cp_on.setattr(rocm_cp_indexer, "get_tp_group", lambda g=group: g)
+        assert _at_startup(2) is None
+        assert "PyNccl" in asked[-1]["the CP indexer's decision"]
+    group = SimpleNamespace(
+        device_communicator=SimpleNamespace(pynccl_comm=SimpleNamespace(disabled=False))
+    )
+    cp_on.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    assert _at_startup(2) is not None
 
 
 def test_a_plan_setting_that_differs_is_an_error_on_every_rank(monkeypatch):

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,6 +97,9 @@ def _off_reason(
 
 # Keys of the startup records in the TP group's store.
 _STARTUP_KEY = "rocm_cp_indexer_startup"
+# How long a rank with the flag on waits for the others' records: they come
+# from the same point of every rank's start, after the same collectives.
+_STARTUP_WAIT = timedelta(minutes=5)
 
 
 def _publish_and_compare(settings: dict[str, object], compare: bool) -> None:
@@ -108,19 +112,37 @@ def _publish_and_compare(settings: dict[str, object], compare: bool) -> None:
     others waiting for it, and one it joined would tax every deployment. The
     ranks with the flag on then see its record and fail at startup."""
     group = get_tp_group()
-    store = group.cpu_group.get_group_store()
     rank = group.rank_in_group
-    # Every rank creates its builders in the same order: the n-th call on
-    # one rank meets the n-th on the others.
-    call = store.add(f"{_STARTUP_KEY}/calls/{rank}", 1)
-    shown = {name: repr(value) for name, value in settings.items()}
-    store.set(f"{_STARTUP_KEY}/{call}/{rank}", json.dumps(shown))
+    try:
+        store = group.cpu_group.get_group_store()
+        # Every rank creates as many builders, with the same settings: the
+        # n-th call on one rank meets the n-th on the others.
+        call = store.add(f"{_STARTUP_KEY}/calls/{rank}", 1)
+        shown = {name: repr(value) for name, value in settings.items()}
+        store.set(f"{_STARTUP_KEY}/{call}/{rank}", json.dumps(shown))
+    except Exception as error:
+        if compare:
+            raise
+        # With the flag off the record only lets other ranks see it; a store
+        # that fails here must not stop a deployment that never asked for
+        # the split.
+        logger.warning_once("CP indexer: could not publish its flag: %s", error)
+        return
     if not compare:
         return
-    gathered = [
-        json.loads(store.get(f"{_STARTUP_KEY}/{call}/{r}"))
-        for r in range(group.world_size)
-    ]
+    keys = [f"{_STARTUP_KEY}/{call}/{r}" for r in range(group.world_size)]
+    missing = []
+    for r, key in enumerate(keys):
+        try:
+            store.wait([key], _STARTUP_WAIT)
+        except Exception:
+            missing.append(r)
+    if missing:
+        raise RuntimeError(
+            f"TP ranks {missing} published no CP indexer settings within "
+            f"{_STARTUP_WAIT}; every rank must reach the indexer's startup"
+        )
+    gathered = [json.loads(store.get(key)) for key in keys]
     for name in settings:
         values = [ranks_settings.get(name) for ranks_settings in gathered]
         if len(set(values)) > 1:
@@ -129,6 +151,15 @@ def _publish_and_compare(settings: dict[str, object], compare: bool) -> None:
                 f"{name} differs across the TP ranks ({per_rank}); the CP "
                 "indexer needs the same on every rank"
             )
+
+
+def _pynccl_missing() -> bool:
+    """Whether this rank's TP group lacks a working PyNccl, which the merge
+    runs on (a library that failed to load, as well as
+    VLLM_DISABLE_PYNCCL)."""
+    communicator = get_tp_group().device_communicator
+    pynccl = getattr(communicator, "pynccl_comm", None)
+    return pynccl is None or pynccl.disabled
 
 
 def _logits_fill_their_chunk() -> bool:
@@ -181,6 +212,8 @@ def cp_indexer_at_startup(
                 STRIPE_SIZE_ENV,
             )
         reason = _off_reason(vllm_config, dcp_world_size, use_pcp, fp4_cache)
+        if reason is None and model_parallel_is_initialized() and _pynccl_missing():
+            reason = "the merge runs on PyNccl, which this TP group lacks"
         fill = _logits_fill_their_chunk()
         settings["the CP indexer's decision"] = reason or "split"
         if reason is None:
@@ -384,11 +417,13 @@ def _weigh_calls(
     made again from the calls a few times; the plan whose costliest rank
     costs least is kept (the first one among them)."""
     tp_size = len(bounds) - 1
-    total = int(before[-1])
+    cost_before = before.tolist()  # host ints: a tensor index per rank is slow
+    total = cost_before[-1]
 
     def rank_costs(bounds: list[int]) -> list[int]:
         return [
-            int(before[end] - before[start])
+            cost_before[end]
+            - cost_before[start]
             + call_cost_keys * _calls_of(start, end, runs)
             for start, end in zip(bounds, bounds[1:])
         ]
@@ -567,6 +602,10 @@ class CPIndexerPrefill:
         rows = topk_indices_buffer[first:last]
         own = rows[self.start - first : self.end - first]
         pynccl = getattr(get_tp_group().device_communicator, "pynccl_comm", None)
-        # The split is off without PyNccl (unsafe_config_reason).
-        assert pynccl is not None and not pynccl.disabled
+        # Checked at startup (the split is off without PyNccl); PyNccl sends
+        # raw memory, so the rows must be contiguous.
+        if pynccl is None or pynccl.disabled or not rows.is_contiguous():
+            raise RuntimeError(
+                "the CP indexer's merge needs PyNccl and a contiguous top-k buffer"
+            )
         pynccl.all_gatherv(rows, own, self.split.sizes)
