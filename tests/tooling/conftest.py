@@ -6,6 +6,7 @@ here that downloads: its wheel, once, into build/cache/)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
@@ -297,6 +298,7 @@ def wheel_site() -> Path:
     return site
 
 
+@functools.cache
 def package_files(site: Path) -> list[str]:
     """The files the stages change in the installed package, as git lists
     them between the base and the last stage of the real series."""
