@@ -1,15 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which pytest runs test a stage's tree, and running them.
+"""Which pytest runs test a stage's tree, and running them side by side.
 
-A stage's tree holds the base plus stages 1..N. It runs the base tests, the
-stage's own tests, the regression selection of vLLM's own tests and the
-tests the stage adds to vLLM's tests/ (its PR's, with plain pytest); the top
-stage's tree (the one users serve) runs every stage's tests, so a later stage
-that breaks an earlier one is caught there. The runs are independent
-processes and run side by side (one per CPU by default), the longest first
-by their last result. Results come back as JUnit XML, one file per run, and
-are summed into one table (``results``).
-"""
+A tree runs the base tests, its stage's tests, the regression selection of
+vLLM's tests and its PR tests; the top tree runs every stage's tests, so a
+later stage that breaks an earlier one is caught there."""
 
 from __future__ import annotations
 
