@@ -165,25 +165,6 @@ def pr_tests_run(row: str, tree: Path, paths: Sequence[str], junit: Path) -> Pyt
     )
 
 
-def run_pr_tests(
-    python: str, tree: Path, paths: Sequence[str], junit: Path, log: Path
-) -> Tally:
-    """Run ``pr_tests_run`` now, its output to ``log``, with ``python``; its
-    results."""
-    junit.unlink(missing_ok=True)
-    run = pr_tests_run("check", tree, paths, junit)
-    with log.open("w") as out:
-        subprocess.run(
-            [python, "-m", "pytest", *run.args],
-            env={**os.environ, **run.env},
-            cwd=tree,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-    return read_junit(junit)
-
-
 def tooling_runs(series: Series) -> list[PytestRun]:
     """The tool's tests, in one run (they import no vLLM)."""
     out = results_dir(series) / "tooling"
