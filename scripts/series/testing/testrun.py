@@ -248,11 +248,10 @@ def run_tests(
     *,
     tooling: bool,
     python: str = sys.executable,
-    jobs: int = 0,
     extra: Sequence[str] = (),
 ) -> TestResults:
-    """Run the tooling tests (if asked) and each stage's runs, ``jobs`` at a
-    time (0: one per CPU), the longest first by their last time."""
+    """Run the tooling tests (if asked) and each stage's runs, one per CPU,
+    the longest first by their last time."""
     base_tree = stage_tree(series, "base")
     runs = tooling_runs(series) if tooling else []
     for stage_id in stage_ids:
@@ -260,7 +259,7 @@ def run_tests(
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         tallies = list(
             pool.map(lambda run: _run_one(run, python, extra, series.root), order)
         )
