@@ -303,9 +303,9 @@ def accept(series: Series, label: str | None = None) -> None:
     # them), and the rebase's report stays as the record of what it found.
     readme = series.root / "README.md"
     if readme.is_file():
-        text = with_stage_table(readme.read_text(encoding="utf-8"), new)
-        if text is not None:
-            files[readme] = text.encode()
+        updated = with_stage_table(readme.read_text(encoding="utf-8"), new)
+        if updated is not None:
+            files[readme] = updated.encode()
     if (review / "REBASE.md").is_file():
         kept_report = series.root / "docs" / f"rebased_onto_{new.base.label}.md"
         files[kept_report] = (review / "REBASE.md").read_bytes()
