@@ -75,16 +75,6 @@ def _stage_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("stage", help="'base' or a stage id")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 # -- the stage commits --------------------------------------------------------
 
 
@@ -306,12 +296,6 @@ def _env(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
 def _test_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("stages", nargs="*", help="'base' and/or stage ids")
     parser.add_argument("--tooling", action="store_true", help="also test the tool")
-    parser.add_argument(
-        "--jobs",
-        type=_positive_int,
-        default=0,
-        help="pytest runs at once (default: one per CPU)",
-    )
 
 
 def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
@@ -322,9 +306,7 @@ def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
             "installs tests/requirements-cpu.txt"
         )
     stage_ids = args.stages or ["base", *(s.id for s in series.stages)]
-    results = run_tests(
-        series, stage_ids, tooling=args.tooling, jobs=args.jobs, extra=extra
-    )
+    results = run_tests(series, stage_ids, tooling=args.tooling, extra=extra)
     rows = results.rows
     compiled = [(stage_id, compile_summary(series, stage_id)) for stage_id in stage_ids]
     summary = format_summary(rows, compiled)

@@ -1,10 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The test contract: the environment a test process of one stage's tree gets.
-
-The tool sets it for every pytest run (``test``, the rebase probe) and prints
-it for anything else that runs the tests (``python -m scripts.series env
-STAGE``: GPU runs, a shell); the tests read it through scripts/harness/tree.py.
-"""
+"""The environment a test process of one stage's tree gets (set by ``test``
+and the rebase probe, printed by ``env``; read by scripts/harness/tree.py)."""
 
 from __future__ import annotations
 

@@ -32,9 +32,6 @@ INSTALL_RECORD = "record.json"  # what is installed, with the original hashes
 INSTALL_ORIGINALS = "originals"  # the package files it replaced
 INSTALL_STAGING = "staging.json"  # while an install stages: the files it stages
 INSTALL_JOURNAL = "journal.json"  # while an install runs: its steps
-# Where earlier versions of the tool staged the new contents (a journal one
-# of them left is still finished from there).
-INSTALL_STAGED = "staged"
 
 
 def install_staged(target: Path) -> Path:

@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One writer at a time per project checkout.
-
-Every command that writes (the work repo, test trees, patches/, the rebase)
-holds an exclusive lock on build/series.lock while it runs; a second one
-waits for it with a message. The kernel drops the lock when its holder exits
-or is killed, so a crash never leaves it behind.
-"""
+"""One writer at a time per checkout: an exclusive lock on
+build/series.lock, which the kernel drops when its holder exits or dies."""
 
 from __future__ import annotations
 

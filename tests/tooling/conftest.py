@@ -5,7 +5,10 @@ here that downloads: its wheel, once, into build/cache/)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import io
 import os
 import shutil
 import subprocess
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.series import cli
 from scripts.series.config import REPO_ROOT, SERIES_FILE, Series, load_series
 from scripts.series.git import git_env
 from scripts.series.install.install import stage_files
@@ -50,6 +54,28 @@ def write_files(root: Path, files: dict[str, str]) -> None:
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+
+
+def run_cli(
+    argv: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m scripts.series ARGV`` run in this process (the same
+    ``main``, with its output captured): a new interpreter per call costs
+    more than most of the commands the tests run. Tests of what only a
+    process shows (a missing git, an old Python, the lock) start one."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(argv))
+            except SystemExit as exc:  # argparse: usage errors and --help
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 class Project:
@@ -272,6 +298,7 @@ def wheel_site() -> Path:
     return site
 
 
+@functools.cache
 def package_files(site: Path) -> list[str]:
     """The files the stages change in the installed package, as git lists
     them between the base and the last stage of the real series."""

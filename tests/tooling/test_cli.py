@@ -9,26 +9,13 @@ import sys
 import textwrap
 
 from scripts.series.config import REPO_ROOT
-from tests.tooling.conftest import Project, sh, write_files
+from tests.tooling.conftest import Project, run_cli, sh, write_files
 
 
 def _cli(
     project: Project, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.series",
-            "--series",
-            str(project.series_file),
-            *args,
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env=None if env is None else {**os.environ, **env},
-    )
+    return run_cli(["--series", str(project.series_file), *args], env)
 
 
 def test_apply_status_tree_and_check(two_stages: Project):
@@ -89,7 +76,6 @@ def _one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None
 def test_a_users_mistakes_are_one_line_errors(two_stages: Project, tmp_path):
     """No traceback for: git missing, build/ not a folder, `export base`, an
     old Python."""
-    import os
     import shutil
 
     no_git = {**os.environ, "PATH": str(tmp_path)}
@@ -239,7 +225,7 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
             ),
         },
     )
-    result = _cli(two_stages, "test", "--jobs", "2")
+    result = _cli(two_stages, "test")
     assert result.returncode == 1
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == [
@@ -256,11 +242,7 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
     assert _cli(two_stages, "test", "0009").returncode == 1
 
 
-def test_test_without_pytest_or_with_no_jobs_says_so(
-    two_stages: Project, monkeypatch, capsys
-):
-    jobs = _cli(two_stages, "test", "--jobs", "0")
-    assert jobs.returncode == 2 and "expected a positive integer" in jobs.stderr
+def test_test_without_pytest_says_so(two_stages: Project, monkeypatch, capsys):
     from scripts.series import cli, commands
 
     real_find_spec = commands.importlib.util.find_spec
@@ -458,7 +440,6 @@ def test_copy_tree_updates_a_copy_it_made(two_stages: Project, tmp_path):
     """Into its own copy it writes only what differs between the stages: a
     build's outputs stay, unchanged files keep their times; an edit the
     update would overwrite stops it, with nothing written."""
-    import os
 
     assert _cli(two_stages, "apply").returncode == 0
     dest = tmp_path / "vllm-dsa"
@@ -496,7 +477,6 @@ def test_copy_tree_updates_a_copy_it_made(two_stages: Project, tmp_path):
 def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path):
     """No identity, no export (the DCO needs a real one); --signoff or the
     user's git identity signs each PR commit off."""
-    import os
 
     assert _cli(two_stages, "apply").returncode == 0
     anonymous = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "HOME": str(tmp_path)}

@@ -15,6 +15,7 @@ import importlib.util
 import io
 import re
 import shlex
+import subprocess
 import sys
 import tomllib
 import types
@@ -26,6 +27,7 @@ import pytest
 from scripts.series import cli
 from scripts.series.config import REPO_ROOT, SERIES_FILE, load_series
 from scripts.validate.__main__ import parser as validate_parser
+from tests.tooling.conftest import run_cli
 
 README = REPO_ROOT / "README.md"
 # The guides a reader follows (reports of past runs keep the commands they ran).
@@ -166,7 +168,18 @@ def _load_noxfile() -> tuple[types.ModuleType, dict[str, list[_NoxSession]]]:
             del sys.modules["nox"]
         else:
             sys.modules["nox"] = saved
+    # The sessions check their arguments with `python -m scripts.series
+    # --check-args`: run that command in this process, the rest as they are.
+    module.subprocess = types.SimpleNamespace(  # type: ignore[attr-defined]
+        run=_run_series_in_process
+    )
     return module, sessions
+
+
+def _run_series_in_process(command: list[str], **kwargs: object):
+    if command[:3] == [sys.executable, "-m", "scripts.series"]:
+        return run_cli(command[3:])
+    return subprocess.run(command, **kwargs)  # type: ignore[call-overload]
 
 
 NOXFILE, SESSIONS = _load_noxfile()

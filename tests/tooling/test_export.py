@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from scripts.series import SeriesError
-from scripts.series.config import load_series
+from scripts.series.config import REPO_ROOT, load_series
+from scripts.series.export import pr_check
 from scripts.series.export.export import export_stages
 from scripts.series.export.pr_check import check_prs, review_path
 from scripts.series.git import Identity, changed_files, git_out
@@ -376,7 +377,19 @@ sys.exit(1 if found else 0)
 """
 
 
-def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(project):
+# The hooks' virtualenv for PRECOMMIT_CONFIG, kept between runs like the
+# wheel (a virtualenv costs seconds; the first run, or a changed config,
+# makes it anew).
+HOOKS_CACHE = REPO_ROOT / "build" / "cache" / "precommit-tooling-tests"
+
+
+def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(
+    project, monkeypatch
+):
+    real_precommit = pr_check._precommit
+    monkeypatch.setattr(
+        pr_check, "_precommit", lambda _, *args: real_precommit(HOOKS_CACHE, *args)
+    )
     write_files(
         project.upstream,
         {

@@ -33,6 +33,7 @@ STAGES = ["base", *(s.id for s in SERIES.stages)]
 PINNED = SERIES.base.version
 
 
+@functools.cache
 def _wheel_hashes(site: Path) -> dict[str, str]:
     """{path: sha256 hex} from the wheel's RECORD (pip wrote it as installed)."""
     (record,) = site.glob("vllm-*.dist-info/RECORD")
@@ -49,22 +50,38 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _inodes(folder: Path) -> dict[str, int]:
+    """{path under folder's parent: inode} of every file below ``folder``
+    (readdir's inode numbers: no stat per file, in a tree of 6,000)."""
+    out, todo = {}, [folder]
+    while todo:
+        with os.scandir(todo.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(Path(entry.path))
+                else:
+                    rel = Path(entry.path).relative_to(folder.parent).as_posix()
+                    out[rel] = entry.inode()
+    return out
+
+
+_cached_inodes = functools.cache(_inodes)
+
+
 def _not_as_shipped(site: Path, wheel_site: Path) -> dict[str, str | None]:
     """{path: sha256 or None when missing} of the files under site/vllm/ that
     are not the wheel's. A file still hard-linked to the cache is untouched."""
     wheel = _wheel_hashes(wheel_site)
+    cached = _cached_inodes(wheel_site / "vllm")
+    present = _inodes(site / "vllm")
     out: dict[str, str | None] = {}
-    for path in (site / "vllm").rglob("*"):
-        if path.is_dir():
+    for rel, inode in present.items():
+        if cached.get(rel) == inode:
             continue
-        rel = path.relative_to(site).as_posix()
-        cached = wheel_site / rel
-        if cached.exists() and os.stat(cached).st_ino == os.stat(path).st_ino:
-            continue
-        if wheel.get(rel) != (digest := _sha(path)):
+        if wheel.get(rel) != (digest := _sha(site / rel)):
             out[rel] = digest
     for rel in wheel:
-        if rel.startswith("vllm/") and not (site / rel).exists():
+        if rel.startswith("vllm/") and rel not in present:
             out[rel] = None
     return out
 

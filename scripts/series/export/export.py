@@ -1,15 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Export each stage as its own upstream vLLM pull request.
-
-A stage's PR is one commit: its glue and its overlay modules folded
-together, on the pinned base (or, when it does not apply there, on the PR of
-the stage it needs first), with the stage's plain-text message signed off by
-the person exporting; its description is the base tree's PR template, filled. It is
-written as a branch ``pr/<id>`` in the work repo and as a patch plus a
-description under ``build/export/<base>/``. Everything is made with git plumbing
-and a temporary index, so the work tree is not touched, and with fixed
-identities and dates, so two exports are byte-identical.
-"""
+"""Export each stage as one upstream vLLM PR commit (branch ``pr/<id>``,
+a patch and a description under ``build/export/<base>/``), made with git
+plumbing and a scratch index, so the tree is untouched and two exports are
+byte-identical."""
 
 from __future__ import annotations
 

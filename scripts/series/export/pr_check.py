@@ -1,14 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Check exported PRs as a vLLM maintainer would take them (``export
---test-python``): each patch applied with plain ``git am`` onto a checkout of
-the base, after the patches of the PRs it needs; its title and sign-off as
-exported, and its message unchanged by an editor; the target's own
-pre-commit on its files (``vllm_precommit``); its Buildkite wiring and
-import layering (``maintainer_checks``); the tests it adds to vLLM's tests/
-passing there with plain pytest on a CPU and as AMD CI's machines run them
-(``pr_views``: MI300 and MI355 emulated, AITER on and off), each view an
-item. Each PR's items are written beside its patch (``<patch>.review.md``).
-"""
+"""Check exported PRs as a vLLM maintainer takes them (``export
+--test-python``): ``git am`` on the base, title and sign-off, the target's
+pre-commit, its Buildkite wiring and layering, and the PR's tests in each
+view (``pr_views``); the items go to ``<patch>.review.md``."""
 
 from __future__ import annotations
 

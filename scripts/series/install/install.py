@@ -1,23 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``install``: the stages' changes written into an installed vLLM package
-(a site-packages, or a source checkout installed in develop mode), so that a
-host running vLLM's published image serves the series without rebuilding
-vLLM: every change the stages make to the package is Python, so the
-installed package's compiled extensions are the ones the series needs.
-
-Before it writes anything it checks that the install is the pinned vLLM and
-that each file it will change is byte-identical to the pinned base's (added
-files must be absent). What it changed it records next to the package, in
-``SITE/.dsa-series-install/`` (``record.json`` with the original and the
-installed hashes, ``originals/`` with the files it replaced), so ``--undo``
-restores the install exactly; a saved original (or a record) that is not
-what was recorded stops it before it writes anything. All or nothing: every
-folder it writes in is checked to be writable first, the new contents are
-staged beside their targets (so each swap is a rename within one folder)
-and a journal written before the first file of the package is touched; the
-next run finishes an interrupted one. Files of the tree outside the package
-(``tests/``, ``.buildkite/``) are not written.
-"""
+(no rebuild: every change is Python), all or nothing, with a record beside
+it for ``--undo``; docs/guarantees.md says what it checks first."""
 
 from __future__ import annotations
 
@@ -47,7 +31,6 @@ from scripts.series.layout import (
     INSTALL_ORIGINALS,
     INSTALL_RECORD,
     INSTALL_RECORD_DIR,
-    INSTALL_STAGED,
     INSTALL_STAGING,
     install_staged,
     workdir,
@@ -402,7 +385,6 @@ def _discard_staging(site: Path) -> None:
         shutil.rmtree(root)
         return
     _prune_originals(root, record["files"])
-    shutil.rmtree(root / INSTALL_STAGED, ignore_errors=True)
     for partial in root.glob(".*.partial"):
         partial.unlink()
     (root / INSTALL_STAGING).unlink(missing_ok=True)
@@ -412,20 +394,12 @@ def _finish_interrupted(site: Path) -> str:
     root = site / INSTALL_RECORD_DIR
     if not (root / INSTALL_JOURNAL).exists():
         if root.exists() and (
-            not (root / INSTALL_RECORD).exists()
-            or (root / INSTALL_STAGING).exists()
-            or (root / INSTALL_STAGED).exists()
+            not (root / INSTALL_RECORD).exists() or (root / INSTALL_STAGING).exists()
         ):
             _discard_staging(site)
         return ""
     changed = _roll_forward(site)
     return f"finished an interrupted install ({len(changed)} files); "
-
-
-def _staged_content(site: Path, path: str) -> Path:
-    staged = install_staged(site / path)
-    legacy = site / INSTALL_RECORD_DIR / INSTALL_STAGED / path
-    return legacy if not staged.exists() and legacy.exists() else staged
 
 
 def _roll_forward(site: Path) -> tuple[str, ...]:
@@ -450,7 +424,7 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
             )
         source = None
         if entry["after"] is not None:
-            source = _staged_content(site, entry["path"])
+            source = install_staged(target)
             try:
                 intact = _file_sha(source) == entry["after"]
             except (OSError, SeriesError):
@@ -492,7 +466,6 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
         return tuple(e["path"] for e in entries)
     _write(root / INSTALL_RECORD, json.dumps(record, indent=1).encode(), 0o644)
     _prune_originals(root, record["files"])
-    shutil.rmtree(root / INSTALL_STAGED, ignore_errors=True)
     (root / INSTALL_STAGING).unlink(missing_ok=True)
     (root / INSTALL_JOURNAL).unlink()
     return tuple(e["path"] for e in entries)

@@ -1,35 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rebase the series onto a newer vLLM: a release's sdist or a local git
-checkout at a revision.
+"""Rebase the series onto a newer vLLM (a release's sdist or a git checkout).
 
-The stages go onto the target one by one, in a work repo of their own
-(build/rebase/<target>/vllm) that also holds the current series' commits, so
-each stage merges three ways with the pinned base (or the stage before it)
-as the merge base. Per stage, and per file and hunk, the report says:
-
-- applied cleanly: the hunk applies on the target as it is;
-- merged: the three-way merge placed it;
-- conflicted: left with conflict markers for the user (then ``--continue``);
-- already upstream: the target has the change (the hunk reverse-applies);
-- dropped: the merge went through but the hunk's added lines are not in the
-  result; reported, never silent.
-
-Conflict resolutions are recorded (git rerere) and kept with the review, so
-rebasing onto the same target again replays them.
-
-A stage is upstreamed, and left out of the rebased series, when its changes
-are all present on the target, or when its upstream probe (its behaviour
-tests) passes on the target without it; the report keeps the evidence.
-
-When every stage is through, the rebased series is written for review to
-patches/next/<target>/ (its own series.toml, patches, the overlays the
-rebase changed, and the report in REBASE.md; the other overlays are the
-project's) and the rebase is over; ``nox -s rebased`` tests it on
-its target. The committed series and pin change only on ``--accept``, and
-only if they are still what the rebase started from. ``--abort``, while a
-rebase is in progress, removes its work area and leaves everything else as
-it was.
-"""
+Each stage merges three ways in build/rebase/<target>/vllm, which also
+holds the current series' commits; the report says per hunk whether it
+applied, merged, conflicted, was already upstream or was dropped (never
+silently). Resolutions are recorded with git rerere and replay. A stage
+whose changes, or whose upstream probe, the target already has is left
+out. The result is written for review to patches/next/<target>/; only
+``--accept`` changes the committed series (docs/maintaining.md)."""
 
 from __future__ import annotations
 

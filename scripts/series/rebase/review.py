@@ -31,9 +31,7 @@ from scripts.series.rebase.state import (
     work_repo,
 )
 from scripts.series.stages.check import hunk_budget
-from scripts.series.stages.overview import BEGIN as README_TABLE_BEGIN
-from scripts.series.stages.overview import END as README_TABLE_END
-from scripts.series.stages.overview import stage_table
+from scripts.series.stages.overview import with_stage_table
 from scripts.series.stages.patchfile import read_patch
 from scripts.series.stages.refresh import format_stage_patch, overlay_bytes
 
@@ -305,12 +303,9 @@ def accept(series: Series, label: str | None = None) -> None:
     # them), and the rebase's report stays as the record of what it found.
     readme = series.root / "README.md"
     if readme.is_file():
-        text = readme.read_text(encoding="utf-8")
-        if README_TABLE_BEGIN in text and README_TABLE_END in text:
-            head, rest = text.split(README_TABLE_BEGIN, 1)
-            tail = rest.split(README_TABLE_END, 1)[1]
-            table = f"{README_TABLE_BEGIN}\n{stage_table(new)}\n{README_TABLE_END}"
-            files[readme] = (head + table + tail).encode()
+        updated = with_stage_table(readme.read_text(encoding="utf-8"), new)
+        if updated is not None:
+            files[readme] = updated.encode()
     if (review / "REBASE.md").is_file():
         kept_report = series.root / "docs" / f"rebased_onto_{new.base.label}.md"
         files[kept_report] = (review / "REBASE.md").read_bytes()
@@ -325,14 +320,13 @@ def accept(series: Series, label: str | None = None) -> None:
         and _release(load_review(other)) is not None
         and _release(load_review(other)) <= _release(new)  # type: ignore[operator]
     ]
-    writes = {path: data for path, data in files.items()}
     deletes = [path for path in old_files if path not in files]
-    _refuse_unless_git_holds(series.root, [*writes, *deletes, *passed])
+    _refuse_unless_git_holds(series.root, [*files, *deletes, *passed])
     # Git holds every file replaced here, so a run killed part-way is put
     # back with git (the refusal above names the files) and run again.
     for path in deletes:
         path.unlink(missing_ok=True)
-    for path, data in writes.items():
+    for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".dsa-partial")
         partial.write_bytes(data)

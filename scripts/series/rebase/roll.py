@@ -1,10 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``roll``: follow vLLM's releases. Ask the package index for the newest
-release; when it is newer than the pin, rebase the series onto it (the
-recorded conflict resolutions replay) and say in one report what needs a
-person: conflicts or failed checks, stages found upstream, tests the release
-deleted. Made to run on a schedule: an up-to-date pin, or a review already
-written for the newest release, is a no-op."""
+"""``roll``: rebase onto vLLM's newest release when it is newer than the
+pin, and say what needs a person; a no-op when there is nothing new."""
 
 from __future__ import annotations
 

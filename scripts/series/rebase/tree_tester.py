@@ -15,9 +15,9 @@ from pathlib import Path
 from scripts.series import SeriesError
 from scripts.series.config import REPO_ROOT, Series, Stage
 from scripts.series.contract import tree_env
+from scripts.series.export.pr_views import CPU, run_view
 from scripts.series.git import git
 from scripts.series.testing.results import Tally, read_junit
-from scripts.series.testing.testrun import run_pr_tests
 
 
 def check_log(repo: Path, kind: str) -> Path:
@@ -91,13 +91,8 @@ class TreeTester:
         """``paths`` (tests the stages add to vLLM's tests/) on the tree,
         with plain pytest from its root."""
         with self._checkout(repo) as tree:
-            return run_pr_tests(
-                self.python,
-                tree,
-                paths,
-                repo.parent / "check-pr.xml",
-                check_log(repo, "pr-tests"),
-            )
+            junit, log = repo.parent / "check-pr.xml", check_log(repo, "pr-tests")
+            return run_view(CPU, self.python, tree, paths, junit, log)
 
     def imports(
         self, series: Series, repo: Path, stages: list[str], modules: Sequence[str]

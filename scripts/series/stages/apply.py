@@ -1,15 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Apply the stages onto the base: one commit per stage, zero fuzz.
 
-Each stage's patch is applied exactly (``git apply``, no three-way merge, no
-fuzz), its overlay modules are added, and one commit is made with the
-patch's author, date, subject and body, so the commit id is the same on every
-machine. The commits are made in git's object store (a scratch index, not
-the tree), each recorded as it is made; the tree is checked out once, at
-the end or at the last good stage when one fails. A killed apply thus
-leaves the tree at a stage it had, and the next one goes on from the stages
-recorded. Uncommitted edits are never overwritten.
-"""
+The commits are made in git's object store and recorded one by one; the
+tree is checked out once (docs/guarantees.md: crash-safe, nothing lost)."""
 
 from __future__ import annotations
 

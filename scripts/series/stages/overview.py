@@ -76,9 +76,16 @@ def wide_stage_table(series: Series) -> str:
     return "\n".join(rows)
 
 
+def with_stage_table(text: str, series: Series) -> str | None:
+    """A README's ``text`` with the table between its markers made anew
+    (None: it has no markers)."""
+    if BEGIN not in text or END not in text:
+        return None
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    return f"{head}{BEGIN}\n{stage_table(series)}\n{END}{tail}"
+
+
 def readme_table_is_current(series: Series, readme: Path) -> bool:
     text = readme.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        return False
-    current = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    return current == stage_table(series)
+    return with_stage_table(text, series) == text

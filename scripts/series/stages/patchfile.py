@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
 from collections import Counter
@@ -53,6 +54,8 @@ def read_patch(path: Path) -> PatchInfo:
     return parse_patch(path.read_bytes(), path.name)
 
 
+# A command reads the same patch several times; git mailinfo is a process.
+@functools.lru_cache(maxsize=64)
 def parse_patch(data: bytes, name: str = "the patch") -> PatchInfo:
     """``read_patch`` of a patch's bytes (``name``: for the errors)."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Write patches/*.patch and vllm_overlay/ from the stage commits (``refresh``).
-
-A patch file holds a stage's glue: its changes to vLLM's files, without the
-overlay modules (those are copied to vllm_overlay/). ``git format-patch`` runs
-with fixed flags and a fixed git configuration, so two exports of the same
-commit are byte-identical.
-"""
+"""``refresh``: patches/*.patch (the glue, by ``git format-patch`` with fixed
+flags) and vllm_overlay/ written from the stage commits."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which stage commits the work repo holds, and whether they are current.
-
-The record lives in the repo's .git folder (never in the tree): for each
-stage, its commit and a fingerprint of its inputs (patch bytes, overlay files,
-parent commit). A stage is current when its tag, its parent and its inputs
-all still match; the current stages form a prefix of the series.
-"""
+"""Which stage commits the work repo holds, and whether they are current:
+a record in .git/ of each stage's commit and a fingerprint of its inputs."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which pytest runs test a stage's tree, and running them.
+"""Which pytest runs test a stage's tree, and running them side by side.
 
-A stage's tree holds the base plus stages 1..N. It runs the base tests, the
-stage's own tests, the regression selection of vLLM's own tests and the
-tests the stage adds to vLLM's tests/ (its PR's, with plain pytest); the top
-stage's tree (the one users serve) runs every stage's tests, so a later stage
-that breaks an earlier one is caught there. The runs are independent
-processes and run side by side (one per CPU by default), the longest first
-by their last result. Results come back as JUnit XML, one file per run, and
-are summed into one table (``results``).
-"""
+A tree runs the base tests, its stage's tests, the regression selection of
+vLLM's tests and its PR tests; the top tree runs every stage's tests, so a
+later stage that breaks an earlier one is caught there."""
 
 from __future__ import annotations
 
@@ -171,25 +165,6 @@ def pr_tests_run(row: str, tree: Path, paths: Sequence[str], junit: Path) -> Pyt
     )
 
 
-def run_pr_tests(
-    python: str, tree: Path, paths: Sequence[str], junit: Path, log: Path
-) -> Tally:
-    """Run ``pr_tests_run`` now, its output to ``log``, with ``python``; its
-    results."""
-    junit.unlink(missing_ok=True)
-    run = pr_tests_run("check", tree, paths, junit)
-    with log.open("w") as out:
-        subprocess.run(
-            [python, "-m", "pytest", *run.args],
-            env={**os.environ, **run.env},
-            cwd=tree,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
-    return read_junit(junit)
-
-
 def tooling_runs(series: Series) -> list[PytestRun]:
     """The tool's tests, in one run (they import no vLLM)."""
     out = results_dir(series) / "tooling"
@@ -273,11 +248,10 @@ def run_tests(
     *,
     tooling: bool,
     python: str = sys.executable,
-    jobs: int = 0,
     extra: Sequence[str] = (),
 ) -> TestResults:
-    """Run the tooling tests (if asked) and each stage's runs, ``jobs`` at a
-    time (0: one per CPU), the longest first by their last time."""
+    """Run the tooling tests (if asked) and each stage's runs, one per CPU,
+    the longest first by their last time."""
     base_tree = stage_tree(series, "base")
     runs = tooling_runs(series) if tooling else []
     for stage_id in stage_ids:
@@ -285,7 +259,7 @@ def run_tests(
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         tallies = list(
             pool.map(lambda run: _run_one(run, python, extra, series.root), order)
         )
