@@ -396,12 +396,20 @@ def _run(world_size: int, device_kind: str, folder) -> None:
         import vllm.v1.attention.ops.rocm_aiter_mla_sparse  # noqa: F401
 
         _model_config(str(folder))
-    torch.multiprocessing.start_processes(
-        _worker,
-        args=(world_size, get_open_port(), device_kind, str(folder)),
-        nprocs=world_size,
-        start_method="fork" if device_kind == "cpu" else "spawn",
-    )
+    for attempt in range(3):
+        try:
+            torch.multiprocessing.start_processes(
+                _worker,
+                args=(world_size, get_open_port(), device_kind, str(folder)),
+                nprocs=world_size,
+                start_method="fork" if device_kind == "cpu" else "spawn",
+            )
+            return
+        except torch.multiprocessing.ProcessRaisedException as error:
+            # Another process may bind the port between get_open_port and
+            # rank 0's store: try another one.
+            if "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
 
 
 @pytest.mark.cpu_test
