@@ -414,15 +414,14 @@ def modelled_balance(
     among the request's new rows, plus the row cost; each call the rank
     makes, as few per run of chunks as its largest chunk allows, the call
     cost)."""
+    from vllm.v1.attention.ops.rocm_cp_indexer import _calls_of
+
     row_cost, call_cost = costs
     rows = [c + t + 1 + row_cost for c, q in step for t in range(q)]
-    ranks = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        overlaps = [min(b, last) - max(a, first) for first, last, _ in runs]
-        calls = sum(
-            -(-n // most) for n, (*_, most) in zip(overlaps, runs, strict=True) if n > 0
-        )
-        ranks.append(sum(rows[a:b]) + call_cost * calls)
+    ranks = [
+        sum(rows[a:b]) + call_cost * _calls_of(a, b, runs)
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
     return max(ranks) / statistics.mean(ranks)
 
 
