@@ -208,8 +208,9 @@ def through_the_builder(
     worst = mean = 0.0
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-        # This model has no per-call term to score it with.
+        # This model has no per-call term or wave to score it with.
         mp.setattr(rocm_cp_indexer, "CALL_COST_KEYS", 0)
+        mp.setattr(rocm_cp_indexer, "WAVE_ROWS_PER_CU", 0)
         # gfx942: the logits fill their chunk, as the costs here assume.
         with emulate_rocm("gfx942"):
             config = indexer_batch.make_vllm_config(

@@ -6,6 +6,8 @@ vllm_overlay/ here)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scripts.harness import indexer_batch
@@ -32,9 +34,16 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     builder = indexer_batch.make_builder(config, monkeypatch)
     filled = arch == "gfx942"
     divisor = rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else None
+    # The wave in rows: the builder's GPU's compute units (the harness
+    # stands in MI355X's 256).
+    wave = int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256)
+    assert wave > 0
     assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(
-        4, divisor, rocm_cp_indexer.ROW_COST_KEYS
+        4, divisor, rocm_cp_indexer.ROW_COST_KEYS, wave_rows=wave
     )
+    # So small a step has every call below its wave; the cuts by the rows'
+    # costs are checked here, the wave in the planner's own tests.
+    builder.cp_indexer = dataclasses.replace(builder.cp_indexer, wave_rows=0)
     # Decode row 0; prefill rows 1-290: a fresh 200-token prompt, then 90
     # new tokens over 50 cached ones.
     requests = [(30, 1), (0, 200), (50, 90)]

@@ -10,6 +10,7 @@ tests patch them. The real op over a TP group, split and merged against the
 flag off, is tested in tests/distributed/test_rocm_cp_indexer_merge.py.
 """
 
+import functools
 import threading
 from bisect import bisect_left
 from datetime import timedelta
@@ -74,6 +75,7 @@ def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None):
 
 FILL = rocm_cp_indexer.LOGITS_FILL_DIVISOR
 ROW = rocm_cp_indexer.ROW_COST_KEYS
+SHARE = rocm_cp_indexer.LOGITS_SHARE
 
 
 def _one_chunk(requests, first_row: int = 0) -> list[SimpleNamespace]:
@@ -247,6 +249,173 @@ def test_a_rank_that_pays_a_second_call_takes_less_of_the_rows(tp):
     priced = plan_cp_indexer_split(tp, 0, seq, query, 1, chunks, None, ROW)
     assert max(totals(priced)) < max(totals(unpriced))
     assert max(totals(priced)) - sum(totals(priced)) / tp <= max(costs)
+
+
+def _cached(gen: torch.Generator, most: int) -> int:
+    """A request's cached tokens: none (a fresh prompt) or up to ``most``."""
+    if torch.randint(0, 2, (1,), generator=gen):
+        return int(torch.randint(0, most, (1,), generator=gen))
+    return 0
+
+
+def _scored(monkeypatch, split, chunks, row_costs, wave: int) -> list[int]:
+    """Each rank's cost from the definition, over the calls the op makes
+    (``CPIndexerPrefill.windows``): its rows' costs, CALL_COST_KEYS a call,
+    and where a call's rows cost less than ``wave`` times its costliest row,
+    the logits' share (LOGITS_SHARE) of the difference (one program per row:
+    the logits last at least as long as the costliest row, however few rows
+    the call has)."""
+    ranks = []
+    for rank in range(len(split.bounds) - 1):
+        monkeypatch.setattr(
+            rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
+        )
+        cost, first = 0, split.bounds[0]
+        for window in CPIndexerPrefill(split, False).windows(chunks):
+            rows = row_costs[window.start - first : window.end - first]
+            short = max(0, wave * max(rows) - sum(rows))
+            cost += sum(rows) + int(SHARE * short) + rocm_cp_indexer.CALL_COST_KEYS
+        ranks.append(cost)
+    return ranks
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_a_rank_is_not_left_a_sliver_of_a_long_turn(monkeypatch, tp):
+    """A 512-row turn over 100K cached keys and a fresh 8K prompt, on a GPU
+    that scores 240 rows at once: cut by cost alone, a rank holds a sliver
+    of the turn beside its share of the prompt, and its logits last as long
+    as the turn's other ranks'. Planned with the wave, the costliest rank
+    (scored from the definition over the op's own calls) costs at least a
+    tenth less."""
+    seq, query = torch.tensor([100 * 1024 + 512, 8192]), torch.tensor([512, 8192])
+    chunks = [_chunk_of(0, 512), _chunk_of(512, 8704)]
+    costs = [100 * 1024 + t + 1 + ROW for t in range(512)]
+    costs += [t + 1 + ROW for t in range(8192)]
+
+    def plan(wave: int) -> CPIndexerSplit:
+        split = plan_cp_indexer_split(
+            tp, 0, seq, query, 1, chunks, None, wave_rows=wave
+        )
+        assert split is not None
+        return split
+
+    floored = _scored(monkeypatch, plan(240), chunks, costs, 240)
+    unfloored = _scored(monkeypatch, plan(0), chunks, costs, 240)
+    assert max(floored) < 0.9 * max(unfloored)
+
+
+def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
+    """Over generated steps of several requests, turns and fresh prompts,
+    and waves of 0 to 300 rows: the plan made with the wave is a valid
+    split (contiguous, every row once, at least one row a rank) and its
+    costliest rank, scored with the wave from the definition, costs no more
+    than the plan made without it."""
+    gen = torch.Generator().manual_seed(1)
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    for case in range(200):
+        tp = int(torch.randint(2, 9, (1,), generator=gen))
+        count = int(torch.randint(1, 6, (1,), generator=gen))
+        requests = [
+            (_cached(gen, 10**5), int(torch.randint(1, 300, (1,), generator=gen)))
+            for _ in range(count)
+        ]
+        if sum(new for _, new in requests) < tp:
+            continue
+        seq = torch.tensor([cached + new for cached, new in requests])
+        query = torch.tensor([new for _, new in requests])
+        # As vLLM's builder lays them out: short requests share a chunk, a
+        # long one is sliced into chunks over the same keys.
+        chunks, start = [], 0
+        for new in query.tolist():
+            if chunks and not chunks[-1].skip_kv_gather and case % 3 == 0:
+                chunks[-1] = _chunk_of(chunks[-1].token_start, start + new)
+            elif new > 1 and case % 3 == 1:
+                chunks.append(_chunk_of(start, start + new // 2))
+                chunks.append(_chunk_of(start + new // 2, start + new, skip=True))
+            else:
+                chunks.append(_chunk_of(start, start + new))
+            start += new
+        costs = [c + t + 1 + ROW for c, new in requests for t in range(new)]
+        wave = int(torch.randint(0, 300, (1,), generator=gen))
+
+        def plan(wave: int, tp=tp, seq=seq, query=query, chunks=chunks):
+            split = plan_cp_indexer_split(
+                tp, 0, seq, query, 1, chunks, None, wave_rows=wave
+            )
+            assert split is not None
+            return split
+
+        floored = plan(wave)
+        bounds = floored.bounds
+        assert bounds[0] == 0 and bounds[-1] == len(costs), f"case {case}"
+        assert all(a < b for a, b in zip(bounds, bounds[1:])), f"case {case}"
+        scored = max(_scored(monkeypatch, floored, chunks, costs, wave))
+        assert scored <= max(_scored(monkeypatch, plan(0), chunks, costs, wave)), (
+            f"case {case}"
+        )
+
+
+def _cheapest(cost, ranks: int, rows: int) -> int:
+    """The least costliest-rank cost over every contiguous split of rows
+    ``0:rows`` into ``ranks`` ranges, given each range's ``cost(first,
+    last)`` (dynamic programming)."""
+    best = [cost(0, end) if end else 0 for end in range(rows + 1)]
+    for rank in range(1, ranks):
+        best = [0] * (rank + 1) + [
+            min(max(best[cut], cost(cut, end)) for cut in range(rank, end))
+            for end in range(rank + 1, rows + 1)
+        ]
+    return best[rows]
+
+
+def test_with_the_wave_the_costliest_rank_costs_the_least_it_can(monkeypatch):
+    """On small generated steps (turns and fresh prompts, some sharing a
+    chunk, some sliced; waves of 2 to 40 rows): the planned split's
+    costliest rank, scored from the definition, is within 1% of the
+    cheapest over every contiguous split (found by dynamic programming)."""
+    gen = torch.Generator().manual_seed(2)
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", 3000)
+    for case in range(60):
+        tp = int(torch.randint(2, 5, (1,), generator=gen))
+        requests = [
+            (_cached(gen, 50000), int(torch.randint(1, 16, (1,), generator=gen)))
+            for _ in range(int(torch.randint(1, 5, (1,), generator=gen)))
+        ]
+        query = [new for _, new in requests]
+        if sum(query) < tp:
+            continue
+        chunks, start = [], 0
+        for new in query:
+            if chunks and not chunks[-1].skip_kv_gather and case % 3 == 0:
+                chunks[-1] = _chunk_of(chunks[-1].token_start, start + new)
+            elif new > 3 and case % 3 == 1:
+                chunks.append(_chunk_of(start, start + new // 3))
+                chunks.append(_chunk_of(start + new // 3, start + new, skip=True))
+            else:
+                chunks.append(_chunk_of(start, start + new))
+            start += new
+        costs = [c + t + 1 + ROW for c, new in requests for t in range(new)]
+        wave = int(torch.randint(2, 41, (1,), generator=gen))
+        split = plan_cp_indexer_split(
+            tp,
+            0,
+            torch.tensor([c + n for c, n in requests]),
+            torch.tensor(query),
+            1,
+            chunks,
+            None,
+            call_cost_keys=rocm_cp_indexer.CALL_COST_KEYS,
+            wave_rows=wave,
+        )
+        assert split is not None
+        cost = functools.cache(
+            lambda first, last, c=chunks, r=costs, w=wave: _scored(
+                monkeypatch, CPIndexerSplit((first, last)), c, r[first:], w
+            )[0]
+        )
+        planned = max(cost(a, b) for a, b in zip(split.bounds, split.bounds[1:]))
+        assert planned <= 1.01 * _cheapest(cost, tp, len(costs)), f"case {case}"
 
 
 @pytest.mark.parametrize(

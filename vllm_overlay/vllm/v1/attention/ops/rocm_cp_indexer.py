@@ -16,7 +16,11 @@ top-k's own work and output), and on gfx942 its chunk's whole key width,
 which the logits kernel fills with -inf (``LOGITS_FILL_DIVISOR``). The cuts
 fall where the cumulative cost crosses each rank's share, then move so that
 a rank whose rows span two runs of chunks, and so pays a second call
-(``CALL_COST_KEYS``), takes less of the rows' cost.
+(``CALL_COST_KEYS``), takes less of the rows' cost. A call's logits last
+at least as long as its costliest row (one program per row), so they cost
+at least a wave of that row (``WAVE_ROWS_PER_CU``: the rows the GPU scores
+at once); where the cuts leave a rank a call below that floor, such as a
+sliver of a long turn, they are found again with the floor counted.
 A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
@@ -41,6 +45,7 @@ no alignment.
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -181,6 +186,7 @@ def cp_indexer_at_startup(
     use_pcp: bool,
     *,
     fp4_cache: bool = False,
+    compute_units: int = 0,
 ) -> CPIndexerPlanner | None:
     """The planner of each step's split when this engine splits the indexer
     prefill, else None.
@@ -193,7 +199,8 @@ def cp_indexer_at_startup(
     every setting that shapes the plan, checks them against every rank's,
     and only then says why the split stays off. So a rank whose flag,
     decision or plan settings differ from another's is an error at startup
-    on every rank with the flag on, not a hang in the merge."""
+    on every rank with the flag on, not a hang in the merge.
+    ``compute_units``: this GPU's, which set the rows of one wave."""
     # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
@@ -222,6 +229,7 @@ def cp_indexer_at_startup(
                 envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB
             )
             settings["the logits kernel's -inf fill"] = fill
+            settings["the GPU's compute units"] = compute_units
     # Engines always build the TP group before the attention backends; only
     # a builder made outside an engine (a unit test) has no group to ask.
     if model_parallel_is_initialized():
@@ -233,7 +241,11 @@ def cp_indexer_at_startup(
         return None
     logger.info_once("CP indexer on: %d TP ranks, cost-balanced row ranges.", tp_size)
     return CPIndexerPlanner(
-        tp_size, LOGITS_FILL_DIVISOR if fill else None, ROW_COST_KEYS, CALL_COST_KEYS
+        tp_size,
+        LOGITS_FILL_DIVISOR if fill else None,
+        ROW_COST_KEYS,
+        CALL_COST_KEYS,
+        int(WAVE_ROWS_PER_CU * compute_units),
     )
 
 
@@ -271,6 +283,20 @@ ROW_COST_KEYS = 700
 # (130-180 us a call against 0.06-0.07 ns a key-row: 2.2M-3.0M in four runs);
 # the same caveats.
 CALL_COST_KEYS = 2_600_000
+# The logits' floor. AITER's gfx950 logits run one program per row
+# (ROCm/aiter aiter/ops/triton/attention/fp8_mqa_logits.py at e4048607,
+# L206 and L228: a grid of cdiv(rows, block_m), one or two rows a program,
+# each walking its row's keys), so they last at least as long as their
+# call's longest row, however few rows it has: a rank holding a sliver of a
+# long turn pays as if it held as many rows as the GPU scores at once. That
+# is WAVE_ROWS_PER_CU rows per compute unit: one row's time over a row's
+# time at full occupancy (on one H200 with the stand-ins, 1.61 ms for one
+# row of 200K keys against 0.033 ns a key-row: 1.8). The floor weighs only
+# on the logits' share of a key-row's cost, LOGITS_SHARE (0.47-0.48): the
+# top-k has none to speak of, since AITER takes a multi-block kernel for
+# few long rows. AITER's kernels on MI355X set both there.
+WAVE_ROWS_PER_CU = 1.8
+LOGITS_SHARE = 0.48
 
 
 @dataclass(frozen=True)
@@ -338,6 +364,7 @@ def plan_cp_indexer_split(
     fill_divisor: int | None = LOGITS_FILL_DIVISOR,
     row_cost_keys: int = ROW_COST_KEYS,
     call_cost_keys: int = CALL_COST_KEYS,
+    wave_rows: int = 0,
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
@@ -366,14 +393,15 @@ def plan_cp_indexer_split(
         return None
     shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
     bounds = _cut_at(before, shares)
-    if call_cost_keys:
-        runs = [
-            (run[0].token_start - num_decode_tokens,
-             run[-1].token_end - num_decode_tokens,
-             max(c.token_end - c.token_start for c in run))
-            for run in _runs_of_shared_keys(chunks)
-        ]  # fmt: skip
-        bounds = _weigh_calls(before, bounds, runs, call_cost_keys)
+    if call_cost_keys or wave_rows:
+        runs = runs_of_calls(chunks, num_decode_tokens)
+        rank_cost = RankCost(
+            before, costs, query_lens_cpu, runs, call_cost_keys, wave_rows
+        )
+        if call_cost_keys:
+            bounds = _weigh_calls(before, bounds, rank_cost)
+        if wave_rows:
+            bounds = _fill_waves(bounds, rank_cost)
     return CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
 
 
@@ -393,44 +421,98 @@ def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
     return bounds
 
 
-def _calls_of(start: int, end: int, runs: list[tuple[int, int, int]]) -> int:
-    """How many logits and top-k calls ``CPIndexerPrefill.windows`` makes for
-    rows ``start:end``: per run of chunks over the same keys (``first``,
-    ``last``, its largest chunk's rows), as few as that chunk allows."""
-    calls = 0
-    for first, last, most in runs:
-        rows = min(end, last) - max(start, first)
-        if rows > 0:
-            calls += -(-rows // most)
-    return calls
+def runs_of_calls(
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata], num_decode_tokens: int
+) -> list[tuple[int, int, int]]:
+    """Per run of chunks over the same keys, in prefill rows: its first and
+    last row and its largest chunk's rows, which bound each call's rows."""
+    return [
+        (run[0].token_start - num_decode_tokens,
+         run[-1].token_end - num_decode_tokens,
+         max(c.token_end - c.token_start for c in run))
+        for run in _runs_of_shared_keys(chunks)
+    ]  # fmt: skip
+
+
+class RankCost:
+    """What a rank's rows cost as the planner counts it, in key-rows: each
+    row's cost, each call ``CPIndexerPrefill.windows`` makes for them
+    (``call_cost_keys``), and, where a call's rows cost less than one wave
+    of its costliest row (``wave_rows`` times it; 0: not counted), the
+    logits' share of the difference (``LOGITS_SHARE``): with one program per
+    row, the logits last at least as long as the costliest row."""
+
+    def __init__(
+        self,
+        before: torch.Tensor,
+        costs: torch.Tensor,
+        query_lens_cpu: torch.Tensor,
+        runs: list[tuple[int, int, int]],
+        call_cost_keys: int,
+        wave_rows: int,
+    ):
+        # Host ints: a tensor index per call is slow.
+        self.before = before.tolist()
+        self.call_cost_keys = call_cost_keys
+        self.wave_rows = wave_rows
+        self.runs = runs
+        self.run_ends = [last for _, last, _ in self.runs]
+        if wave_rows:
+            # A row's cost grows with its index within its request (a
+            # request's chunks share one key width), so a range's costliest
+            # row is its last one or the last of a request ending inside it.
+            self.ends = torch.cumsum(query_lens_cpu.to(torch.int64), 0).tolist()
+            self.cost = costs.tolist()
+            self.last_of = [self.cost[e - 1] for e in self.ends]
+
+    def calls(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """The row ranges of the calls rows ``start:end`` are scored in: per
+        run, as few as its largest chunk allows, of equal size."""
+        for first, last, most in self.runs[bisect_right(self.run_ends, start) :]:
+            if first >= end:
+                return
+            lo, hi = max(start, first), min(end, last)
+            rows = hi - lo
+            if rows <= 0:
+                continue
+            calls = -(-rows // most)
+            for call in range(calls):
+                yield lo + call * rows // calls, lo + (call + 1) * rows // calls
+
+    def _costliest(self, first: int, last: int) -> int:
+        inside = self.last_of[
+            bisect_right(self.ends, first) : bisect_left(self.ends, last)
+        ]
+        return max(self.cost[last - 1], max(inside, default=0))
+
+    def __call__(self, start: int, end: int, waves: bool = True) -> int:
+        cost = self.before[end] - self.before[start]
+        for first, last in self.calls(start, end):
+            cost += self.call_cost_keys
+            if waves and self.wave_rows:
+                work = self.before[last] - self.before[first]
+                floor = self.wave_rows * self._costliest(first, last)
+                cost += int(LOGITS_SHARE * max(0, floor - work))
+        return cost
+
+    def of(self, bounds: list[int], waves: bool = True) -> list[int]:
+        return [self(a, b, waves) for a, b in zip(bounds, bounds[1:])]
 
 
 def _weigh_calls(
-    before: torch.Tensor,
-    bounds: list[int],
-    runs: list[tuple[int, int, int]],
-    call_cost_keys: int,
+    before: torch.Tensor, bounds: list[int], rank_cost: RankCost
 ) -> list[int]:
-    """The cuts again, with each rank's calls priced at ``call_cost_keys``: a
-    rank whose rows cross into another run of chunks pays a second call, so
-    it takes fewer rows' cost. The calls depend on the cuts, so the cuts are
-    made again from the calls a few times; the plan whose costliest rank
-    costs least is kept (the first one among them)."""
+    """The cuts again, with each rank's calls priced: a rank whose rows
+    cross into another run of chunks pays a second call, so it takes fewer
+    rows' cost. The calls depend on the cuts, so the cuts are made again
+    from the calls a few times; the plan whose costliest rank costs least is
+    kept (the first one among them)."""
     tp_size = len(bounds) - 1
-    cost_before = before.tolist()  # host ints: a tensor index per rank is slow
-    total = cost_before[-1]
-
-    def rank_costs(bounds: list[int]) -> list[int]:
-        return [
-            cost_before[end]
-            - cost_before[start]
-            + call_cost_keys * _calls_of(start, end, runs)
-            for start, end in zip(bounds, bounds[1:])
-        ]
-
-    best, best_cost = bounds, max(rank_costs(bounds))
+    call_cost_keys = rank_cost.call_cost_keys
+    total = rank_cost.before[-1]
+    best, best_cost = bounds, max(rank_cost.of(bounds))
     for _ in range(3):
-        calls = [_calls_of(a, b, runs) for a, b in zip(bounds, bounds[1:])]
+        calls = [len(list(rank_cost.calls(a, b))) for a, b in zip(bounds, bounds[1:])]
         if len(set(calls)) == 1:
             break  # priced alike, the cuts stay where they are
         mean = (total + call_cost_keys * sum(calls)) / tp_size
@@ -439,10 +521,59 @@ def _weigh_calls(
         )
         shares = torch.cumsum(targets, 0).round().to(torch.int64)
         bounds = _cut_at(before, shares)
-        cost = max(rank_costs(bounds))
+        cost = max(rank_cost.of(bounds))
         if cost < best_cost:
             best, best_cost = bounds, cost
     return best
+
+
+def _fill_waves(bounds: list[int], rank_cost: RankCost) -> list[int]:
+    """Where a rank's call costs less than its floor (``RankCost``), the
+    least costly plan again, with the floor counted: the smallest cost every
+    rank keeps within, found by bisection, each rank taking as many rows as
+    fit within it (for a cost that grows with a rank's rows, no other plan
+    has a cheaper costliest rank). Kept only if it beats ``bounds``."""
+    costs = rank_cost.of(bounds)
+    if costs == rank_cost.of(bounds, waves=False):
+        return bounds  # no call below its floor: the cuts stand
+    tp_size, num_rows = len(bounds) - 1, len(rank_cost.before) - 1
+    best, high = bounds, max(costs)
+    low = rank_cost.before[-1] // tp_size
+    while high - low > high // 256:
+        limit = (low + high) // 2
+        plan = _plan_within(limit, tp_size, num_rows, rank_cost)
+        if plan is None:
+            low = limit
+        else:
+            best, high = plan, limit
+    return best
+
+
+def _plan_within(
+    limit: int, tp_size: int, num_rows: int, rank_cost: RankCost
+) -> list[int] | None:
+    """Cuts that keep every rank's cost within ``limit``, each rank taking
+    as many rows as fit (at least one, and one left for each later rank),
+    or None if there are none."""
+    bounds = [0]
+    for rank in range(tp_size - 1):
+        start = bounds[-1]
+        # A rank's cost is at least its rows' own cost: no further than this.
+        high = bisect_right(rank_cost.before, rank_cost.before[start] + limit) - 1
+        high = min(high, num_rows - (tp_size - 1 - rank))
+        if high <= start or rank_cost(start, start + 1) > limit:
+            return None
+        low = start + 1  # within the limit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if rank_cost(start, middle) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+        bounds.append(low)
+    if rank_cost(bounds[-1], num_rows) > limit:
+        return None
+    return [*bounds, num_rows]
 
 
 @dataclass(frozen=True)
@@ -454,6 +585,8 @@ class CPIndexerPlanner:
     fill_divisor: int | None = None
     row_cost_keys: int = ROW_COST_KEYS
     call_cost_keys: int = CALL_COST_KEYS
+    # The rows the GPU scores at once (WAVE_ROWS_PER_CU per compute unit).
+    wave_rows: int = 0
 
     def plan(
         self,
@@ -474,6 +607,7 @@ class CPIndexerPlanner:
             self.fill_divisor,
             self.row_cost_keys,
             self.call_cost_keys,
+            self.wave_rows,
         )
 
 
