@@ -2,17 +2,21 @@
 """Stage 0001 on one GPU, host included: the whole indexer prefill op per
 step, replicated vs each TP rank's share of the split, on serving steps.
 
-First it calibrates the planner's row cost: the logits and top-k stand-ins
-are timed on chunks of R rows of L keys each, and ``ms = a R L + b R + c``
-is fitted by least squares; ``b / a`` is a row's fixed cost in key-rows
-(``ROW_COST_KEYS``). Then, for each step (requests as (cached tokens, new
-tokens), from the cost model's workload set) and tp 2 and 8, vLLM's
+First it calibrates the planner's costs: the logits and top-k stand-ins
+are timed on chunks of R rows of L keys each, and
+``ms = a max(R, W) L + b R + c`` is fitted by least squares for a few wave
+sizes W (rows the GPU scores at once); ``b / a`` is a row's fixed cost in
+key-rows (``ROW_COST_KEYS``), ``c / a`` a call's (``CALL_COST_KEYS``) and W
+per compute unit the wave (``WAVE_ROWS_PER_CU``). Then, for each step
+(requests as (cached tokens, new tokens), from the cost model's workload
+set) and tp 2 and 8, vLLM's
 metadata builder plans the step and the real ``rocm_aiter_sparse_attn_indexer``
 of the applied tree runs it: once replicated (the flag off), then once as
 each rank of a split (the flag on, the rank's id patched in; one GPU has no
 TP group, so the merge's collective is replaced by its local part and not
-timed), for each planner variant: rows costed by their keys alone, the
-shipped ``ROW_COST_KEYS``, and the fitted one. Per run:
+timed), for each planner variant: the shipped costs, the shipped costs
+without the wave floor, the fitted costs, and the shipped costs again (the
+run's noise). Per run:
 
 - GPU ms: CUDA events around the call;
 - host ms: wall time until the call returns, without waiting for the GPU
@@ -65,6 +69,9 @@ STEPS: dict[str, list[tuple[int, int]]] = {
     "turn 64 over 15K + fresh 1K": [(15 * K, 64), (0, K)],
 }
 TPS = (2, 8)
+# A planner variant's costs: ROW_COST_KEYS, CALL_COST_KEYS, WAVE_ROWS_PER_CU
+# and LOGITS_SHARE.
+Costs = tuple[int, int, float, float]
 
 
 def _timed(fn, ranks: list[int], runs: int) -> list[dict]:
@@ -112,12 +119,14 @@ def _bench(
     step: list[tuple[int, int]],
     tp: int,
     runs: int,
-    variants: dict[str, tuple[int, int] | None],
+    variants: dict[str, Costs | None],
     force_split: bool = False,
 ) -> dict:
     """The step replicated, then split under each planner variant (a name
-    and its ``ROW_COST_KEYS`` and ``CALL_COST_KEYS``; None: the shipped
-    planner as it is)."""
+    and its ``ROW_COST_KEYS``, ``CALL_COST_KEYS``, ``WAVE_ROWS_PER_CU`` and
+    ``LOGITS_SHARE``;
+    None: the shipped planner as it is). The builder is told this GPU's
+    compute units, which the planner's wave is counted in."""
     import pytest
     import torch
 
@@ -152,15 +161,19 @@ def _bench(
             )
             costs = variants[variant] if variant is not None else None
             if costs is not None:
-                row_cost, call_cost = costs
+                row_cost, call_cost, wave, share = costs
                 mp.setattr(rocm_cp_indexer, "ROW_COST_KEYS", row_cost)
                 mp.setattr(rocm_cp_indexer, "CALL_COST_KEYS", call_cost)
+                mp.setattr(rocm_cp_indexer, "WAVE_ROWS_PER_CU", wave)
+                mp.setattr(rocm_cp_indexer, "LOGITS_SHARE", share)
             if force_split:
                 mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
             config = indexer_batch.make_vllm_config(
                 tp_size=tp, device="cuda", max_len=longest + 64, max_tokens=rows
             )
-            builder = indexer_batch.make_builder(config, mp, "cuda")
+            builder = indexer_batch.make_builder(
+                config, mp, "cuda", compute_units=compute_units()
+            )
             batch = indexer_batch.build_batch(
                 builder, step, heads=HEADS, cache_new_keys=True, torch_context=True
             )
@@ -181,11 +194,7 @@ def _bench(
             result["chunks"] = len(prefill.chunks)
             # The runs of chunks over the same keys: (first row, end, the
             # largest chunk's rows), for the modelled per-call cost.
-            result["runs"] = [
-                (run[0].token_start, run[-1].token_end,
-                 max(c.token_end - c.token_start for c in run))
-                for run in rocm_cp_indexer._runs_of_shared_keys(prefill.chunks)
-            ]  # fmt: skip
+            result["runs"] = rocm_cp_indexer.runs_of_calls(prefill.chunks, 0)
             if mode == "split" and split is None:
                 result["split"][variant] = None  # below the minimum: replicated
                 continue
@@ -228,58 +237,68 @@ def _bench(
     return result
 
 
-# The calibration's chunks: R rows of L keys each (R * L <= 2**28 fp32 logits).
+# The calibration's chunks: R rows of L keys each (R * L <= 2**28 fp32
+# logits), and chunks of fewer rows than a few waves, for the wave's size.
 CALIBRATION_ROWS = (256, 1024, 4096)
 CALIBRATION_KEYS = (4096, 16384, 65536, 200 * K)
+WAVE_KEYS = (65536, 200 * K)
+WAVE_SAMPLES_PER_CU = (0.25, 0.5, 1, 1.5, 2, 3)
+# The waves tried in the logits' fit, in rows per compute unit.
+WAVES_PER_CU = (0.5, 1, 1.25, 1.5, 1.75, 2, 2.5, 3)
 
 
-def calibrate(runs: int) -> dict:
-    """The stand-ins' logits + top-k time on uniform chunks, and the fit
-    ``ms = a * rows * keys + b * rows + c``; ``row_cost_keys`` = b / a."""
+def compute_units() -> int:
+    """This GPU's compute units (SMs), as vLLM's ``num_compute_units``."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _time_chunk(rows: int, keys: int, runs: int) -> dict:
+    """The logits and top-k stand-ins' GPU ms on one chunk of ``rows`` rows
+    of ``keys`` keys each."""
     import torch
 
     from scripts.harness import fast_indexer_kernels as fast
 
-    samples = []
-    for rows in CALIBRATION_ROWS:
-        for keys in CALIBRATION_KEYS:
-            if rows * keys > 1 << 28:
-                continue
-            gen = torch.Generator(device="cuda").manual_seed(rows + keys)
-            q = torch.randn(rows, HEADS, 128, device="cuda", generator=gen).to(
-                torch.float8_e4m3fn
-            )
-            k = torch.randn(keys, 128, device="cuda", generator=gen).to(
-                torch.float8_e4m3fn
-            )
-            scale = torch.rand(keys, device="cuda", generator=gen) + 0.5
-            weights = torch.randn(rows, HEADS, device="cuda", generator=gen)
-            starts = torch.zeros(rows, dtype=torch.int32, device="cuda")
-            ends = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
-            indices = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
-            logits = fast.mqa_logits(q, (k, scale), weights, starts, ends)
-
-            def score(q=q, k=k, scale=scale, weights=weights, s=starts, e=ends):
-                fast.mqa_logits(q, (k, scale), weights, s, e)
-
-            def select(logits=logits, s=starts, e=ends, out=indices, rows=rows):
-                fast.top_k_per_row_prefill(
-                    logits, s, e, out, rows, logits.stride(0), 1, TOPK
-                )
-
-            sample = {
-                "rows": rows,
-                "keys": keys,
-                "logits_ms": _timed(lambda _: score(), [0], runs)[0]["gpu_ms"],
-                "topk_ms": _timed(lambda _: select(), [0], runs)[0]["gpu_ms"],
-            }
-            samples.append(sample)
-            print("calibration", sample, flush=True)
-            del q, k, logits
-    design = torch.tensor(
-        [[s["rows"] * s["keys"], s["rows"], 1.0] for s in samples], dtype=torch.float64
+    gen = torch.Generator(device="cuda").manual_seed(rows + keys)
+    q = torch.randn(rows, HEADS, 128, device="cuda", generator=gen).to(
+        torch.float8_e4m3fn
     )
-    fit = {}
+    k = torch.randn(keys, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(keys, device="cuda", generator=gen) + 0.5
+    weights = torch.randn(rows, HEADS, device="cuda", generator=gen)
+    starts = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    ends = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
+    indices = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
+    logits = fast.mqa_logits(q, (k, scale), weights, starts, ends)
+
+    def score() -> None:
+        fast.mqa_logits(q, (k, scale), weights, starts, ends)
+
+    def select() -> None:
+        fast.top_k_per_row_prefill(
+            logits, starts, ends, indices, rows, logits.stride(0), 1, TOPK
+        )
+
+    return {
+        "rows": rows,
+        "keys": keys,
+        "logits_ms": _timed(lambda _: score(), [0], runs)[0]["gpu_ms"],
+        "topk_ms": _timed(lambda _: select(), [0], runs)[0]["gpu_ms"],
+    }
+
+
+def fit_costs(samples: list[dict], wave: int) -> dict:
+    """``ms = a * max(rows, wave) * keys + b * rows + c`` fitted by least
+    squares to each kernel's times and their sum (``wave`` 0: a R L)."""
+    import torch
+
+    design = torch.tensor(
+        [[max(s["rows"], wave) * s["keys"], s["rows"], 1.0] for s in samples],
+        dtype=torch.float64,
+    )
+    fit: dict = {"wave_rows": wave}
     for part in ("logits_ms", "topk_ms", "total"):
         times = torch.tensor(
             [
@@ -302,7 +321,51 @@ def calibrate(runs: int) -> dict:
     fit["call_cost_keys"] = round(
         fit["total"]["us_per_call"] * 1e3 / fit["total"]["ns_per_key_row"]
     )
-    return {"samples": samples, "fit": fit}
+    return fit
+
+
+def calibrate(runs: int) -> dict:
+    """The stand-ins' logits + top-k time on uniform chunks. ``fit``: the
+    whole op on the chunks of CALIBRATION_ROWS, ``ms = a R L + b R + c``
+    (``row_cost_keys`` = b / a, ``call_cost_keys`` = c / a). ``wave``: the
+    logits alone, fitted with the wave W (in rows per compute unit, from
+    ``WAVES_PER_CU``) whose fit errs least, and the logits' share of a
+    key-row's cost, ``logits_share``."""
+    units = compute_units()
+    shapes = [
+        (rows, keys)
+        for rows in CALIBRATION_ROWS
+        for keys in CALIBRATION_KEYS
+        if rows * keys <= 1 << 28
+    ]
+    shapes += [
+        (max(1, round(units * waves)), keys)
+        for waves in WAVE_SAMPLES_PER_CU
+        for keys in WAVE_KEYS
+    ]
+    samples = []
+    for rows, keys in shapes:
+        samples.append(_time_chunk(rows, keys, runs))
+        print("calibration", samples[-1], flush=True)
+    # The row and call costs from the chunks of a few waves and more, where
+    # the floor does not hold: fitted with the wave's chunks they would be
+    # bent by it.
+    fit = fit_costs([s for s in samples if s["rows"] in CALIBRATION_ROWS], 0)
+    waves = [
+        fit_costs(samples, round(units * per_cu)) | {"wave_rows_per_cu": per_cu}
+        for per_cu in WAVES_PER_CU
+    ]
+    wave = min(waves, key=lambda f: f["logits_ms"]["worst_relative_error"])
+    wave["logits_share"] = round(
+        wave["logits_ms"]["ns_per_key_row"] / fit["total"]["ns_per_key_row"], 2
+    )
+    return {
+        "samples": samples,
+        "compute_units": units,
+        "fit": fit,
+        "waves": waves,
+        "wave": wave,
+    }
 
 
 # The minimum split size's sweep: small steps around it, split forced.
@@ -406,22 +469,36 @@ def shipped_minimum() -> int:
 def modelled_balance(
     step: list[tuple[int, int]],
     bounds: list[int],
-    costs: tuple[int, int],
+    costs: Costs,
     runs: list[tuple[int, int, int]],
+    units: int,
 ) -> float:
-    """max/mean rank cost of a split as its planner scored it (gfx950: a
-    row of a request with C cached tokens costs C + t + 1 keys, t its index
-    among the request's new rows, plus the row cost; each call the rank
-    makes, as few per run of chunks as its largest chunk allows, the call
-    cost)."""
-    from vllm.v1.attention.ops.rocm_cp_indexer import _calls_of
+    """max/mean rank cost of a split as its planner scored it, with the
+    planner's own ``RankCost`` (gfx950: a row of a request with C cached
+    tokens costs C + t + 1 keys, t its index among the request's new rows,
+    plus the row cost)."""
+    import torch
 
-    row_cost, call_cost = costs
-    rows = [c + t + 1 + row_cost for c, q in step for t in range(q)]
-    ranks = [
-        sum(rows[a:b]) + call_cost * _calls_of(a, b, runs)
-        for a, b in zip(bounds, bounds[1:], strict=False)
-    ]
+    from vllm.v1.attention.ops import rocm_cp_indexer
+
+    row_cost, call_cost, wave, share = costs
+    rows = torch.tensor([c + t + 1 + row_cost for c, q in step for t in range(q)])
+    before = torch.zeros(rows.numel() + 1, dtype=torch.int64)
+    torch.cumsum(rows, 0, out=before[1:])
+    saved = rocm_cp_indexer.LOGITS_SHARE
+    rocm_cp_indexer.LOGITS_SHARE = share
+    rank_cost = rocm_cp_indexer.RankCost(
+        before,
+        rows,
+        torch.tensor([q for _, q in step]),
+        [tuple(run) for run in runs],
+        call_cost,
+        int(wave * units),
+    )
+    try:
+        ranks = rank_cost.of(bounds)
+    finally:
+        rocm_cp_indexer.LOGITS_SHARE = saved
     return max(ranks) / statistics.mean(ranks)
 
 
@@ -429,8 +506,9 @@ def balance(
     entry: dict | None,
     replicated: dict,
     step: list[tuple[int, int]],
-    costs: tuple[int, int],
+    costs: Costs,
     runs: list[tuple[int, int, int]],
+    units: int,
 ) -> tuple[str, str, str, str]:
     """A split's slowest-rank GPU ms, max/mean rank GPU time (measured, and
     modelled) and speedup (replicated GPU ms over the slowest rank's), as
@@ -441,15 +519,32 @@ def balance(
     return (
         f"{max(ranks):.2f}",
         f"{max(ranks) / statistics.mean(ranks):.3f}",
-        f"{modelled_balance(step, entry['bounds'], costs, runs):.3f}",
+        f"{modelled_balance(step, entry['bounds'], costs, runs, units):.3f}",
         f"{replicated['gpu_ms'] / max(ranks):.2f}",
     )
+
+
+def _fit_table(fit: dict) -> list[str]:
+    """A fit's coefficients per kernel, as table lines."""
+    lines = [
+        "| kernel | a: ns per key-row | b: ns per row | c: us per call | "
+        "worst relative error |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for part in ("logits_ms", "topk_ms", "total"):
+        f = fit[part]
+        lines.append(
+            f"| {part.removesuffix('_ms')} | {f['ns_per_key_row']:.4f} | "
+            f"{f['ns_per_row']:.1f} | {f['us_per_call']:.1f} | "
+            f"{f['worst_relative_error']:.1%} |"
+        )
+    return lines
 
 
 def report(docs: Path) -> str:
     """docs/cp_indexer_host_bench.md from the run's JSON."""
     run = json.loads((docs / "cp_indexer_host_bench.json").read_text())
-    fit = run["calibration"]["fit"]
+    fit, wave = run["calibration"]["fit"], run["calibration"]["wave"]
     variants = run["variants"]
     lines = [
         "# CP indexer on one GPU, host included: split vs replicated",
@@ -460,10 +555,12 @@ def report(docs: Path) -> str:
         "on; one GPU runs each rank's share in turn, and the merge's "
         "collective is not timed). max/mean: the ranks' GPU times; speedup: "
         "replicated GPU ms over the slowest rank's (ideal: tp). Planner "
-        "variants by the row and call costs they plan with (`ROW_COST_KEYS`, "
-        "`CALL_COST_KEYS`, key-rows): "
+        "variants by the costs they plan with (`ROW_COST_KEYS` and "
+        "`CALL_COST_KEYS` in key-rows, `WAVE_ROWS_PER_CU` in rows per compute "
+        "unit, `LOGITS_SHARE`): "
         + ", ".join(
-            f"*{name}* {row:,} and {call:,}" for name, (row, call) in variants.items()
+            f"*{name}* {row:,}, {call:,}, {wave} and {share}"
+            for name, (row, call, wave, share) in variants.items()
         )
         + ". A variant timed again plans the same split as the first with its "
         "costs: the difference between the two is this run's noise. The ranks "
@@ -480,27 +577,39 @@ def report(docs: Path) -> str:
         "",
         f"Hardware and versions: {run['versions']}. Command: `{run['command']}`.",
         "",
-        "## The row cost, calibrated",
+        "## The costs, calibrated",
         "",
         "The stand-ins timed on chunks of R rows of L keys each "
         f"(R in {list(CALIBRATION_ROWS)}, L in {list(CALIBRATION_KEYS)}, "
-        "R L <= 2^28), fitted as ms = a R L + b R + c:",
+        "R L <= 2^28; and R a wave's worth of rows for each of "
+        f"{list(WAVE_SAMPLES_PER_CU)} rows per compute unit, L in "
+        f"{list(WAVE_KEYS)}; {run['calibration']['compute_units']} compute "
+        "units), the whole op fitted as ms = a R L + b R + c on the chunks "
+        f"of {list(CALIBRATION_ROWS)} rows:",
         "",
-        "| kernel | a: ns per key-row | b: ns per row | c: us per call | "
-        "worst relative error |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for part in ("logits_ms", "topk_ms", "total"):
-        f = fit[part]
-        lines.append(
-            f"| {part.removesuffix('_ms')} | {f['ns_per_key_row']:.4f} | "
-            f"{f['ns_per_row']:.1f} | {f['us_per_call']:.1f} | "
-            f"{f['worst_relative_error']:.1%} |"
-        )
-    lines += [
+        *_fit_table(fit),
         "",
         f"A row's fixed cost is b / a = {fit['row_cost_keys']} key-rows, a "
         f"call's c / a = {fit['call_cost_keys']:,}.",
+        "",
+        "The logits alone fitted as ms = a max(R, W) L + b R + c, for each "
+        "wave W tried (W rows per compute unit):",
+        "",
+        "| W per compute unit | W | logits' worst relative error |",
+        "|---:|---:|---:|",
+        *(
+            f"| {f['wave_rows_per_cu']} | {f['wave_rows']} | "
+            f"{f['logits_ms']['worst_relative_error']:.1%} |"
+            for f in run["calibration"]["waves"]
+        ),
+        "",
+        f"The fit with the least error, W = {wave['wave_rows']} "
+        f"({wave['wave_rows_per_cu']} per compute unit):",
+        "",
+        *_fit_table(wave),
+        "",
+        "The logits' share of a key-row's cost (their a over the whole op's): "
+        f"{wave['logits_share']}.",
         "",
         "## Balance and speedup",
         "",
@@ -518,7 +627,12 @@ def report(docs: Path) -> str:
         cells = [
             " / ".join(
                 balance(
-                    result["split"][variant], rep, STEPS[name], costs, result["runs"]
+                    result["split"][variant],
+                    rep,
+                    STEPS[name],
+                    costs,
+                    result["runs"],
+                    run["calibration"]["compute_units"],
                 )
             )
             for variant, costs in variants.items()
@@ -591,14 +705,28 @@ def _run_steps() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     calibration = calibrate(args.runs)
     fit = calibration["fit"]
-    shipped = rocm_cp_indexer.ROW_COST_KEYS
-    values = {
-        "shipped": (shipped, rocm_cp_indexer.CALL_COST_KEYS),
-        "calls unpriced": (shipped, 0),
-        "fitted": (fit["row_cost_keys"], fit["call_cost_keys"]),
+    wave = calibration["wave"]
+    shipped: Costs = (
+        rocm_cp_indexer.ROW_COST_KEYS,
+        rocm_cp_indexer.CALL_COST_KEYS,
+        rocm_cp_indexer.WAVE_ROWS_PER_CU,
+        rocm_cp_indexer.LOGITS_SHARE,
+    )
+    values: dict[str, Costs] = {
+        "shipped": shipped,
+        "no wave floor": (*shipped[:2], 0, shipped[3]),
+        # How much the wave's size matters: MI355X's is not measured.
+        "half the wave": (*shipped[:2], shipped[2] / 2, shipped[3]),
+        "twice the wave": (*shipped[:2], shipped[2] * 2, shipped[3]),
+        "fitted": (
+            fit["row_cost_keys"],
+            fit["call_cost_keys"],
+            wave["wave_rows_per_cu"],
+            wave["logits_share"],
+        ),
     }
-    # One run per distinct pair of costs, named by the first variant with it.
-    variants: dict[str, tuple[int, int] | None] = {}
+    # One run per distinct set of costs, named by the first variant with it.
+    variants: dict[str, Costs | None] = {}
     for name, value in values.items():
         if value not in variants.values():
             variants[name] = value

@@ -185,14 +185,20 @@ def make_vllm_config(
 
 
 def make_builder(
-    vllm_config, monkeypatch, device: str = "cpu", block_size: int = BLOCK_SIZE
+    vllm_config,
+    monkeypatch,
+    device: str = "cpu",
+    block_size: int = BLOCK_SIZE,
+    compute_units: int = 256,
 ):
     import vllm.v1.attention.backends.mla.indexer as indexer
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    # The CPU platform has no compute-unit count; gfx950 has 256.
-    monkeypatch.setattr(indexer, "num_compute_units", lambda device_index: 256)
+    # The emulated ROCm platform reads no device: MI355X (gfx950) has 256.
+    monkeypatch.setattr(
+        indexer, "num_compute_units", lambda device_index: compute_units
+    )
     spec = MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,
