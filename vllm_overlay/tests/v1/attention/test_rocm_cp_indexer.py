@@ -258,6 +258,25 @@ def _cached(gen: torch.Generator, most: int) -> int:
     return 0
 
 
+def _laid_out(query_lens: list[int], layout: int) -> list[Any]:
+    """Chunks over requests of ``query_lens`` new rows, as vLLM's builder
+    lays them out: one per request (layout 2), requests sharing a chunk
+    (layout 0), or each request of two rows or more sliced into two chunks
+    over the same keys (layout 1)."""
+    chunks: list[Any] = []
+    start = 0
+    for new in query_lens:
+        if layout == 0 and chunks:
+            chunks[-1] = _chunk_of(chunks[-1].token_start, start + new)
+        elif layout == 1 and new > 1:
+            chunks.append(_chunk_of(start, start + new // 2))
+            chunks.append(_chunk_of(start + new // 2, start + new, skip=True))
+        else:
+            chunks.append(_chunk_of(start, start + new))
+        start += new
+    return chunks
+
+
 def _scored(monkeypatch, split, chunks, row_costs, wave: int) -> list[int]:
     """Each rank's cost from the definition, over the calls the op makes
     (``CPIndexerPrefill.windows``): its rows' costs, CALL_COST_KEYS a call,
@@ -323,18 +342,7 @@ def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
             continue
         seq = torch.tensor([cached + new for cached, new in requests])
         query = torch.tensor([new for _, new in requests])
-        # As vLLM's builder lays them out: short requests share a chunk, a
-        # long one is sliced into chunks over the same keys.
-        chunks, start = [], 0
-        for new in query.tolist():
-            if chunks and not chunks[-1].skip_kv_gather and case % 3 == 0:
-                chunks[-1] = _chunk_of(chunks[-1].token_start, start + new)
-            elif new > 1 and case % 3 == 1:
-                chunks.append(_chunk_of(start, start + new // 2))
-                chunks.append(_chunk_of(start + new // 2, start + new, skip=True))
-            else:
-                chunks.append(_chunk_of(start, start + new))
-            start += new
+        chunks = _laid_out(query.tolist(), case % 3)
         costs = [c + t + 1 + ROW for c, new in requests for t in range(new)]
         wave = int(torch.randint(0, 300, (1,), generator=gen))
 
@@ -385,16 +393,7 @@ def test_with_the_wave_the_costliest_rank_costs_the_least_it_can(monkeypatch):
         query = [new for _, new in requests]
         if sum(query) < tp:
             continue
-        chunks, start = [], 0
-        for new in query:
-            if chunks and not chunks[-1].skip_kv_gather and case % 3 == 0:
-                chunks[-1] = _chunk_of(chunks[-1].token_start, start + new)
-            elif new > 3 and case % 3 == 1:
-                chunks.append(_chunk_of(start, start + new // 3))
-                chunks.append(_chunk_of(start + new // 3, start + new, skip=True))
-            else:
-                chunks.append(_chunk_of(start, start + new))
-            start += new
+        chunks = _laid_out(query, case % 3)
         costs = [c + t + 1 + ROW for c, new in requests for t in range(new)]
         wave = int(torch.randint(2, 41, (1,), generator=gen))
         split = plan_cp_indexer_split(
