@@ -194,7 +194,7 @@ def _bench(
             result["chunks"] = len(prefill.chunks)
             # The runs of chunks over the same keys: (first row, end, the
             # largest chunk's rows), for the modelled per-call cost.
-            result["runs"] = rocm_cp_indexer.runs_of_calls(prefill.chunks, 0)
+            result["runs"] = rocm_cp_indexer.shared_key_runs(prefill.chunks, 0)
             if mode == "split" and split is None:
                 result["split"][variant] = None  # below the minimum: replicated
                 continue

@@ -35,9 +35,9 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     filled = arch == "gfx942"
     divisor = rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else None
     # The wave in rows: the builder's GPU's compute units (the harness
-    # stands in MI355X's 256).
-    wave = int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256)
-    assert wave > 0
+    # stands in MI355X's 256); none where the logits fill their chunk.
+    wave = 0 if filled else int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256)
+    assert filled or wave > 0
     assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(
         4, divisor, rocm_cp_indexer.ROW_COST_KEYS, wave_rows=wave
     )

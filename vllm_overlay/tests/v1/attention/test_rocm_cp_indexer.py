@@ -10,7 +10,9 @@ tests patch them. The real op over a TP group, split and merged against the
 flag off, is tested in tests/distributed/test_rocm_cp_indexer_merge.py.
 """
 
+import dataclasses
 import functools
+import signal
 import threading
 from bisect import bisect_left
 from datetime import timedelta
@@ -323,12 +325,33 @@ def test_a_rank_is_not_left_a_sliver_of_a_long_turn(monkeypatch, tp):
     assert max(floored) < 0.9 * max(unfloored)
 
 
+def test_the_search_for_the_cheapest_cuts_ends_on_the_smallest_steps(
+    monkeypatch,
+):
+    """A two-row step of rows that cost 1 and 2: the bisection over the
+    costliest rank's cost (here under 256 key-rows, where 1/256 of it
+    rounds to 0) still ends, with one row a rank."""
+    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    seq, query = torch.tensor([2]), torch.tensor([2])
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the search did not end"))
+    signal.alarm(10)
+    try:
+        split = plan_cp_indexer_split(
+            2, 0, seq, query, 1, [_chunk_of(0, 2)], None, 0, 0, wave_rows=10
+        )
+    finally:
+        signal.alarm(0)
+    assert split is not None and split.bounds == (0, 1, 2)
+
+
 def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
     """Over generated steps of several requests, turns and fresh prompts,
     and waves of 0 to 300 rows: the plan made with the wave is a valid
     split (contiguous, every row once, at least one row a rank) and its
-    costliest rank, scored with the wave from the definition, costs no more
-    than the plan made without it."""
+    costliest rank, scored with the wave from the definition over the op's
+    own calls, costs no more than the plan made without it. The planner
+    keeps only plans that beat the first one by its own count, so this
+    checks that its count agrees with the definition."""
     gen = torch.Generator().manual_seed(1)
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     for case in range(200):
@@ -605,15 +628,20 @@ def test_a_ranks_rows_over_slices_of_one_request_take_fewer_equal_calls(
 def test_rows_pay_for_the_logits_fill_only_where_the_kernel_fills(cp_on, gfx942):
     """gfx942's FlyDSL logits write -inf over the chunk's whole output (vLLM
     calls it with clean_logits left True), gfx950's do not (vLLM passes
-    clean_logits=False): only there does a row also cost its chunk's width."""
+    clean_logits=False): only there does a row also cost its chunk's width.
+    The cuts are checked without the wave, which so small a step would
+    bind."""
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
 
     cp_on.setattr(op, "_ON_GFX942", gfx942)
     # The fill alone: no fixed row cost.
     cp_on.setattr(rocm_cp_indexer, "ROW_COST_KEYS", 0)
-    planner = cp_indexer_at_startup(_config(tp=2), 1, False)
+    planner = cp_indexer_at_startup(_config(tp=2), 1, False, compute_units=256)
     assert planner is not None
     assert planner.fill_divisor == (FILL if gfx942 else None)
+    # The wave is gfx950's logits grid; FlyDSL's filling kernel has none.
+    assert (planner.wave_rows == 0) is gfx942
+    planner = dataclasses.replace(planner, wave_rows=0)
     # A fresh 64-row prompt in one 64-key chunk (row r has r + 1 keys). No
     # fill: rows 0-44 hold 1035 of 2080 key-rows, the nearest cut to half.
     # Fill: each row also pays 64 // 8 = 8, and rows 0-42 hold 1290 of 2592.
@@ -667,10 +695,15 @@ def test_every_rank_publishes_its_flag_and_compares_only_with_it_on(rocm_aiter):
     asked.clear()
     rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
     rocm_aiter_ops.refresh_env_variables()
-    assert _at_startup(2) is not None
+    # The builder passes its GPU's compute units: they size the wave and
+    # shape the plan, so they are compared too.
+    planner = cp_indexer_at_startup(_config(tp=2), 1, False, compute_units=256)
+    assert planner is not None
+    assert planner.wave_rows == int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256) > 0
     [(settings, compare)] = asked
     assert compare and settings["VLLM_ROCM_USE_AITER_CP_INDEXER"] is True
     assert settings["the CP indexer's decision"] == "split"
+    assert settings["the GPU's compute units"] == 256
 
 
 def _publish_on_ranks(monkeypatch, settings: list[dict], calls: int = 1) -> list:

@@ -49,6 +49,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -200,7 +201,8 @@ def cp_indexer_at_startup(
     and only then says why the split stays off. So a rank whose flag,
     decision or plan settings differ from another's is an error at startup
     on every rank with the flag on, not a hang in the merge.
-    ``compute_units``: this GPU's, which set the rows of one wave."""
+    ``compute_units``: this GPU's, which set the rows of one wave (0: the
+    plan counts no wave)."""
     # Imported here as vLLM's indexer backend does (dsa_indexer_uses_fp4):
     # vllm._aiter_ops imports the backend, which imports this module.
     from vllm._aiter_ops import rocm_aiter_ops
@@ -240,12 +242,15 @@ def cp_indexer_at_startup(
         logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
     logger.info_once("CP indexer on: %d TP ranks, cost-balanced row ranges.", tp_size)
+    # The floor is that of gfx950's logits grid (WAVE_ROWS_PER_CU); the
+    # logits that fill their chunk (gfx942's FlyDSL kernel) are not measured.
+    wave_rows = 0 if fill else int(WAVE_ROWS_PER_CU * compute_units)
     return CPIndexerPlanner(
         tp_size,
         LOGITS_FILL_DIVISOR if fill else None,
         ROW_COST_KEYS,
         CALL_COST_KEYS,
-        int(WAVE_ROWS_PER_CU * compute_units),
+        wave_rows,
     )
 
 
@@ -294,7 +299,9 @@ CALL_COST_KEYS = 2_600_000
 # row of 200K keys against 0.033 ns a key-row: 1.8). The floor weighs only
 # on the logits' share of a key-row's cost, LOGITS_SHARE (0.47-0.48): the
 # top-k has none to speak of, since AITER takes a multi-block kernel for
-# few long rows. AITER's kernels on MI355X set both there.
+# few long rows. Neither is measured on MI355X, where AITER's kernels set
+# them; on the H200 a wave twice too large did worse than none on some
+# steps, half of it about as well as this one.
 WAVE_ROWS_PER_CU = 1.8
 LOGITS_SHARE = 0.48
 
@@ -394,7 +401,7 @@ def plan_cp_indexer_split(
     shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
     bounds = _cut_at(before, shares)
     if call_cost_keys or wave_rows:
-        runs = runs_of_calls(chunks, num_decode_tokens)
+        runs = shared_key_runs(chunks, num_decode_tokens)
         rank_cost = RankCost(
             before, costs, query_lens_cpu, runs, call_cost_keys, wave_rows
         )
@@ -421,11 +428,12 @@ def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
     return bounds
 
 
-def runs_of_calls(
+def shared_key_runs(
     chunks: list[DeepseekV32IndexerPrefillChunkMetadata], num_decode_tokens: int
 ) -> list[tuple[int, int, int]]:
-    """Per run of chunks over the same keys, in prefill rows: its first and
-    last row and its largest chunk's rows, which bound each call's rows."""
+    """Per run of chunks over the same keys (``_runs_of_shared_keys``), in
+    prefill rows: its first and last row and its largest chunk's rows, which
+    bound each call's rows."""
     return [
         (run[0].token_start - num_decode_tokens,
          run[-1].token_end - num_decode_tokens,
@@ -434,13 +442,26 @@ def runs_of_calls(
     ]  # fmt: skip
 
 
+def _equal_calls(start: int, end: int, most: int) -> Iterator[tuple[int, int]]:
+    """Rows ``start:end`` of one run in as few calls as ``most`` rows a call
+    allows, of equal size."""
+    rows = end - start
+    calls = -(-rows // most)
+    for call in range(calls):
+        yield start + call * rows // calls, start + (call + 1) * rows // calls
+
+
 class RankCost:
     """What a rank's rows cost as the planner counts it, in key-rows: each
     row's cost, each call ``CPIndexerPrefill.windows`` makes for them
     (``call_cost_keys``), and, where a call's rows cost less than one wave
     of its costliest row (``wave_rows`` times it; 0: not counted), the
     logits' share of the difference (``LOGITS_SHARE``): with one program per
-    row, the logits last at least as long as the costliest row."""
+    row, the logits last at least as long as the costliest row.
+
+    A rank's cost grows with its rows: vLLM's builder slices only a single
+    request into a run of several chunks, so adding a row to a run adds to
+    its calls' costs. ``_fill_waves`` relies on it."""
 
     def __init__(
         self,
@@ -456,47 +477,62 @@ class RankCost:
         self.call_cost_keys = call_cost_keys
         self.wave_rows = wave_rows
         self.runs = runs
-        self.run_ends = [last for _, last, _ in self.runs]
+        self.run_firsts = [first for first, _, _ in runs]
+        self.run_ends = [last for _, last, _ in runs]
         if wave_rows:
             # A row's cost grows with its index within its request (a
             # request's chunks share one key width), so a range's costliest
             # row is its last one or the last of a request ending inside it.
             self.ends = torch.cumsum(query_lens_cpu.to(torch.int64), 0).tolist()
-            self.cost = costs.tolist()
-            self.last_of = [self.cost[e - 1] for e in self.ends]
+            self.last_of = [self.before[e] - self.before[e - 1] for e in self.ends]
+        # What each whole run adds to its rows' cost (its calls, and with
+        # ``floors`` their floors), summed over the runs before it: a rank's
+        # whole runs then cost one subtraction.
+        self.whole = {
+            floors: [0, *accumulate(self._added(*run, floors) for run in runs)]
+            for floors in (False, True)
+        }
 
     def calls(self, start: int, end: int) -> Iterator[tuple[int, int]]:
-        """The row ranges of the calls rows ``start:end`` are scored in: per
-        run, as few as its largest chunk allows, of equal size."""
+        """The row ranges of the calls rows ``start:end`` are scored in."""
         for first, last, most in self.runs[bisect_right(self.run_ends, start) :]:
             if first >= end:
                 return
-            lo, hi = max(start, first), min(end, last)
-            rows = hi - lo
-            if rows <= 0:
-                continue
-            calls = -(-rows // most)
-            for call in range(calls):
-                yield lo + call * rows // calls, lo + (call + 1) * rows // calls
+            yield from _equal_calls(max(start, first), min(end, last), most)
 
     def _costliest(self, first: int, last: int) -> int:
         inside = self.last_of[
             bisect_right(self.ends, first) : bisect_left(self.ends, last)
         ]
-        return max(self.cost[last - 1], max(inside, default=0))
+        return max(self.before[last] - self.before[last - 1], max(inside, default=0))
 
-    def __call__(self, start: int, end: int, waves: bool = True) -> int:
-        cost = self.before[end] - self.before[start]
-        for first, last in self.calls(start, end):
-            cost += self.call_cost_keys
-            if waves and self.wave_rows:
+    def _added(self, start: int, end: int, most: int, floors: bool) -> int:
+        """What the calls of rows ``start:end`` of one run add to the rows'
+        own cost."""
+        added = 0
+        for first, last in _equal_calls(start, end, most):
+            added += self.call_cost_keys
+            if floors and self.wave_rows:
                 work = self.before[last] - self.before[first]
                 floor = self.wave_rows * self._costliest(first, last)
-                cost += int(LOGITS_SHARE * max(0, floor - work))
+                added += int(LOGITS_SHARE * max(0, floor - work))
+        return added
+
+    def __call__(self, start: int, end: int, floors: bool = True) -> int:
+        cost = self.before[end] - self.before[start]
+        # The runs rows start:end touch: i to j - 1, whole but for the ends.
+        i = bisect_right(self.run_ends, start)
+        j = bisect_left(self.run_firsts, end)
+        for k in (i, j - 1)[: min(j - i, 2)]:
+            first, last, most = self.runs[k]
+            cost += self._added(max(start, first), min(end, last), most, floors)
+        if j - 1 > i + 1:
+            whole = self.whole[floors]
+            cost += whole[j - 1] - whole[i + 1]
         return cost
 
-    def of(self, bounds: list[int], waves: bool = True) -> list[int]:
-        return [self(a, b, waves) for a, b in zip(bounds, bounds[1:])]
+    def of(self, bounds: list[int], floors: bool = True) -> list[int]:
+        return [self(a, b, floors) for a, b in zip(bounds, bounds[1:])]
 
 
 def _weigh_calls(
@@ -531,15 +567,17 @@ def _fill_waves(bounds: list[int], rank_cost: RankCost) -> list[int]:
     """Where a rank's call costs less than its floor (``RankCost``), the
     least costly plan again, with the floor counted: the smallest cost every
     rank keeps within, found by bisection, each rank taking as many rows as
-    fit within it (for a cost that grows with a rank's rows, no other plan
-    has a cheaper costliest rank). Kept only if it beats ``bounds``."""
+    fit within it (as a rank's cost grows with its rows, no other plan has a
+    costliest rank cheaper by more than 1/256). Kept only if it beats
+    ``bounds``."""
     costs = rank_cost.of(bounds)
-    if costs == rank_cost.of(bounds, waves=False):
+    if costs == rank_cost.of(bounds, floors=False):
         return bounds  # no call below its floor: the cuts stand
     tp_size, num_rows = len(bounds) - 1, len(rank_cost.before) - 1
     best, high = bounds, max(costs)
     low = rank_cost.before[-1] // tp_size
-    while high - low > high // 256:
+    # Within 1/256 of the least; a step of at least 1, so that it ends.
+    while high - low > max(1, high // 256):
         limit = (low + high) // 2
         plan = _plan_within(limit, tp_size, num_rows, rank_cost)
         if plan is None:
@@ -707,12 +745,8 @@ class CPIndexerPrefill:
             end = min(run[-1].token_end, self.end)
             if start >= end:
                 continue
-            rows = end - start
             most = max(c.token_end - c.token_start for c in run)
-            calls = -(-rows // most)
-            for call in range(calls):
-                first = start + call * rows // calls
-                last = start + (call + 1) * rows // calls
+            for call, (first, last) in enumerate(_equal_calls(start, end, most)):
                 ks, ke, longest = _key_ranges_of(run, first, last)
                 yield PrefillWindow(
                     run[0], first, last, ks, ke, longest, gather_keys=call == 0
