@@ -293,8 +293,9 @@ def main() -> int:
         "cp_indexer_host_bench.md. A row costs its causal key count, the "
         "planner's fixed row cost (`ROW_COST_KEYS`) and 1/8 of its logits "
         "chunk's key width (gfx942's -inf fill, an estimate); a call's fixed "
-        "cost is not counted, so the planner runs with it unpriced "
-        "(`CALL_COST_KEYS` 0; the measured bench prices it). vLLM's chunked "
+        "cost and its floor are not counted, so the planner runs without "
+        "them (`CALL_COST_KEYS` and `WAVE_ROWS_PER_CU` 0; the measured bench "
+        "counts both). vLLM's chunked "
         "prefill is walked step by step. Goal: <= 1.05 on every workload, "
         'tp 2-8. "work split" is the share of the workload\'s cost in steps '
         "the shipped planner splits (the others are below its minimum split "
