@@ -695,8 +695,12 @@ def test_every_rank_publishes_its_flag_and_compares_only_with_it_on(rocm_aiter):
     asked.clear()
     rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
     rocm_aiter_ops.refresh_env_variables()
-    # The builder passes its GPU's compute units: they size the wave and
-    # shape the plan, so they are compared too.
+    # The builder passes its GPU's compute units: they size the wave (on
+    # gfx950, whose logits do not fill their chunk) and shape the plan, so
+    # they are compared too.
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+
+    rocm_aiter.setattr(op, "_ON_GFX942", False)
     planner = cp_indexer_at_startup(_config(tp=2), 1, False, compute_units=256)
     assert planner is not None
     assert planner.wave_rows == int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256) > 0
