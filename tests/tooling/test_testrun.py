@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from scripts.series.testing.results import Tally, format_summary, read_junit
 from scripts.series.testing.testrun import stage_runs, tooling_runs
 from tests.tooling.conftest import Project
@@ -91,19 +93,22 @@ def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
 
 
 def test_the_regression_selection_runs_on_every_stage_tree():
-    """vLLM's own tests: every suite in one run; a suite's plugin is loaded
-    and told which files are its own."""
+    """vLLM's own tests: every suite in the tree's series run, without
+    vLLM's conftest files; a suite's plugin is loaded and told which files
+    are its own."""
     from scripts.series.config import load_series
 
     series = load_series()
     tree = Path("/trees/x")
     runs = stage_runs(series, "base", tree, tree)
-    assert len(runs) == 2
-    run = runs[1]
-    assert "--noconftest" in run.args
+    assert len(runs) == 1
+    run = runs[0]
     assert [a for a in run.args if a.startswith("/trees")] == [
         str(tree / p) for suite in series.regression for p in suite.paths
     ]
+    (cut,) = [a for a in run.args if a.startswith("--confcutdir=")]
+    assert Path(cut.split("=", 1)[1]).is_relative_to(tree / "tests")
+    assert Path(cut.split("=", 1)[1]) != tree / "tests"
     plugin_files = json.loads(run.env["DSA_PLUGIN_FILES"])
     for suite in series.regression:
         if suite.plugin:
@@ -112,6 +117,26 @@ def test_the_regression_selection_runs_on_every_stage_tree():
     assert sum(len(files) for files in plugin_files.values()) < sum(
         len(suite.paths) for suite in series.regression
     )
+
+
+def test_a_vllm_conftest_the_cut_would_not_keep_out_stops_the_run(tmp_path: Path):
+    """vLLM's tests ran without its conftest files: one in a folder of the
+    selection that --confcutdir does not cut is an error, not loaded."""
+    from dataclasses import replace
+
+    from scripts.series import SeriesError
+    from scripts.series.config import load_series
+
+    series = load_series()
+    suite = series.regression[0]
+    other = tmp_path / "tests" / "elsewhere"
+    other.mkdir(parents=True)
+    (other / "conftest.py").write_text("")
+    series = replace(
+        series, regression=(suite, replace(suite, paths=("tests/elsewhere/t.py",)))
+    )
+    with pytest.raises(SeriesError, match="conftest"):
+        stage_runs(series, "base", tmp_path, tmp_path)
 
 
 def test_pr_tests_run_with_plain_pytest_in_the_tree():

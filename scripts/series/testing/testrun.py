@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.series import SeriesError
 from scripts.series.config import Series
 from scripts.series.contract import (
     COMPILE_SUMMARY_ENV,
@@ -63,12 +64,23 @@ def stage_runs(
     env = tree_env(tree, stages, base_tree)
     # Every folder in one run: each run imports torch and vLLM anew, and that
     # import costs more than the balance of smaller runs side by side gains.
+    # vLLM's own tests (the regression selection) join it: the same tree and
+    # CPU platform, and the import was most of their run's time.
+    folders = [str(series.tests_dir / folder) for folder in own_dirs]
+    label = "series tests (" + ", ".join(own_dirs) + ")"
+    regression_args: list[str] = []
+    if series.regression:
+        regression_args, plugin_files = _regression_args(series, tree)
+        env = {**env, PLUGIN_FILES_ENV: json.dumps(plugin_files)}
+        names = ", ".join(s.name for s in series.regression)
+        label = f"series tests ({', '.join(own_dirs)}) and vLLM tests ({names})"
     runs = [
         PytestRun(
             stage_id,
-            "series tests (" + ", ".join(own_dirs) + ")",
+            label,
             (
-                *(str(series.tests_dir / folder) for folder in own_dirs),
+                *folders,
+                *regression_args,
                 f"--junitxml={out / 'series.xml'}",
                 "-q",
             ),
@@ -76,45 +88,6 @@ def stage_runs(
             out / "series.xml",
         )
     ]
-    if series.regression:
-        # vLLM's own tests, every suite in one run (each run imports vLLM
-        # anew). A suite's plugin applies to that suite's files only: the
-        # plugin finds them under its module name in PLUGIN_FILES_ENV.
-        junit = out / "vllm-tests.xml"
-        plugins = sorted({s.plugin for s in series.regression if s.plugin})
-        plugin_files = {
-            plugin: [
-                str(tree / p)
-                for s in series.regression
-                if s.plugin == plugin
-                for p in s.paths
-            ]
-            for plugin in plugins
-        }
-        runs.append(
-            PytestRun(
-                stage_id,
-                "vLLM tests (" + ", ".join(s.name for s in series.regression) + ")",
-                (
-                    "--noconftest",
-                    f"--rootdir={tree}",
-                    "-p",
-                    "no:cacheprovider",
-                    *(arg for plugin in plugins for arg in ("-p", plugin)),
-                    f"--junitxml={junit}",
-                    "-q",
-                    *(str(tree / p) for s in series.regression for p in s.paths),
-                ),
-                # vLLM's tests import `tests.*` helpers from the tree root;
-                # the plugins live in our scripts/harness/.
-                {
-                    **env,
-                    "PYTHONPATH": f"{tree}:{series.root}",
-                    PLUGIN_FILES_ENV: json.dumps(plugin_files),
-                },
-                junit,
-            )
-        )
     if pr_tests := [path for stage in tested for path in stage.vllm_tests]:
         runs.append(pr_tests_run(stage_id, tree, pr_tests, out / "pr-tests.xml"))
     compile_tests = series.tests_dir / COMPILE_TESTS
@@ -139,6 +112,48 @@ def stage_runs(
             )
         )
     return runs
+
+
+def _regression_args(
+    series: Series, tree: Path
+) -> tuple[list[str], dict[str, list[str]]]:
+    """vLLM's own tests in the tree's series run: their files, each suite's
+    plugin (which applies to that suite's files only: it finds them under
+    its module name in PLUGIN_FILES_ENV) and a --confcutdir that keeps
+    vLLM's conftest files out, as they ran before (--noconftest, in a run
+    of their own). vLLM's ``tests.*`` helpers import from the tree, which
+    tests/conftest.py puts first on sys.path."""
+    files = [tree / p for s in series.regression for p in s.paths]
+    # pytest loads no conftest.py found upwards from the cut (the tree's
+    # tests/conftest.py among them), but would load one in a folder below
+    # it or beside it: there must be none.
+    cut = files[0].parent
+    for file in files:
+        for folder in file.parents:
+            if folder == tree or not folder.is_relative_to(tree):
+                break
+            if folder not in cut.parents and (folder / "conftest.py").is_file():
+                raise SeriesError(
+                    f"{folder / 'conftest.py'} would be loaded with vLLM's tests "
+                    f"{file.relative_to(tree)} (cut at {cut}); they run without "
+                    "vLLM's conftest files"
+                )
+    plugins = sorted({s.plugin for s in series.regression if s.plugin})
+    plugin_files = {
+        plugin: [
+            str(tree / p)
+            for s in series.regression
+            if s.plugin == plugin
+            for p in s.paths
+        ]
+        for plugin in plugins
+    }
+    args = [
+        f"--confcutdir={cut}",
+        *(arg for plugin in plugins for arg in ("-p", plugin)),
+        *(str(f) for f in files),
+    ]
+    return args, plugin_files
 
 
 def compile_summary(series: Series, stage_id: str) -> list[dict]:
