@@ -333,7 +333,9 @@ def test_the_search_for_the_cheapest_cuts_ends_on_the_smallest_steps(
     rounds to 0) still ends, with one row a rank."""
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     seq, query = torch.tensor([2]), torch.tensor([2])
-    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the search did not end"))
+    stop = signal.signal(
+        signal.SIGALRM, lambda *_: pytest.fail("the search did not end")
+    )
     signal.alarm(10)
     try:
         split = plan_cp_indexer_split(
@@ -341,6 +343,7 @@ def test_the_search_for_the_cheapest_cuts_ends_on_the_smallest_steps(
         )
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, stop)
     assert split is not None and split.bounds == (0, 1, 2)
 
 
