@@ -3,11 +3,14 @@
 step, replicated vs each TP rank's share of the split, on serving steps.
 
 First it calibrates the planner's costs: the logits and top-k stand-ins
-are timed on chunks of R rows of L keys each, and
-``ms = a max(R, W) L + b R + c`` is fitted by least squares for a few wave
-sizes W (rows the GPU scores at once); ``b / a`` is a row's fixed cost in
-key-rows (``ROW_COST_KEYS``), ``c / a`` a call's (``CALL_COST_KEYS``) and W
-per compute unit the wave (``WAVE_ROWS_PER_CU``). Then, for each step
+are timed on chunks of R rows of L keys each. The whole op on chunks of
+256 rows and more is fitted as ``ms = a R L + b R + c`` by least squares:
+``b / a`` is a row's fixed cost in key-rows (``ROW_COST_KEYS``), ``c / a``
+a call's (``CALL_COST_KEYS``). The logits alone, with chunks of a wave's
+worth of rows too, are fitted as ``ms = a max(R, W) L + b R + c`` for a
+few waves W (rows the GPU scores at once): the best W per compute unit is
+the wave (``WAVE_ROWS_PER_CU``), their a over the whole op's the logits'
+share (``LOGITS_SHARE``). Then, for each step
 (requests as (cached tokens, new tokens), from the cost model's workload
 set) and tp 2 and 8, vLLM's
 metadata builder plans the step and the real ``rocm_aiter_sparse_attn_indexer``
@@ -15,8 +18,8 @@ of the applied tree runs it: once replicated (the flag off), then once as
 each rank of a split (the flag on, the rank's id patched in; one GPU has no
 TP group, so the merge's collective is replaced by its local part and not
 timed), for each planner variant: the shipped costs, the shipped costs
-without the wave floor, the fitted costs, and the shipped costs again (the
-run's noise). Per run:
+without the wave floor, with half and with twice the wave, the fitted
+costs, and the shipped costs again (the run's noise). Per run:
 
 - GPU ms: CUDA events around the call;
 - host ms: wall time until the call returns, without waiting for the GPU
@@ -123,10 +126,8 @@ def _bench(
     force_split: bool = False,
 ) -> dict:
     """The step replicated, then split under each planner variant (a name
-    and its ``ROW_COST_KEYS``, ``CALL_COST_KEYS``, ``WAVE_ROWS_PER_CU`` and
-    ``LOGITS_SHARE``;
-    None: the shipped planner as it is). The builder is told this GPU's
-    compute units, which the planner's wave is counted in."""
+    and its ``Costs``; None: the shipped planner as it is). The builder is
+    told this GPU's compute units, which the planner's wave is counted in."""
     import pytest
     import torch
 
