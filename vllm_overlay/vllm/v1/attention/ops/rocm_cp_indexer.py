@@ -295,13 +295,13 @@ CALL_COST_KEYS = 2_600_000
 # call's longest row, however few rows it has: a rank holding a sliver of a
 # long turn pays as if it held as many rows as the GPU scores at once. That
 # is WAVE_ROWS_PER_CU rows per compute unit: one row's time over a row's
-# time at full occupancy (on one H200 with the stand-ins, 1.61 ms for one
-# row of 200K keys against 0.033 ns a key-row: 1.8). The floor weighs only
-# on the logits' share of a key-row's cost, LOGITS_SHARE (0.47-0.48): the
-# top-k has none to speak of, since AITER takes a multi-block kernel for
-# few long rows. Neither is measured on MI355X, where AITER's kernels set
-# them; on the H200 a wave twice too large did worse than none on some
-# steps, half of it about as well as this one.
+# time at full occupancy (on one H200 with the stand-ins, 1.6 ms for 33 to
+# 132 rows of 200K keys alike, against 0.033 ns a key-row: 1.8). The floor
+# weighs only on the logits' share of a key-row's cost, LOGITS_SHARE
+# (0.47-0.48): the top-k has none to speak of, since AITER takes a
+# multi-block kernel for few long rows. Neither is measured on MI355X,
+# where AITER's kernels set them; on the H200 a wave twice too large did
+# worse than none on some steps, half of it about as well as this one.
 WAVE_ROWS_PER_CU = 1.8
 LOGITS_SHARE = 0.48
 
