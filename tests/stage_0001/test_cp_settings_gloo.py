@@ -22,6 +22,7 @@ TREE = applied_tree("0001")
 
 ENABLE = "VLLM_ROCM_USE_AITER_CP_INDEXER"
 STRIPE = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
+UNITS = "DSA_TEST_COMPUTE_UNITS"  # this test's own, read by _start
 TP = 4
 
 
@@ -44,8 +45,14 @@ def _start(rank: int, world_size: int, settings: list[tuple]):
                     calls.append(_name) or _real(*a, **k)
                 ),
             )
+        # The GPU's compute units, which the builder reads from the device
+        # and which size the planner's wave (MI355X's 256 unless a case
+        # gives a rank another GPU).
+        units = int(os.environ.get(UNITS, "256"))
         try:
-            builder = indexer_batch.make_builder(config, monkeypatch)
+            builder = indexer_batch.make_builder(
+                config, monkeypatch, compute_units=units
+            )
             result = ("ok", builder.cp_indexer is not None)
         except ValueError as error:
             result = ("error", str(error))
@@ -113,6 +120,13 @@ def test_the_flag_off_on_one_rank_is_an_error_on_the_others(off):
                 "rank 1: 256",
             ],
             id="the logits budget",
+        ),
+        # The compute units size the wave, which moves the cuts.
+        pytest.param(
+            UNITS,
+            "304",
+            ["the GPU's compute units differs across the TP ranks", "rank 1: 304"],
+            id="the GPU's compute units",
         ),
     ],
 )
