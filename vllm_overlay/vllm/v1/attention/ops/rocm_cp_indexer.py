@@ -297,11 +297,15 @@ CALL_COST_KEYS = 2_600_000
 # is WAVE_ROWS_PER_CU rows per compute unit: one row's time over a row's
 # time at full occupancy (on one H200 with the stand-ins, 1.6 ms for 33 to
 # 132 rows of 200K keys alike, against 0.033 ns a key-row: 1.8). The floor
-# weighs only on the logits' share of a key-row's cost, LOGITS_SHARE
-# (0.47-0.48): the top-k has none to speak of, since AITER takes a
-# multi-block kernel for few long rows. Neither is measured on MI355X,
-# where AITER's kernels set them; on the H200 a wave twice too large did
-# worse than none on some steps, half of it about as well as this one.
+# weighs on LOGITS_SHARE of a key-row's cost, the logits' share of it
+# (0.47-0.48). AITER's one-block top-k, which it takes for every call of
+# over 128 rows and for narrower ones (should_use_mulblocks), has a floor
+# of its own (on the H200, 103 rows of 100K keys: 0.82 ms of top-k beside
+# 0.74 ms of logits); yet fitted to the whole op's per-rank times on the
+# host bench, the floor weighs about 0.5 of a key-row's cost, so this one
+# share stands for both. Neither is measured on MI355X, where AITER's
+# kernels set them; on the H200 a wave twice too large did worse than none
+# on some steps, half of it about as well as this one.
 WAVE_ROWS_PER_CU = 1.8
 LOGITS_SHARE = 0.48
 
