@@ -274,9 +274,7 @@ def run_tests(
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
-    # One run more than CPUs: runs wait on their subprocesses part of the
-    # time (the gloo ranks, the validation kit's server).
-    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         tallies = list(
             pool.map(lambda run: _run_one(run, python, extra, series.root), order)
         )
