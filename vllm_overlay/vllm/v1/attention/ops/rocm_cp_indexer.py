@@ -259,8 +259,9 @@ def cp_indexer_at_startup(
 # work, which the split does not shrink, and the merge would be added. On one
 # H200 with fast logits and top-k stand-ins and the merge modelled from the
 # all_gather measured on 2x H200 (measured outside vLLM's tree), split over
-# replicated at tp 2 / tp 8: median 1.07 / 0.90 for steps below it, 0.78 /
-# 0.59 from it. MI355X's kernels and host may move it.
+# replicated at tp 2 / tp 8: median 1.13 / 1.07 for steps below it, 0.73 /
+# 0.44 from it; steps of 8-17M key-rows gain already, within the noise of
+# such short calls. MI355X's kernels and host may move it.
 MIN_SPLIT_KEY_ROWS = 1 << 24
 # Where the prefill logits kernel fills the chunk's whole [rows, keys] output
 # with -inf (``_logits_fill_their_chunk``: gfx942), each row also costs its
