@@ -37,9 +37,17 @@ Their times are H200 times, not MI355X times.
 With ``--crossover`` it sweeps small steps instead, the split forced on,
 for the minimum split size (cp_indexer_min_split.json).
 
+With ``--aiter`` (on an MI355X, against a built tree) nothing is emulated
+or stood in: the op runs on the machine's own ROCm platform with AITER's
+logits and top-k (``VLLM_ROCM_USE_AITER=1``), and the calibration times
+AITER's logits and its prefill top-k, so the fits give MI355X's row, call
+and wave costs.
+
 Usage (on the device, under scripts/gpu_run.sh; see docs/gpu_runs.md):
     python3 -m scripts.bench.cp_indexer_host --out DIR
     python3 -m scripts.bench.cp_indexer_host --crossover --out DIR
+on an MI355X (docs/serving.md, "Stage 0001's host bench on an MI355X"):
+    python -m scripts.bench.cp_indexer_host --aiter --tree TREE --out DIR
 then, with the JSON files in docs/:
     python -m scripts.bench.cp_indexer_host --report docs
 """
@@ -72,6 +80,8 @@ STEPS: dict[str, list[tuple[int, int]]] = {
     "turn 64 over 15K + fresh 1K": [(15 * K, 64), (0, K)],
 }
 TPS = (2, 8)
+# Set by --aiter: AITER's kernels on this machine's ROCm, not the stand-ins.
+ON_AITER = False
 # A planner variant's costs: ROW_COST_KEYS, CALL_COST_KEYS, WAVE_ROWS_PER_CU
 # and LOGITS_SHARE.
 Costs = tuple[int, int, float, float]
@@ -131,10 +141,7 @@ def _bench(
     import pytest
     import torch
 
-    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
-    from scripts.harness import fast_indexer_kernels as fast
     from scripts.harness import indexer_batch
-    from scripts.harness.rocm_platform import emulate_rocm
     from vllm.v1.attention.ops import rocm_cp_indexer
 
     longest = max(c + q for c, q in step)
@@ -146,20 +153,7 @@ def _bench(
             mp = stack.enter_context(pytest.MonkeyPatch.context())
             # Before the platform: entering it reads AITER's switches.
             mp.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if mode == "split" else "0")
-            stack.enter_context(emulate_rocm("gfx950"))
-            mp.setattr(op, "rocm_fp8_mqa_logits", fast.mqa_logits)
-            mp.setattr(
-                torch.ops._C,
-                "top_k_per_row_prefill",
-                fast.top_k_per_row_prefill,
-                raising=False,
-            )
-            # vLLM takes AITER's top-k for chunks of 32K keys and more.
-            mp.setattr(
-                sys.modules["aiter.ops.topk"],
-                "top_k_per_row_prefill",
-                fast.aiter_top_k_per_row_prefill,
-            )
+            _use_kernels(stack, mp)
             costs = variants[variant] if variant is not None else None
             if costs is not None:
                 row_cost, call_cost, wave, share = costs
@@ -248,6 +242,56 @@ WAVE_SAMPLES_PER_CU = (0.25, 0.5, 1, 1.5, 2, 3)
 WAVES_PER_CU = (0.5, 1, 1.25, 1.5, 1.75, 2, 2.5, 3)
 
 
+def _use_kernels(stack: contextlib.ExitStack, mp) -> None:
+    """The logits and top-k the op runs: the fast stand-ins on an emulated
+    gfx950, or with --aiter AITER's own, on this machine's ROCm platform."""
+    import torch
+
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    if ON_AITER:
+        mp.setenv("VLLM_ROCM_USE_AITER", "1")
+        rocm_aiter_ops.refresh_env_variables()
+        return
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+    from scripts.harness import fast_indexer_kernels as fast
+    from scripts.harness.rocm_platform import emulate_rocm
+
+    stack.enter_context(emulate_rocm("gfx950"))
+    mp.setattr(op, "rocm_fp8_mqa_logits", fast.mqa_logits)
+    mp.setattr(
+        torch.ops._C, "top_k_per_row_prefill", fast.top_k_per_row_prefill, raising=False
+    )
+    # vLLM takes AITER's top-k for chunks of 32K keys and more.
+    mp.setattr(
+        sys.modules["aiter.ops.topk"],
+        "top_k_per_row_prefill",
+        fast.aiter_top_k_per_row_prefill,
+    )
+
+
+def _chunk_kernels():
+    """The logits (``rocm_fp8_mqa_logits``'s signature) and the prefill
+    top-k (``logits, starts, ends, indices``) the calibration times: the
+    fast stand-ins, or with --aiter vLLM's ROCm op's own calls of AITER's
+    (its prefill top-k, the one stage 0002's gate takes for long rows)."""
+    if ON_AITER:
+        import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+
+        def aiter_select(logits, starts, ends, indices) -> None:
+            op._launch_aiter_top_k_per_row_prefill(logits, starts, ends, indices, TOPK)
+
+        return op.rocm_fp8_mqa_logits, aiter_select
+    from scripts.harness import fast_indexer_kernels as fast
+
+    def select(logits, starts, ends, indices) -> None:
+        fast.top_k_per_row_prefill(
+            logits, starts, ends, indices, logits.shape[0], logits.stride(0), 1, TOPK
+        )
+
+    return fast.mqa_logits, select
+
+
 def compute_units() -> int:
     """This GPU's compute units (SMs), as vLLM's ``num_compute_units``."""
     import torch
@@ -256,31 +300,30 @@ def compute_units() -> int:
 
 
 def _time_chunk(rows: int, keys: int, runs: int) -> dict:
-    """The logits and top-k stand-ins' GPU ms on one chunk of ``rows`` rows
-    of ``keys`` keys each."""
+    """The logits and top-k kernels' GPU ms (``_chunk_kernels``) on one
+    chunk of ``rows`` rows of ``keys`` keys each."""
     import torch
 
-    from scripts.harness import fast_indexer_kernels as fast
+    from vllm.platforms import current_platform
 
+    mqa_logits, top_k = _chunk_kernels()
+    # The stand-ins take OCP fp8; on ROCm, the platform's (gfx942: fnuz).
+    fp8 = current_platform.fp8_dtype() if ON_AITER else torch.float8_e4m3fn
     gen = torch.Generator(device="cuda").manual_seed(rows + keys)
-    q = torch.randn(rows, HEADS, 128, device="cuda", generator=gen).to(
-        torch.float8_e4m3fn
-    )
-    k = torch.randn(keys, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+    q = torch.randn(rows, HEADS, 128, device="cuda", generator=gen).to(fp8)
+    k = torch.randn(keys, 128, device="cuda", generator=gen).to(fp8)
     scale = torch.rand(keys, device="cuda", generator=gen) + 0.5
     weights = torch.randn(rows, HEADS, device="cuda", generator=gen)
     starts = torch.zeros(rows, dtype=torch.int32, device="cuda")
     ends = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
     indices = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
-    logits = fast.mqa_logits(q, (k, scale), weights, starts, ends)
+    logits = mqa_logits(q, (k, scale), weights, starts, ends)
 
     def score() -> None:
-        fast.mqa_logits(q, (k, scale), weights, starts, ends)
+        mqa_logits(q, (k, scale), weights, starts, ends)
 
     def select() -> None:
-        fast.top_k_per_row_prefill(
-            logits, starts, ends, indices, rows, logits.stride(0), 1, TOPK
-        )
+        top_k(logits, starts, ends, indices)
 
     return {
         "rows": rows,
@@ -326,7 +369,7 @@ def fit_costs(samples: list[dict], wave: int) -> dict:
 
 
 def calibrate(runs: int) -> dict:
-    """The stand-ins' logits + top-k time on uniform chunks. ``fit``: the
+    """The logits + top-k time (``_chunk_kernels``) on uniform chunks. ``fit``: the
     whole op on the chunks of CALIBRATION_ROWS, ``ms = a R L + b R + c``
     (``row_cost_keys`` = b / a, ``call_cost_keys`` = c / a). ``wave``: the
     logits alone, fitted with the wave W (in rows per compute unit, from
@@ -547,11 +590,14 @@ def report(docs: Path) -> str:
     run = json.loads((docs / "cp_indexer_host_bench.json").read_text())
     fit, wave = run["calibration"]["fit"], run["calibration"]["wave"]
     variants = run["variants"]
+    on_aiter = run.get("kernels") == "aiter"
     lines = [
         "# CP indexer on one GPU, host included: split vs replicated",
         "",
         "Per serving step and tp, the whole `rocm_aiter_sparse_attn_indexer` "
-        "call (vLLM's builder plans the step, ROCm emulated as gfx950): "
+        "call (vLLM's builder plans the step, "
+        + ("on this machine's ROCm" if on_aiter else "ROCm emulated as gfx950")
+        + "): "
         "replicated (flag off), and each TP rank's share of the split (flag "
         "on; one GPU runs each rank's share in turn, and the merge's "
         "collective is not timed). max/mean: the ranks' GPU times; speedup: "
@@ -567,20 +613,26 @@ def report(docs: Path) -> str:
         "costs: the difference between the two is this run's noise. The ranks "
         "take turns call by call (each rank's median).",
         "",
-        "Logits and top-k are the fast stand-ins of "
-        "`scripts/harness/fast_indexer_kernels.py`: a Triton fp8 MQA-logits "
-        "kernel that leaves positions outside a row's range unwritten (vLLM "
-        "0.34.0 asks AITER for `clean_logits=False` on gfx950), one program "
-        "per row as AITER's gfx950 kernel, and a Triton radix top-k that "
-        "reads only each row's range, one program per row or, where AITER's "
-        "rule takes its multi-block kernel, several. Their times are H200 "
-        "times, not MI355X times.",
+        (
+            "Logits and top-k are AITER's, as vLLM's ROCm op calls them "
+            "(`--aiter`); the calibration times AITER's prefill top-k."
+            if on_aiter
+            else "Logits and top-k are the fast stand-ins of "
+            "`scripts/harness/fast_indexer_kernels.py`: a Triton fp8 MQA-logits "
+            "kernel that leaves positions outside a row's range unwritten (vLLM "
+            "0.34.0 asks AITER for `clean_logits=False` on gfx950), one program "
+            "per row as AITER's gfx950 kernel, and a Triton radix top-k that "
+            "reads only each row's range, one program per row or, where AITER's "
+            "rule takes its multi-block kernel, several. Their times are H200 "
+            "times, not MI355X times."
+        ),
         "",
         f"Hardware and versions: {run['versions']}. Command: `{run['command']}`.",
         "",
         "## The costs, calibrated",
         "",
-        "The stand-ins timed on chunks of R rows of L keys each "
+        ("AITER's kernels" if on_aiter else "The stand-ins")
+        + " timed on chunks of R rows of L keys each "
         f"(R in {list(CALIBRATION_ROWS)}, L in {list(CALIBRATION_KEYS)}, "
         "R L <= 2^28; and R a wave's worth of rows for each of "
         f"{list(WAVE_SAMPLES_PER_CU)} rows per compute unit, L in "
@@ -679,18 +731,29 @@ def main() -> int:
         if (docs / "cp_indexer_min_split.json").exists():
             (docs / "cp_indexer_min_split.md").write_text(crossover_report(docs))
         return 0
+    global ON_AITER
+    if "--aiter" in sys.argv:
+        sys.argv.remove("--aiter")
+        ON_AITER = True
     if "--crossover" in sys.argv:
         sys.argv.remove("--crossover")
         return _run_crossover()
     return _run_steps()
 
 
+def _command(*flags: str) -> str:
+    """This run's command line, with the flags ``main`` took out of it."""
+    taken = (*flags, "--aiter") if ON_AITER else flags
+    return " ".join([command_line("scripts.bench.cp_indexer_host"), *taken])
+
+
 def _run_crossover() -> int:
     args = parse_args(__doc__, runs=20)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
-        "command": command_line("scripts.bench.cp_indexer_host") + " --crossover",
+        "command": _command("--crossover"),
         "versions": gpu_versions(),
+        "kernels": "aiter" if ON_AITER else "stand-ins",
         "results": crossover(args.runs),
     }
     (args.out / "cp_indexer_min_split.json").write_text(
@@ -739,8 +802,9 @@ def _run_steps() -> int:
             results[f"{name} | tp {tp}"] = _bench(step, tp, args.runs, variants)
             print(name, tp, results[f"{name} | tp {tp}"], flush=True)
     payload = {
-        "command": command_line("scripts.bench.cp_indexer_host"),
+        "command": _command(),
         "versions": gpu_versions(),
+        "kernels": "aiter" if ON_AITER else "stand-ins",
         "calibration": calibration,
         "variants": variants,
         "results": results,
