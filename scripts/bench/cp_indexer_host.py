@@ -274,7 +274,7 @@ def _chunk_kernels():
     """The logits (``rocm_fp8_mqa_logits``'s signature) and the prefill
     top-k (``logits, starts, ends, indices``) the calibration times: the
     fast stand-ins, or with --aiter vLLM's ROCm op's own calls of AITER's
-    (its prefill top-k, the one stage 0002's gate takes for long rows)."""
+    (its prefill top-k, the one vLLM's gate takes for long rows)."""
     if ON_AITER:
         import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
 
