@@ -92,21 +92,30 @@ def median_ms(
 
 
 def gpu_versions() -> dict:
-    """GPUs (nvidia-smi name and driver), torch, triton, CUDA, NCCL, Python."""
+    """GPUs (nvidia-smi name and driver; torch's device names where there is
+    no nvidia-smi, as on ROCm), torch, triton, CUDA or HIP, NCCL or RCCL,
+    Python."""
     import torch
     import triton
 
-    gpus = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    return {
-        "gpus": gpus.splitlines(),
+    try:
+        gpus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.splitlines()
+    except FileNotFoundError:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = [torch.cuda.get_device_name(i) for i in range(count)]
+    versions = {
+        "gpus": gpus,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
         "python": sys.version.split()[0],
     }
+    if torch.version.hip:
+        versions["hip"] = torch.version.hip
+    return versions
