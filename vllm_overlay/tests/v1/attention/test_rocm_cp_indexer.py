@@ -771,11 +771,28 @@ def test_a_rank_with_the_flag_off_fails_the_others_without_waiting(monkeypatch):
         )
 
 
+class _WaitRecordingStore:
+    """A store that keeps the timeout of every wait asked of it."""
+
+    def __init__(self) -> None:
+        self.store = torch.distributed.HashStore()
+        self.waits: list[timedelta] = []
+
+    def wait(self, keys, timeout):
+        self.waits.append(timeout)
+        return self.store.wait(keys, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 def test_a_rank_that_never_publishes_is_named_not_waited_for(monkeypatch):
-    """Ranks 1-3 never reach the check: rank 0 stops after the wait with
-    their numbers, rather than waiting as long as the store would."""
-    monkeypatch.setattr(rocm_cp_indexer, "_STARTUP_WAIT", timedelta(seconds=1))
-    store = torch.distributed.HashStore()
+    """Ranks 1-3 never reach the check: rank 0 stops after one wait, not one
+    per missing rank, and names them, rather than waiting as long as the
+    store would."""
+    wait = timedelta(seconds=0.5)
+    monkeypatch.setattr(rocm_cp_indexer, "_STARTUP_WAIT", wait)
+    store = _WaitRecordingStore()
     group = SimpleNamespace(
         cpu_group=SimpleNamespace(get_group_store=lambda: store),
         rank_in_group=0,
@@ -786,6 +803,7 @@ def test_a_rank_that_never_publishes_is_named_not_waited_for(monkeypatch):
         rocm_cp_indexer._publish_and_compare(
             {"VLLM_ROCM_USE_AITER_CP_INDEXER": True}, compare=True
         )
+    assert sum(store.waits, timedelta()) <= wait
 
 
 def test_a_store_that_fails_does_not_stop_a_rank_with_the_flag_off(monkeypatch):

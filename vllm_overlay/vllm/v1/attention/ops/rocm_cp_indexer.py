@@ -137,17 +137,18 @@ def _publish_and_compare(settings: dict[str, object], compare: bool) -> None:
     if not compare:
         return
     keys = [f"{_STARTUP_KEY}/{call}/{r}" for r in range(group.world_size)]
-    missing = []
-    for r, key in enumerate(keys):
-        try:
-            store.wait([key], _STARTUP_WAIT)
-        except Exception:
-            missing.append(r)
-    if missing:
-        raise RuntimeError(
-            f"TP ranks {missing} published no CP indexer settings within "
-            f"{_STARTUP_WAIT}; every rank must reach the indexer's startup"
-        )
+    try:
+        # One wait for all of them: a wait per rank would add up to
+        # world_size times _STARTUP_WAIT when several never come.
+        store.wait(keys, _STARTUP_WAIT)
+    except Exception:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if missing:
+            raise RuntimeError(
+                f"TP ranks {missing} published no CP indexer settings within "
+                f"{_STARTUP_WAIT}; every rank must reach the indexer's startup"
+            ) from None
+        # Every record came just after the wait gave up: go on.
     gathered = [json.loads(store.get(key)) for key in keys]
     for name in settings:
         values = [ranks_settings.get(name) for ranks_settings in gathered]
