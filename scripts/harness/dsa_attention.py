@@ -7,7 +7,8 @@ The MLA machinery around the glue (the parent constructor, the projections,
 the attention kernel) cannot be built on a CPU without weights and a TP
 group, so the parent constructor sets only what the layer's own code reads,
 with the shapes of the published model: the indexer with its real ROCm K
-cache (sized by the layer's own ``k_cache_row_bytes``), the norms, the rotary
+cache (sized by the layer's own ``k_cache_row_bytes``), vLLM's own norms
+(made under the model dtype, as a served model makes them), the rotary
 tables, the MLA KV cache in the layer's shape, the projections (their
 outputs, random, in the model dtype). ``run_attention`` then runs the
 layer's real ``forward``: ``fused_norm_rope`` and ``fused_q`` with the
@@ -96,10 +97,20 @@ class StopAttention(Exception):
 
 def make_config(model: DsaModel, kv_dtype: str, page: int):
     """A VllmConfig for ``model`` with the indexer cache ``kv_dtype``."""
+    from transformers import AutoConfig
+
     config = indexer_batch.make_vllm_config()
-    hf = SimpleNamespace(
-        model_type=model.model_type,
+    # The model type's own transformers config (its defaults are the
+    # published checkpoint's), with the shapes above.
+    hf = AutoConfig.for_model(
+        model.model_type,
         architectures=[model.architecture],
+        num_attention_heads=model.num_attention_heads,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_nope_head_dim=model.qk_nope_head_dim,
+        qk_rope_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
         index_n_heads=model.index_n_heads,
         index_head_dim=model.index_head_dim,
         index_topk=2048,
@@ -124,12 +135,24 @@ class AttentionCall:
 def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1):
     """``DeepseekV32MLAAttention`` for one layer kind of ``model`` at TP
     size ``tp``, its indexer cache allocated with 4 pages."""
+    from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v32 import attention as v32_attention
     from vllm.models.deepseek_v32.amd import rocm
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     if kind not in LAYER_KINDS:
         raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {kind!r}")
     page = config.cache_config.block_size
+    # vLLM's own norms, made as a served bf16 model makes them (under the
+    # model dtype, which gives RMSNorm its weight dtype), so that the fused
+    # kernels see the dtypes a release gives them.
+    with set_default_torch_dtype(torch.bfloat16), set_current_vllm_config(config):
+        q_a_layernorm = v32_attention.RMSNorm(model.q_lora_rank, eps=1e-6)
+        kv_a_layernorm = v32_attention.RMSNorm(model.kv_lora_rank, eps=1e-6)
+        # The indexer's, in fp32 whatever the model dtype (attention.py).
+        k_norm = v32_attention.LayerNorm(
+            model.index_head_dim, eps=1e-6, dtype=torch.float32
+        )
     indexer = None
     if kind != "target-shared":
         # The indexer's own row size, from an indexer holding only its shape.
@@ -158,10 +181,7 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
             max_model_len=MAX_POSITIONS,
             max_total_seq_len=MAX_POSITIONS,
             softmax_scale=dim**-0.5,
-            # LayerNorm(head_dim, dtype=torch.float32): attention.py line 87.
-            k_norm=SimpleNamespace(
-                weight=torch.ones(dim), bias=torch.zeros(dim), eps=1e-6
-            ),
+            k_norm=k_norm,
             # The projections' outputs, in the model dtype (bf16).
             wq_b=lambda q_c: (_bf16(q_c.shape[0], heads * dim),),
             wk_weights_proj=lambda hidden: (_bf16(hidden.shape[0], dim + heads),),
@@ -198,15 +218,8 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
         is_aiter_triton_fp4_bmm_enabled=False,
         is_aiter_triton_fp8_bmm_enabled=False,
         W_UK_T=_weight(local_heads, model.qk_nope_head_dim, model.kv_lora_rank),
-        # RMSNorm weights are in the model dtype (layernorm.py line 61).
-        q_a_layernorm=SimpleNamespace(
-            weight=torch.ones(model.q_lora_rank, dtype=torch.bfloat16),
-            variance_epsilon=1e-6,
-        ),
-        kv_a_layernorm=SimpleNamespace(
-            weight=torch.ones(model.kv_lora_rank, dtype=torch.bfloat16),
-            variance_epsilon=1e-6,
-        ),
+        q_a_layernorm=q_a_layernorm,
+        kv_a_layernorm=kv_a_layernorm,
         rotary_emb=SimpleNamespace(
             cos_sin_cache=torch.randn(MAX_POSITIONS, rope).to(tables)
         ),
