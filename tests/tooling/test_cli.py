@@ -474,6 +474,22 @@ def test_copy_tree_updates_a_copy_it_made(two_stages: Project, tmp_path):
     assert ops.read_text().endswith("# mine\n")
 
 
+def test_copy_tree_finishes_an_update_stopped_part_way(two_stages: Project, tmp_path):
+    """An update killed after writing some files (here vllm/envs.py, already
+    at stage 0002) is finished by the next run: a file holding the new
+    contents is not taken for the user's edit."""
+    assert _cli(two_stages, "apply").returncode == 0
+    dest = tmp_path / "vllm-dsa"
+    assert _cli(two_stages, "copy-tree", "0001", str(dest)).returncode == 0
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    (dest / "vllm/envs.py").write_text(
+        sh(repo, "git", "show", "stage/0002:vllm/envs.py")
+    )
+    finished = _cli(two_stages, "copy-tree", "0002", str(dest))
+    assert finished.returncode == 0, finished.stderr
+    assert "return 2020" in (dest / "vllm/ops.py").read_text()
+
+
 def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path):
     """No identity, no export (the DCO needs a real one); --signoff or the
     user's git identity signs each PR commit off."""

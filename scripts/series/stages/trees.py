@@ -107,7 +107,9 @@ def _update_copy(repo: Path, commit: str, dest: Path, recorded: dict) -> None:
             f"{dest} holds commit {old[:12]}, which the work repo no longer "
             "has; copy into a new folder"
         )
-    raw = git(repo, "diff", "--raw", "-z", "--no-renames", old, commit).stdout
+    raw = git(
+        repo, "diff", "--raw", "-z", "--no-renames", "--no-abbrev", old, commit
+    ).stdout
     fields = [f.decode() for f in raw.split(b"\0") if f]
     updates = []  # (path, new mode, new blob id, new contents or None)
     for meta, name in zip(fields[::2], fields[1::2], strict=True):
