@@ -131,6 +131,39 @@ def test_conflict_then_continue(two_stages):
     assert "VAR_3 = 33\nCP_INDEXER = True\n" in text
 
 
+def test_a_rebase_killed_while_saving_its_state_continues(two_stages, monkeypatch):
+    """Killed while writing its state (half the bytes written), a stopped
+    rebase still continues from the state it had."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    write_text = Path.write_text
+
+    def killed(path, text, *args, **kwargs):
+        if path.name.startswith("state."):
+            write_text(path, text[: len(text) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+        return write_text(path, text, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", killed)
+        with pytest.raises(KeyboardInterrupt):
+            rebase.resume(two_stages.series())
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    # Killed again, then dropped: --abort leaves no state behind.
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", killed)
+        with pytest.raises(KeyboardInterrupt):
+            rebase.resume(two_stages.series())
+    rebase.abort(two_stages.series())
+    assert not list((two_stages.root / "build" / "rebase").glob("state.*"))
+
+
 def test_recorded_resolution_is_replayed(two_stages):
     """A second rebase onto the same target replays the hand resolution kept
     with the review, and stops nowhere."""

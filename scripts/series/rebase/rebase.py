@@ -52,6 +52,7 @@ from scripts.series.rebase.state import (
     format_report,
     load_state,
     rebase_command,
+    remove_state,
     save_state,
     state_file,
     target_dict,
@@ -357,7 +358,7 @@ def abort(series: Series) -> None:
                 f"{out.relative_to(series.root)}, replayed by the next rebase"
             )
     shutil.rmtree(rebase_dir(series) / target.label, ignore_errors=True)
-    state_file(series).unlink()
+    remove_state(series)
     print(
         f"rebase onto {target.label} aborted; the series and its tree are as "
         f"before{kept}"
@@ -404,7 +405,7 @@ def _run(
     out = write_review(series, state)
     # The review holds all that is kept (patches, resolutions, report).
     shutil.rmtree(rebase_dir(series) / target_from(state.target).label)
-    state_file(series).unlink()
+    remove_state(series)
     print(format_report(state.reports))
     print(
         f"rebased series written for review to {out}; test it with "

@@ -89,8 +89,18 @@ def load_state(series: Series) -> RebaseState:
 
 
 def save_state(series: Series, state: RebaseState) -> None:
+    """Whole or not at all: a rebase killed while saving keeps the state it
+    had, and ``--continue`` goes on from there."""
     path = state_file(series)
-    path.write_text(json.dumps(asdict(state), indent=1) + "\n")
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(asdict(state), indent=1) + "\n")
+    temporary.replace(path)
+
+
+def remove_state(series: Series) -> None:
+    """The rebase is over: its state goes, with a save a kill left half done."""
+    state_file(series).with_suffix(".tmp").unlink(missing_ok=True)
+    state_file(series).unlink()
 
 
 def work_repo(series: Series, state: RebaseState) -> Path:
