@@ -106,8 +106,12 @@ def is_repo(path: Path) -> bool:
 
 
 def changed_files(repo: Path) -> list[str]:
-    """Uncommitted changes, untracked files included (ignored ones are not)."""
-    out = git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=all")
+    """Uncommitted changes, untracked files included (ignored ones are not).
+    A rename counts as its two paths: with renames, git would add the old
+    path as an entry of its own, without the status this cuts off."""
+    out = git(
+        repo, "status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames"
+    )
     entries = [e for e in out.stdout.decode().split("\0") if e]
     return [e[3:] for e in entries if len(e) > 3]
 

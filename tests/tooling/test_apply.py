@@ -14,7 +14,7 @@ from scripts.series.git import changed_files, git_out
 from scripts.series.layout import workdir
 from scripts.series.stages.apply import StageApplyError, apply
 from scripts.series.stages.status import format_status, tree_status
-from tests.tooling.conftest import Project
+from tests.tooling.conftest import Project, sh
 
 
 def _log(repo):
@@ -136,6 +136,18 @@ def test_uncommitted_edits_are_never_overwritten(two_stages: Project):
     subprocess.run(shlex.split(stash), check=True, capture_output=True)
     apply(series)
     assert not (repo / "notes.txt").exists()
+
+
+def test_a_staged_rename_is_named_by_both_its_paths(two_stages: Project):
+    """git mv in the tree: the refusal names the file's old and new paths
+    as they are, not a path cut from git's rename record."""
+    series = two_stages.series()
+    repo = apply(series)
+    sh(repo, "git", "mv", "vllm/ops.py", "vllm/ops_moved.py")
+    with pytest.raises(SeriesError, match="uncommitted edits") as refusal:
+        apply(series)
+    listed = str(refusal.value).split(":\n", 1)[1].split("\nTo keep")[0].split()
+    assert listed == ["vllm/ops.py", "vllm/ops_moved.py"]
 
 
 def test_reapplying_an_up_to_date_tree_is_a_no_op(two_stages: Project, capsys):
