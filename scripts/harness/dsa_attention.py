@@ -147,8 +147,9 @@ def build_layer(monkeypatch, config, model: DsaModel, kind: str, *, tp: int = 1)
     # model dtype, which gives RMSNorm its weight dtype), so that the fused
     # kernels see the dtypes a release gives them.
     with set_default_torch_dtype(torch.bfloat16), set_current_vllm_config(config):
-        q_a_layernorm = v32_attention.RMSNorm(model.q_lora_rank, eps=1e-6)
-        kv_a_layernorm = v32_attention.RMSNorm(model.kv_lora_rank, eps=1e-6)
+        eps = config.model_config.hf_config.rms_norm_eps
+        q_a_layernorm = v32_attention.RMSNorm(model.q_lora_rank, eps=eps)
+        kv_a_layernorm = v32_attention.RMSNorm(model.kv_lora_rank, eps=eps)
         # The indexer's, in fp32 whatever the model dtype (attention.py).
         k_norm = v32_attention.LayerNorm(
             model.index_head_dim, eps=1e-6, dtype=torch.float32
