@@ -313,7 +313,8 @@ def _refuse_undecided_deletions(repo: Path) -> None:
     """A file the target deleted and the stage changed stays unmerged until
     the user says what becomes of it; staging it silently would put the
     whole file back into the stage."""
-    status = git(repo, "status", "--porcelain=v1", "-z").stdout.decode()
+    listed = git(repo, "status", "--porcelain=v1", "-z", "--no-renames")
+    status = listed.stdout.decode()
     undecided = [e[3:] for e in status.split("\0") if e[:2] in ("DU", "UD")]
     if undecided:
         raise SeriesError(

@@ -389,8 +389,10 @@ def _refuse_unless_git_holds(root: Path, paths: list[Path]) -> None:
     listed = git(
         root,
         "status",
-        "--porcelain",
+        "--porcelain=v1",
+        "-z",
         "--untracked-files=all",
+        "--no-renames",
         "--",
         *(str(p) for p in paths),
         check=False,
@@ -401,7 +403,7 @@ def _refuse_unless_git_holds(root: Path, paths: list[Path]) -> None:
             "the series and needs git to hold what they hold now; nothing was "
             "written"
         )
-    changed = [line[3:] for line in listed.stdout.decode().splitlines()]
+    changed = [e[3:] for e in listed.stdout.decode().split("\0") if e]
     if changed:
         raise SeriesError(
             "`rebase --accept` would replace files that git does not hold as "
