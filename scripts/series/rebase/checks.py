@@ -22,6 +22,15 @@ def claimed_stages(series: Series, state: RebaseState) -> list[str]:
     return ["base", *kept, series.stages[state.next].id]
 
 
+def package_modules(package: str, paths: list[str]) -> list[str]:
+    """The modules of ``package`` among ``paths`` (files of the tree)."""
+    return [
+        p.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for p in paths
+        if p.startswith(f"{package}/") and p.endswith(".py")
+    ]
+
+
 def stage_problem(
     series: Series,
     repo: Path,
@@ -42,11 +51,7 @@ def stage_problem(
     if tester is None:
         return None
     claimed = claimed_stages(series, state)
-    modules = [
-        p.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        for p in python
-        if p.startswith(f"{series.base.name}/")
-    ]
+    modules = package_modules(series.base.name, python)
     _progress(stage, f"importing the {len(modules)} vLLM module(s) it touches")
     if failure := tester.imports(series, repo, claimed, modules):
         return f"does not import: {failure}"
