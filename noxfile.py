@@ -259,6 +259,31 @@ def rebase(session: nox.Session) -> None:
     _series(session, "rebase", "--test-python", python, *session.posargs)
 
 
+@nox.session(name="rehearse-rebase")
+def rehearse_rebase(session: nox.Session) -> None:
+    """Rehearse the next rebase, with every check on, and delete its review.
+
+    The target: a git checkout of the pinned release plus upstream commits
+    that move and touch the stages' hunks (build/rehearsal/). Every stage
+    must apply or merge and pass its checks. -- --keep keeps the review.
+    """
+    if set(session.posargs) - {"--keep"}:
+        session.error(
+            f"nox -s {session.name} takes only --keep; got " + " ".join(session.posargs)
+        )
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    _series(session, "apply")
+    _install_cpu_deps(session)
+    session.run(
+        "python",
+        "-m",
+        "scripts.series.rebase.rehearsal",
+        "--test-python",
+        python,
+        *session.posargs,
+    )
+
+
 @nox.session
 def roll(session: nox.Session) -> None:
     """Rebase onto vLLM's newest release when it is newer than the pin.

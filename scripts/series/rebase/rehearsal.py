@@ -1,0 +1,185 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rehearse the next rebase: the whole series onto a vLLM git checkout made
+from the pinned release plus upstream commits, with every check on.
+
+The target is what a user following vLLM main has: a git checkout of the
+pinned sources (the base commit of the work repo, without the version files
+the sdist ships), tagged as the release, then three upstream commits:
+
+- one that touches a line of context of a stage's hunk, two lines away from
+  what the stage changes: the hunk no longer applies as it is, so the stage
+  goes through the three-way merge (the report says "merged");
+- one that adds a line at the top of another file a stage patches: its
+  hunks apply at an offset;
+- one unrelated to the stages (README.md).
+
+Every stage must come out applied or merged, with its checks passed (its
+Python compiles, its vLLM modules import, its tests and its PR's tests pass
+on the target), none reported upstream, and the rebased series written for
+review to patches/next/<target>/. That review is then deleted (--keep keeps
+it): it names a checkout under build/ that is not the project's to keep.
+
+``python -m scripts.series.rebase.rehearsal --test-python PY`` (``nox -s
+rehearse-rebase`` passes its own); exits 1 with the reason when the
+rehearsal fails, leaving a stopped rebase as the rebase left it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from scripts.series import SeriesError
+from scripts.series.config import SERIES_FILE, GitBase, Series, load_series
+from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out
+from scripts.series.layout import BASE_REF, build_dir, review_dir, workdir
+from scripts.series.lock import project_lock
+from scripts.series.rebase import rebase
+from scripts.series.rebase.state import StageReport
+from scripts.series.stages.patchfile import Hunk, read_patch
+from scripts.series.stages.prepare import extract_commit
+
+REV = "rehearsal"
+# What the rebase may report for a stage in a rehearsal (anything else:
+# conflicted, dropped hunks, already upstream, checks failed, dropped).
+KEPT = ("applied cleanly", "merged")
+UPSTREAM_NOTE = "# An upstream change of the rebase rehearsal.\n"
+_DATE = "2000-01-02T00:00:00+00:00"
+
+
+def target_dir(series: Series) -> Path:
+    return build_dir(series) / "rehearsal" / series.base.name
+
+
+def _python_hunks(series: Series) -> list[Hunk]:
+    return [
+        hunk
+        for stage in series.stages
+        for hunk in read_patch(series.patch_file(stage)).hunks
+        if hunk.path.endswith(".py")
+    ]
+
+
+def _context_hunk(hunks: list[Hunk]) -> Hunk:
+    """The first hunk with three lines of context before its first change."""
+    for hunk in hunks:
+        body = hunk.text.split("\n@@", 1)[1].split("\n", 1)[1].splitlines()
+        if len(body) > 3 and all(line.startswith(" ") for line in body[:3]):
+            return hunk
+    raise SeriesError("no stage hunk has three lines of leading context")
+
+
+def _insert_line(path: Path, after: int, line: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    lines.insert(after, line)
+    path.write_text("".join(lines))
+
+
+def _commit(repo: Path, message: str) -> None:
+    # -f: the sdist's .gitignore hides files vLLM's repository tracks.
+    git(repo, "add", "-A", "-f")
+    git(repo, "commit", "-q", "-m", message, identity=Identity(*TOOL_IDENTITY, _DATE))
+
+
+def make_target(series: Series) -> tuple[Path, list[str]]:
+    """The rehearsal's git checkout (made anew) and what each upstream
+    commit changed."""
+    repo = target_dir(series)
+    shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir(parents=True)
+    extract_commit(workdir(series), BASE_REF, repo)
+    # What the sdist ships and a checkout does not: the rebase writes them
+    # for a git target, as setuptools-scm would.
+    (repo / series.base.name / "_version.py").unlink(missing_ok=True)
+    for info in repo.glob("*.egg-info"):
+        shutil.rmtree(info)
+    git(repo, "init", "-q", "-b", REV)
+    _commit(repo, f"{series.base.label} as released")
+    version = getattr(series.base, "version", None)
+    if version:
+        git(repo, "tag", f"v{version}")
+    hunks = _python_hunks(series)
+    near = _context_hunk(hunks)
+    # Between the hunk's first and second context lines: two unchanged lines
+    # stay between it and the stage's change, so git merges the two.
+    _insert_line(repo / near.path, near.old_start, UPSTREAM_NOTE)
+    _commit(repo, f"upstream: a line in the context of {near.path}'s hunk")
+    far = next(
+        (h for h in hunks if h.path != near.path and h.old_start > 4),
+        None,
+    )
+    changes = [f"{near.path}: a line inside the context of hunk {near.number}"]
+    if far is not None:
+        _insert_line(repo / far.path, 0, UPSTREAM_NOTE)
+        _commit(repo, f"upstream: a line at the top of {far.path}")
+        changes.append(f"{far.path}: a line at the top (its hunks move)")
+    with (repo / "README.md").open("a") as readme:
+        readme.write("\nAn upstream change of the rebase rehearsal.\n")
+    _commit(repo, "upstream: README.md")
+    changes.append("README.md: a line at the end")
+    return repo, changes
+
+
+def problems(reports: list[StageReport], series: Series) -> list[str]:
+    """What keeps the rehearsal from passing, from the rebase's report."""
+    found = []
+    reported = {r.id: r for r in reports}
+    for stage in series.stages:
+        report = reported.get(stage.id)
+        if report is None:
+            found.append(f"stage {stage.id}: not in the report")
+        elif report.outcome not in KEPT:
+            found.append(f"stage {stage.id}: {report.outcome} ({report.evidence})")
+    if not any(h.outcome == "merged" for r in reports for h in r.hunks):
+        found.append("no hunk went through the three-way merge")
+    return found
+
+
+def rehearse(series: Series, test_python: str, keep: bool = False) -> Path:
+    """Run the rehearsal; return the review folder (deleted unless ``keep``)."""
+    target = GitBase(series.base.name, target_dir(series), REV)
+    review = review_dir(series, target)
+    if review.exists():
+        raise SeriesError(
+            f"{review} exists; the rehearsal writes its review there: move it "
+            "away or delete it, then run again"
+        )
+    repo, changes = make_target(series)
+    print(f"rehearsal target {repo} ({git_out(repo, 'describe', '--tags')}):")
+    for change in changes:
+        print(f"  upstream commit: {change}")
+    with project_lock(series, "rebase rehearsal"):
+        reports = rebase.start(series, target, test_python=test_python)
+    found = problems(reports, series)
+    if not (review / "series.toml").is_file():
+        found.append(f"no rebased series in {review}")
+    if not keep:
+        shutil.rmtree(review, ignore_errors=True)
+    if found:
+        raise SeriesError("the rebase rehearsal failed: " + "; ".join(found))
+    print(f"rebase rehearsal passed: {len(series.stages)} stage(s) on {repo}")
+    return review
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.series.rebase.rehearsal", description=__doc__
+    )
+    parser.add_argument("--series", type=Path, default=SERIES_FILE)
+    parser.add_argument("--test-python", required=True)
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the review under patches/next/"
+    )
+    args = parser.parse_args(argv)
+    try:
+        rehearse(load_series(args.series), args.test_python, args.keep)
+    except SeriesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
