@@ -147,7 +147,9 @@ def rehearse(series: Series, test_python: str, keep: bool = False) -> Path:
             "away or delete it, then run again"
         )
     repo, changes = make_target(series)
-    print(f"rehearsal target {repo} ({git_out(repo, 'describe', '--tags')}):")
+    print(
+        f"rehearsal target {repo} ({git_out(repo, 'describe', '--tags', '--always')}):"
+    )
     for change in changes:
         print(f"  upstream commit: {change}")
     with project_lock(series, "rebase rehearsal"):

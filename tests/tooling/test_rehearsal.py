@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rebase rehearsal (nox -s rehearse-rebase) on a synthetic series: its
+target has upstream commits that make a hunk merge and others move, the
+rebase runs with the checks, and the review it writes is deleted."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import run_cli, sh
+
+from scripts.series import SeriesError
+from scripts.series.layout import review_dir
+from scripts.series.rebase import rehearsal
+from scripts.series.rebase.state import HunkReport, StageReport
+
+
+def test_the_rehearsal_merges_a_hunk_and_leaves_no_review(two_stages):
+    series = two_stages.series()
+    assert run_cli(["--series", str(two_stages.series_file), "apply"]).returncode == 0
+    review = rehearsal.rehearse(series, sys.executable)
+    assert not review.exists()
+    target = rehearsal.target_dir(series)
+    log = sh(target, "git", "log", "--format=%s").splitlines()
+    assert len(log) == 4 and log[0] == "upstream: README.md"
+    # The context line landed inside stage 0001's hunk of vllm/envs.py.
+    envs = (target / "vllm" / "envs.py").read_text().splitlines()
+    assert envs[2] == rehearsal.UPSTREAM_NOTE.strip()
+
+
+def test_a_review_already_there_is_not_overwritten(two_stages):
+    series = two_stages.series()
+    assert run_cli(["--series", str(two_stages.series_file), "apply"]).returncode == 0
+    target = rehearsal.GitBase("vllm", rehearsal.target_dir(series), rehearsal.REV)
+    kept = review_dir(series, target) / "series.toml"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("a user's review\n")
+    with pytest.raises(SeriesError, match="exists; the rehearsal writes"):
+        rehearsal.rehearse(series, sys.executable)
+    assert kept.read_text() == "a user's review\n"
+
+
+def test_every_outcome_but_applied_or_merged_fails_it(two_stages):
+    series = two_stages.series()
+    merged = [HunkReport("vllm/envs.py", "@@", "merged")]
+    reports = [
+        StageReport("0001", "Striped indexer", "applied cleanly", hunks=merged),
+        StageReport("0002", "Top-k gate", "already upstream", "its probe passes"),
+    ]
+    assert rehearsal.problems(reports, series) == [
+        "stage 0002: already upstream (its probe passes)"
+    ]
+    reports[1].outcome = "merged"
+    assert rehearsal.problems(reports, series) == []
+    reports[0].hunks = [HunkReport("vllm/envs.py", "@@", "applied cleanly")]
+    assert rehearsal.problems(reports, series) == [
+        "no hunk went through the three-way merge"
+    ]
+    assert rehearsal.problems(reports[:1], series) == [
+        "stage 0002: not in the report",
+        "no hunk went through the three-way merge",
+    ]
