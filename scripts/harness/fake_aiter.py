@@ -93,11 +93,18 @@ def _deepgemm_fp8_paged_mqa_logits(
     WavePerEU=2,
 ):
     """AITER's paged decode logits: row (b, j) of ``next_n`` scores keys
-    ``[0, context_lens[b] - next_n + j + 1)``; the rest of the row is left
-    undefined (here: garbage). AITER asserts the cache's block size equals
-    ``KVBlockSize`` (pa_mqa_logits.py L500 at e4048607; docs/aiter_contracts.md)."""
+    ``[0, context_lens[b] - next_n + j + 1)`` with the head weights of row
+    ``b * next_n + j`` (gluon/pa_mqa_logits.py L195 at e4048607); the rest of
+    the row is left undefined (here: garbage). Weights with fewer rows are
+    read past their end there; here that raises. AITER asserts the cache's
+    block size equals ``KVBlockSize`` (pa_mqa_logits.py L500 at e4048607;
+    docs/aiter_contracts.md)."""
 
     batch, next_n, heads, head_dim = q_fp8.shape
+    # AITER splits the keys by TotalCuCount // (batch_size * next_n) before
+    # launching (pa_mqa_logits.py L490-492 at e4048607): no rows divide by 0.
+    if batch * next_n == 0:
+        raise ZeroDivisionError("integer division or modulo by zero")
     assert kv_cache.shape[1] == KVBlockSize, (
         f"cache block size {kv_cache.shape[1]} != KVBlockSize {KVBlockSize}"
     )

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""rocm_aiter_sparse_attn_indexer with padded MTP decodes and a prefill in one
-step: the prefill rows that follow the decode rows in topk_indices_buffer
-must keep their own top-k.
+"""rocm_aiter_sparse_attn_indexer with padded MTP decodes: the prefill rows
+that follow the decode rows in topk_indices_buffer keep their own top-k, and
+each packed decode row is scored with its own token's head weights.
 
 A zero-length request among next_n 2 decodes makes the builder pack the
 decode rows to batch_size * next_n, more than the decode tokens; the packed
-top-k must not be written over the prefill rows, which the op scores first.
+top-k must not be written over the prefill rows, which the op scores first,
+and the weights must be packed as the queries are (AITER's paged logits read
+the weights of packed row (b, j) at row b * next_n + j).
 
 vLLM's own metadata builder makes the step. Every row has fewer keys than
 top-k, so a row's top-k is all of its causal keys, whatever the kernels'
@@ -63,6 +65,17 @@ STEPS = [
     [(50, 2), (120, 2), (40, 0), (0, 60), (10, 30)],
 ]
 
+# Steps whose rows all have more keys than WEIGHTED_TOPK, so the weights decide
+# what a row selects: a gap in the middle with a prefill after it, decodes
+# only with a gap in the middle, and a gap first (the batch split then puts
+# the zero-length request alone in the decode group).
+WEIGHTED_TOPK = 16
+WEIGHTED_STEPS = [
+    [(248, 2), (40, 0), (120, 2), (90, 2), (40, 61)],
+    [(250, 2), (100, 0), (130, 2), (77, 2)],
+    [(140, 0), (200, 2), (96, 2), (30, 90)],
+]
+
 pytestmark = pytest.mark.skipif(
     not current_platform.is_rocm() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="ROCm, or a CPU running vLLM's Triton kernels with TRITON_INTERPRET=1",
@@ -82,13 +95,15 @@ def _stand_in_for_rocm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
 
     def finite_columns(logits, rows, starts, k, out):
-        # The valid columns' indices from each row's start, in a random order
-        # (the kernels' output order is unspecified), then -1.
+        # The k best valid columns' indices from each row's start, in a
+        # random order (the kernels' output order is unspecified), then -1.
         gen = torch.Generator().manual_seed(rows)
         out[:rows].fill_(-1)
         for row in range(rows):
             cols = torch.nonzero(torch.isfinite(logits[row])).flatten()
-            cols = cols[torch.randperm(cols.numel(), generator=gen)][:k]
+            if cols.numel() > k:
+                cols = cols[logits[row, cols].topk(k).indices]
+            cols = cols[torch.randperm(cols.numel(), generator=gen)]
             out[row, : cols.numel()] = (cols - int(starts[row])).int()
 
     def top_k_per_row_prefill(logits, starts, ends, out, rows, s0, s1, k):
@@ -104,25 +119,44 @@ def _stand_in_for_rocm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(torch.ops._C, name, fn, raising=False)
 
 
-def _key_scores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Logits of 0 over each row's causal keys and -inf elsewhere."""
+def weighted_score(positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A key's score for a row: a function of the key's position in its
+    sequence and of the row's head weights, so a row scored with another
+    token's weights selects other keys."""
+    return torch.cos(positions * weights[..., :1] + weights[..., 1:2])
+
+
+def _key_scores(monkeypatch: pytest.MonkeyPatch, weighted: bool = False) -> None:
+    """Logits over each row's causal keys, -inf elsewhere: 0, or with
+    ``weighted`` the row's ``weighted_score``. As AITER's paged logits, the
+    decode reads packed row (b, j)'s weights at row b * next_n + j and
+    divides by the row count."""
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
+
+    def scores(cols, starts, ends, weights):
+        valid = (cols >= starts[:, None]) & (cols < ends[:, None])
+        out = torch.zeros(valid.shape, device=cols.device)
+        if weighted:
+            out = weighted_score(cols - starts[:, None], weights)
+        return out.masked_fill(~valid, -torch.inf)
 
     def prefill_logits(q, kv, weights, ks, ke):
         cols = torch.arange(kv[0].shape[0], device=q.device)
-        valid = (cols >= ks[:, None]) & (cols < ke[:, None])
-        return torch.zeros(valid.shape, device=q.device).masked_fill(~valid, -torch.inf)
+        return scores(cols, ks, ke, weights)
 
     def decode_logits(q, kv, weights, context_lens, *args, max_model_len, **kwargs):
         batch, next_n = q.shape[:2]
+        if batch * next_n == 0:
+            raise ZeroDivisionError("AITER's paged logits split by the row count")
         if context_lens.dim() == 2:  # each token's own key count
             ends = context_lens.reshape(-1)
         else:
             token = torch.arange(next_n, device=q.device)
             ends = (context_lens[:, None] - next_n + 1 + token).reshape(-1)
+        rows = ends.numel()
+        assert weights.shape[0] >= rows, "the kernel reads a weight row per row"
         cols = torch.arange(max_model_len, device=q.device)
-        valid = cols < ends[:, None]
-        return torch.zeros(valid.shape, device=q.device).masked_fill(~valid, -torch.inf)
+        return scores(cols, torch.zeros_like(ends), ends, weights[:rows])
 
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", prefill_logits)
     monkeypatch.setattr(op, "rocm_fp8_paged_mqa_logits", decode_logits)
@@ -179,12 +213,9 @@ def workspace_manager():
     workspace.reset_workspace_manager()
 
 
-@pytest.mark.cpu_test
-@pytest.mark.skip_global_cleanup
-@pytest.mark.parametrize("requests", STEPS)
-def test_padded_decodes_leave_the_prefill_rows_alone(
-    requests, tmp_path, monkeypatch, workspace_manager
-):
+def _run_step(requests, config, device, topk, weights):
+    """Build the step with vLLM's metadata builder and run the op on it;
+    return the top-k buffer and the step's metadata."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import create_forward_context, override_forward_context
     from vllm.utils.math_utils import cdiv
@@ -198,14 +229,6 @@ def test_padded_decodes_leave_the_prefill_rows_alone(
         rocm_aiter_sparse_attn_indexer,
     )
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    # The GPU where there is one; else the CPU, with the stand-ins below.
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # Before the stand-ins: the model's inspection asks the real platform.
-    config = _vllm_config(tmp_path, device)
-    if device.type == "cpu":
-        _stand_in_for_rocm_on_cpu(monkeypatch)
-    _key_scores(monkeypatch)
 
     pages = [cdiv(c + q, PAGE) for c, q in requests]
     block_table = torch.zeros(len(requests), MAX_MODEL_LEN // PAGE, dtype=torch.int32)
@@ -235,10 +258,8 @@ def test_padded_decodes_leave_the_prefill_rows_alone(
             spec, [LAYER], config, device, block_table_width=MAX_MODEL_LEN // PAGE
         )
         metadata = builder.build(0, common)
-    assert metadata.decode is not None and metadata.decode.requires_padding
-    assert metadata.num_prefill_tokens > 0
 
-    buffer = torch.full((tokens, TOPK), 7777, dtype=torch.int32, device=device)
+    buffer = torch.full((tokens, topk), 7777, dtype=torch.int32, device=device)
     context = create_forward_context({LAYER: metadata}, config)
     with override_forward_context(context):
         rocm_aiter_sparse_attn_indexer(
@@ -249,24 +270,72 @@ def test_padded_decodes_leave_the_prefill_rows_alone(
             ),
             torch.zeros(tokens, HEADS, HEAD_DIM, device=device).to(FP8_DTYPE),
             None,
-            torch.ones(tokens, HEADS, device=device),
+            weights,
             128,
             "ue8m0",
-            TOPK,
+            topk,
             HEAD_DIM,
             MAX_MODEL_LEN,
             get_max_prefill_buffer_size(config),
             buffer,
             skip_k_cache_insert=True,
         )
+    return buffer.cpu(), metadata
 
-    row = 0
-    for cached, new in requests:
-        for token in range(new):
-            keys = cached + token + 1  # causal
-            got = buffer[row].cpu()
-            assert sorted(got[got >= 0].tolist()) == list(range(keys)), (
-                f"row {row}: a row with {keys} keys holds {got[got >= 0].numel()}"
-            )
-            assert (got[keys:] == -1).all(), f"row {row}"
-            row += 1
+
+def _causal_keys(requests):
+    """Each token's key count, in the step's token order."""
+    return [cached + token + 1 for cached, new in requests for token in range(new)]
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+@pytest.mark.parametrize("requests", STEPS)
+def test_padded_decodes_leave_the_prefill_rows_alone(
+    requests, tmp_path, monkeypatch, workspace_manager
+):
+    # The GPU where there is one; else the CPU, with the stand-ins below.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Before the stand-ins: the model's inspection asks the real platform.
+    config = _vllm_config(tmp_path, device)
+    if device.type == "cpu":
+        _stand_in_for_rocm_on_cpu(monkeypatch)
+    _key_scores(monkeypatch)
+
+    tokens = sum(q for _, q in requests)
+    weights = torch.ones(tokens, HEADS, device=device)
+    buffer, metadata = _run_step(requests, config, device, TOPK, weights)
+    assert metadata.decode is not None and metadata.decode.requires_padding
+    assert metadata.num_prefill_tokens > 0
+
+    for row, keys in enumerate(_causal_keys(requests)):
+        got = buffer[row]
+        assert sorted(got[got >= 0].tolist()) == list(range(keys)), (
+            f"row {row}: a row with {keys} keys holds {got[got >= 0].numel()}"
+        )
+        assert (got[keys:] == -1).all(), f"row {row}"
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+@pytest.mark.parametrize("requests", WEIGHTED_STEPS)
+def test_each_decode_row_is_scored_with_its_own_weights(
+    requests, tmp_path, monkeypatch, workspace_manager
+):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = _vllm_config(tmp_path, device)
+    if device.type == "cpu":
+        _stand_in_for_rocm_on_cpu(monkeypatch)
+    _key_scores(monkeypatch, weighted=True)
+
+    tokens = sum(q for _, q in requests)
+    weights = torch.rand(tokens, HEADS, generator=torch.Generator().manual_seed(0))
+    buffer, _ = _run_step(requests, config, device, WEIGHTED_TOPK, weights.to(device))
+
+    for row, keys in enumerate(_causal_keys(requests)):
+        assert keys > WEIGHTED_TOPK
+        best = weighted_score(torch.arange(keys), weights[row]).topk(WEIGHTED_TOPK)
+        got = buffer[row]
+        assert sorted(got.tolist()) == sorted(best.indices.tolist()), (
+            f"row {row} does not hold the top-k of its own token's scores"
+        )
