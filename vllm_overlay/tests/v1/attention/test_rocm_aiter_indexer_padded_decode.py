@@ -288,20 +288,25 @@ def _causal_keys(requests):
     return [cached + token + 1 for cached, new in requests for token in range(new)]
 
 
+def _config_and_stand_ins(tmp_path, monkeypatch, weighted: bool):
+    """The config and the device (the GPU where there is one; else the CPU,
+    with the ROCm stand-ins), and the logits stand-ins."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Before the stand-ins: the model's inspection asks the real platform.
+    config = _vllm_config(tmp_path, device)
+    if device.type == "cpu":
+        _stand_in_for_rocm_on_cpu(monkeypatch)
+    _key_scores(monkeypatch, weighted)
+    return config, device
+
+
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
 @pytest.mark.parametrize("requests", STEPS)
 def test_padded_decodes_leave_the_prefill_rows_alone(
     requests, tmp_path, monkeypatch, workspace_manager
 ):
-    # The GPU where there is one; else the CPU, with the stand-ins below.
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # Before the stand-ins: the model's inspection asks the real platform.
-    config = _vllm_config(tmp_path, device)
-    if device.type == "cpu":
-        _stand_in_for_rocm_on_cpu(monkeypatch)
-    _key_scores(monkeypatch)
-
+    config, device = _config_and_stand_ins(tmp_path, monkeypatch, weighted=False)
     tokens = sum(q for _, q in requests)
     weights = torch.ones(tokens, HEADS, device=device)
     buffer, metadata = _run_step(requests, config, device, TOPK, weights)
@@ -322,12 +327,7 @@ def test_padded_decodes_leave_the_prefill_rows_alone(
 def test_each_decode_row_is_scored_with_its_own_weights(
     requests, tmp_path, monkeypatch, workspace_manager
 ):
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = _vllm_config(tmp_path, device)
-    if device.type == "cpu":
-        _stand_in_for_rocm_on_cpu(monkeypatch)
-    _key_scores(monkeypatch, weighted=True)
-
+    config, device = _config_and_stand_ins(tmp_path, monkeypatch, weighted=True)
     tokens = sum(q for _, q in requests)
     weights = torch.rand(tokens, HEADS, generator=torch.Generator().manual_seed(0))
     buffer, _ = _run_step(requests, config, device, WEIGHTED_TOPK, weights.to(device))
