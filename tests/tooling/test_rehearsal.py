@@ -13,7 +13,7 @@ from conftest import run_cli, sh
 from scripts.series import SeriesError
 from scripts.series.layout import review_dir
 from scripts.series.rebase import rehearsal
-from scripts.series.rebase.state import HunkReport, StageReport
+from scripts.series.rebase.state import HunkReport, StageReport, state_file
 
 
 def test_the_rehearsal_merges_a_hunk_and_leaves_no_review(two_stages):
@@ -61,3 +61,26 @@ def test_every_outcome_but_applied_or_merged_fails_it(two_stages):
         "stage 0002: not in the report",
         "no hunk went through the three-way merge",
     ]
+
+
+def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project):
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
+        {"vllm/cp_indexer.py": "raise ImportError('planted by the test')\n"},
+    )
+    series = project.series()
+    assert run_cli(["--series", str(project.series_file), "apply"]).returncode == 0
+    with pytest.raises(SeriesError) as stopped:
+        rehearsal.rehearse(series, sys.executable)
+    assert "does not import: vllm.cp_indexer: ImportError: planted" in str(
+        stopped.value
+    )
+    assert "rebase was aborted" in str(stopped.value)
+    assert not state_file(series).exists(), "a real rebase would be refused"
+    logs = rehearsal.target_dir(series).parent / "logs"
+    assert logs.is_dir()
+    # --keep keeps the stopped rebase to look into.
+    with pytest.raises(SeriesError, match="kept for a look"):
+        rehearsal.rehearse(series, sys.executable, keep=True)
+    assert state_file(series).exists()

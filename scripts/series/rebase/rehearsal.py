@@ -21,7 +21,9 @@ it): it names a checkout under build/ that is not the project's to keep.
 
 ``python -m scripts.series.rebase.rehearsal --test-python PY`` (``nox -s
 rehearse-rebase`` passes its own); exits 1 with the reason when the
-rehearsal fails, leaving a stopped rebase as the rebase left it.
+rehearsal fails. A rebase it stopped (a conflict, a failed check) is
+aborted, so that it blocks no real one, its check logs kept in
+build/rehearsal/logs/; --keep keeps it to look into.
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ import sys
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import SERIES_FILE, GitBase, Series, load_series
+from scripts.series.config import SERIES_FILE, GitBase, Series, Stage, load_series
 from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out
-from scripts.series.layout import BASE_REF, build_dir, review_dir, workdir
+from scripts.series.layout import (
+    BASE_REF,
+    build_dir,
+    rebase_dir,
+    review_dir,
+    workdir,
+)
 from scripts.series.lock import project_lock
 from scripts.series.rebase import rebase
-from scripts.series.rebase.state import StageReport
+from scripts.series.rebase.state import StageReport, rebase_command, state_file
 from scripts.series.stages.patchfile import Hunk, read_patch
 from scripts.series.stages.prepare import extract_commit
 
@@ -53,10 +61,10 @@ def target_dir(series: Series) -> Path:
     return build_dir(series) / "rehearsal" / series.base.name
 
 
-def _python_hunks(series: Series) -> list[Hunk]:
+def _python_hunks(series: Series, stages: list[Stage]) -> list[Hunk]:
     return [
         hunk
-        for stage in series.stages
+        for stage in stages
         for hunk in read_patch(series.patch_file(stage)).hunks
         if hunk.path.endswith(".py")
     ]
@@ -100,8 +108,10 @@ def make_target(series: Series) -> tuple[Path, list[str]]:
     version = getattr(series.base, "version", None)
     if version:
         git(repo, "tag", f"v{version}")
-    hunks = _python_hunks(series)
-    near = _context_hunk(hunks)
+    hunks = _python_hunks(series, list(series.stages))
+    # The first stage's: only its line numbers are the base's (a later
+    # stage's count its parent's, which earlier stages may have moved).
+    near = _context_hunk(_python_hunks(series, list(series.stages[:1])))
     # Between the hunk's first and second context lines: two unchanged lines
     # stay between it and the stage's change, so git merges the two.
     _insert_line(repo / near.path, near.old_start, UPSTREAM_NOTE)
@@ -137,6 +147,32 @@ def problems(reports: list[StageReport], series: Series) -> list[str]:
     return found
 
 
+def _stopped(series: Series, target: GitBase, error: str, keep: bool) -> str:
+    """The rehearsal's rebase stopped (a conflict or a failed check): what to
+    say. Unless ``keep``, the stopped rebase is dropped, so that it blocks no
+    later rebase, its check logs kept beside the target."""
+    message = f"the rebase rehearsal stopped: {error}"
+    if not state_file(series).exists():
+        return message
+    if keep:
+        return (
+            f"{message}\n(kept for a look, as --keep asks: the rebase onto "
+            f"{target.label} is a rehearsal; drop it with "
+            f"{rebase_command('--abort')})"
+        )
+    logs = target_dir(series).parent / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir()
+    for log in (rebase_dir(series) / target.label).glob("check-*.log"):
+        shutil.copy2(log, logs / log.name)
+    rebase.abort(series)
+    return (
+        f"{message}\n(The rehearsal's rebase was aborted, not to block a real "
+        f"one; its check logs are in {logs}. `nox -s rehearse-rebase -- --keep` "
+        "keeps a stopped one to look into.)"
+    )
+
+
 def rehearse(series: Series, test_python: str, keep: bool = False) -> Path:
     """Run the rehearsal; return the review folder (deleted unless ``keep``)."""
     target = GitBase(series.base.name, target_dir(series), REV)
@@ -153,7 +189,10 @@ def rehearse(series: Series, test_python: str, keep: bool = False) -> Path:
     for change in changes:
         print(f"  upstream commit: {change}")
     with project_lock(series, "rebase rehearsal"):
-        reports = rebase.start(series, target, test_python=test_python)
+        try:
+            reports = rebase.start(series, target, test_python=test_python)
+        except SeriesError as exc:
+            raise SeriesError(_stopped(series, target, str(exc), keep)) from None
     found = problems(reports, series)
     if not (review / "series.toml").is_file():
         found.append(f"no rebased series in {review}")
@@ -172,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--series", type=Path, default=SERIES_FILE)
     parser.add_argument("--test-python", required=True)
     parser.add_argument(
-        "--keep", action="store_true", help="keep the review under patches/next/"
+        "--keep",
+        action="store_true",
+        help="keep the review under patches/next/, or a stopped rebase",
     )
     args = parser.parse_args(argv)
     try:
