@@ -22,11 +22,15 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
+from pathlib import Path
 
 # The arch the check emulates: the one stage 0003 requires, and a superset
 # of gfx942's imports (the module constants differ, not what is imported).
 ARCH = "gfx950"
 PLATFORM_MODULE = "vllm.platforms.rocm"
+PROJECT = Path(__file__).resolve().parents[2]
+HARNESS = PROJECT / "scripts"  # not build/, where the trees under test are
 
 
 def _has_rocm_platform() -> bool:
@@ -53,14 +57,33 @@ def _setup() -> None:
     emulate(ARCH)
 
 
+def _setup_failure(exc: BaseException) -> str:
+    """Whose the failure is: the innermost frame in vLLM or in the project's
+    harness decides (the standard library's and torch's frames are passed
+    over). A stand-in out of step with this vLLM is the project's to fix,
+    whatever module the check was asked for."""
+    error = f"{type(exc).__name__}: {exc}"
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        where = Path(frame.filename).resolve()
+        if where.is_relative_to(HARNESS):
+            return (
+                "the emulated ROCm platform could not be set up "
+                f"({where.relative_to(PROJECT)}:{frame.lineno}, the project's "
+                f"harness, not vLLM): {error}"
+            )
+        if "vllm" in where.parts:
+            break
+    return f"{PLATFORM_MODULE} (emulated {ARCH}): {error}"
+
+
 def main(modules: list[str]) -> int:
     # AITER enabled, as a ROCm serving image runs it (the view leaves the
     # switch to the environment, as a CI step sets it).
     os.environ.setdefault("VLLM_ROCM_USE_AITER", "1")
     try:
         _setup()
-    except BaseException as exc:  # the real error of vLLM's platform code
-        print(f"{PLATFORM_MODULE} (emulated {ARCH}): {type(exc).__name__}: {exc}")
+    except BaseException as exc:
+        print(_setup_failure(exc))
         return 1
     for name in modules:
         try:

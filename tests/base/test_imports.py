@@ -49,7 +49,8 @@ def _stage_modules() -> list[str]:
         text=True,
         check=True,
     ).stdout.split()
-    return package_modules("vllm", changed)
+    kept = [path for path in changed if (TREE.path / path).is_file()]
+    return package_modules("vllm", kept)
 
 
 def test_stage_modules_import_as_the_rebase_checks_them():

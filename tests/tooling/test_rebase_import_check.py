@@ -10,13 +10,14 @@ rebase at stage 0003 and blames the stage."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from scripts.series.config import SERIES_FILE, load_series
+from scripts.series.config import REPO_ROOT, SERIES_FILE, load_series
 from scripts.series.layout import BASE_REF, SERIES_REF, workdir
 from scripts.series.rebase.checks import package_modules
 from scripts.series.rebase.tree_tester import TreeTester
@@ -48,7 +49,8 @@ def top_stage_repo(tmp_path: Path) -> Path:
 
 def test_every_stage_module_passes_the_rebase_import_check(top_stage_repo):
     changed = _git(top_stage_repo, "diff", "--name-only", BASE_REF, "HEAD").split()
-    modules = package_modules(SERIES.base.name, changed)
+    kept = [path for path in changed if (top_stage_repo / path).is_file()]
+    modules = package_modules(SERIES.base.name, kept)
     assert "vllm.platforms.rocm" in modules, "the case this test was written for"
     tester = TreeTester(sys.executable)
     assert tester.imports(SERIES, top_stage_repo, STAGES, modules) is None
@@ -64,3 +66,29 @@ def test_a_broken_platform_module_fails_with_its_own_error(top_stage_repo):
     assert failure is not None
     assert failure.startswith("vllm.platforms.rocm")
     assert failure.endswith("RuntimeError: planted by the test")
+
+
+def test_a_broken_emulation_is_named_as_the_projects(top_stage_repo):
+    """A stand-in out of step with the target's vLLM is the project's to fix:
+    the message says so, instead of blaming vllm.platforms.rocm (and with
+    it the stage being checked)."""
+    check = (
+        "import sys\n"
+        "from scripts.harness import fake_aiter, import_check\n"
+        "fake_aiter.installed = None  # what the emulation enters: now broken\n"
+        "sys.exit(import_check.main(['vllm.envs']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check],
+        env={**os.environ, "PYTHONPATH": f"{top_stage_repo}:{REPO_ROOT}"},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stdout.startswith(
+        "the emulated ROCm platform could not be set up "
+        "(scripts/harness/rocm_view_plugin.py:"
+    ), done.stdout
+    assert "the project's harness, not vLLM): TypeError" in done.stdout
