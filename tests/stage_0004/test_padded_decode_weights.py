@@ -37,22 +37,22 @@ TOPK = 64
 STEPS = {
     "one zero-length decode in the middle, then a prefill": (
         2,
-        [(248, 2), (140, 0), (120, 2), (90, 2), (70, 101)],
+        [(248, 2), (140, 0), (120, 2), (90, 2), (70, 24)],
         True,
     ),
     "two zero-length decodes in a row, then prefills": (
         2,
-        [(300, 2), (80, 0), (150, 0), (120, 2), (80, 70), (70, 30)],
+        [(300, 2), (80, 0), (150, 0), (120, 2), (80, 20), (70, 12)],
         True,
     ),
     "a zero-length decode first, then a prefill": (
         2,
-        [(140, 0), (200, 2), (96, 2), (70, 90)],
+        [(140, 0), (200, 2), (96, 2), (70, 24)],
         False,
     ),
     "a zero-length decode last among the decodes, then a prefill": (
         2,
-        [(180, 2), (120, 2), (140, 0), (65, 80)],
+        [(180, 2), (120, 2), (140, 0), (65, 20)],
         True,
     ),
     "decodes only, a gap in the middle": (
@@ -62,7 +62,7 @@ STEPS = {
     ),
     "next_n 3, a gap after a short request": (
         3,
-        [(220, 3), (160, 2), (90, 0), (300, 3), (90, 75)],
+        [(220, 3), (160, 2), (90, 0), (300, 3), (90, 20)],
         False,
     ),
     "next_n 4, decodes only, a gap first": (
@@ -72,12 +72,12 @@ STEPS = {
     ),
     "next_n 4, two gaps, then a prefill": (
         4,
-        [(200, 4), (90, 0), (100, 0), (130, 4), (111, 1), (64, 70)],
+        [(200, 4), (90, 0), (100, 0), (130, 4), (111, 1), (64, 16)],
         False,
     ),
     "no speculative decoding: decode lengths 1 and 0, then a prefill": (
         1,
-        [(200, 1), (90, 0), (150, 1), (180, 1), (66, 80)],
+        [(200, 1), (90, 0), (150, 1), (180, 1), (66, 20)],
         True,
     ),
     "no speculative decoding, decodes only, a gap first": (
