@@ -6,9 +6,10 @@ The target is what a user following vLLM main has: a git checkout of the
 pinned sources (the base commit of the work repo, without the version files
 the sdist ships), tagged as the release, then three upstream commits:
 
-- one that touches a line of context of a stage's hunk, two lines away from
-  what the stage changes: the hunk no longer applies as it is, so the stage
-  goes through the three-way merge (the report says "merged");
+- one that adds a line inside the context of the first stage's first
+  Python hunk, two lines away from what the stage changes: the hunk no
+  longer applies as it is, so the stage goes through the three-way merge
+  (the report says "merged");
 - one that adds a line at the top of another file a stage patches: its
   hunks apply at an offset;
 - one unrelated to the stages (README.md).
