@@ -48,9 +48,18 @@ def _step(next_n: int) -> list[tuple[int, int]]:
     return [(20, next_n), (9, next_n), (0, 24), (40, 7)]
 
 
-def _run_op(recorder, arch, heads, page, next_n, tp=1, requests=None, label="") -> None:
-    """Build the step with vLLM's builder and run the op, recording."""
-    long = requests is not None
+def _padded_step(next_n: int) -> list[tuple[int, int]]:
+    """Decodes of next_n rows with a zero-length request among them, then a
+    prompt: the builder pads the decode rows (requires_padding), and the op
+    packs the queries and weights and unpacks the top-k (stage 0004)."""
+    return [(20, next_n), (30, 0), (9, next_n), (40, 7)]
+
+
+def _run_op(
+    recorder, arch, heads, page, next_n, tp=1, requests=None, label="", long=False
+) -> None:
+    """Build the step with vLLM's builder and run the op, recording. A
+    ``long`` step's kernels are recorded, not interpreted."""
     with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm(arch):
         use_rocm_fp8_encoding(monkeypatch, arch)
         monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if tp > 1 else "0")
@@ -118,8 +127,16 @@ def test_indexer_op_kernels_compile(compile_matrix, arch, heads):
                 recorder, arch, heads, page, next_n,
                 label=f"{heads} index heads, {page}-token pages, next_n {next_n}",
             )  # fmt: skip
+    for next_n in (1, 2):  # the native decode path, which pads
+        _run_op(
+            recorder, arch, heads, PAGES[0], next_n, requests=_padded_step(next_n),
+            label=f"{heads} index heads, padded next_n {next_n} decodes",
+        )  # fmt: skip
     kernels = {variant.name for variant in recorder.variants}
     assert "_cp_gather_indexer_quant_cache" in " ".join(kernels), kernels
+    assert {"PackSeqTritonKernel", "UnpackSeqTritonKernel"} <= {
+        name.split(".")[0] for name in kernels
+    }, kernels
     failures = compile_matrix.compile(arch, recorder)
     assert not failures, "\n\n".join(failures)
 
@@ -154,7 +171,7 @@ def test_long_prefill_localisation_compiles(compile_matrix, heads):
     chunk-global indices vLLM's Triton kernel makes sequence-local."""
     recorder = gfx_compile.Recorder()
     _run_op(
-        recorder, "gfx950", heads, 64, 1, requests=LONG_PREFILL,
+        recorder, "gfx950", heads, 64, 1, requests=LONG_PREFILL, long=True,
         label=f"{heads} index heads, a 32K-key prefill chunk",
     )  # fmt: skip
     kernels = {variant.name for variant in recorder.variants}
