@@ -7,6 +7,9 @@ vllm_overlay/ here)."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -21,8 +24,15 @@ from vllm.models.deepseek_v32.amd.rocm import (  # noqa: E402
     DeepseekV32ROCmIndexer,
     DeepseekV32ROCmIndexerCache,
 )
+from vllm.transformers_utils.config import (  # noqa: E402
+    get_config,
+    get_hf_text_config,
+)
 from vllm.v1.attention.backends.mla.indexer import (  # noqa: E402
     DeepseekV32IndexerBackend,
+)
+from vllm.v1.attention.backends.mla.rocm_dsa_mxfp4_config import (  # noqa: E402
+    check_model_has_dsa_indexer,
 )
 from vllm.v1.attention.backends.mla.rocm_dsa_mxfp4_indexer import (  # noqa: E402
     DeepseekV32RocmMxfp4IndexerBackend,
@@ -117,3 +127,48 @@ def test_backend_and_builder(monkeypatch):
     assert builder.page_entries == 128
     # 64 indexer heads: AITER's mfma_nonk_dim gives n_per_tile 32.
     assert builder.cache_layout == RocmPagedMxfp4CacheLayout(32, 16, 2)
+
+
+# GLM-5.3-Flash's config.json shape: multimodal, its indexer's fields only
+# in the text config (transformers' Glm5NextConfig fills in the rest).
+GLM_5_3_FLASH = {
+    "architectures": ["Glm5NextForConditionalGeneration"],
+    "model_type": "glm5_next",
+    "text_config": {
+        "model_type": "glm5_next_text",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 256,
+        "pad_token_id": 0,
+        "index_topk": 2048,
+    },
+}
+
+
+def test_glm_5_3_flash_is_refused_by_name(tmp_path):
+    """vLLM's startup check (RocmPlatform.check_and_update_config) on the
+    config vLLM loads for GLM-5.3-Flash: its kpool indexer reads no MXFP4
+    cache, so the option is refused, naming the model, not ignored. Its
+    indexer's fields are in its text config alone, so a check that read the
+    top-level config would call it a model without an indexer instead. (A
+    whole VllmConfig would inspect the model class, which imports
+    torchvision; the test environment has none.)"""
+    (tmp_path / "config.json").write_text(json.dumps(GLM_5_3_FLASH))
+    hf_config = get_config(str(tmp_path), trust_remote_code=False)
+    text_config = get_hf_text_config(hf_config)
+    assert text_config.index_topk == 2048 and not hasattr(hf_config, "index_topk")
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf_config, hf_text_config=text_config)
+    )
+    with pytest.raises(
+        ValueError, match=r"not supported for GLM-5\.3-Flash \(model_type 'glm5_next'\)"
+    ):
+        check_model_has_dsa_indexer(config)
+
+
+def test_the_models_it_serves_pass_the_startup_check():
+    """DeepSeek-V3.2 through vLLM's real config; GLM-5.x (glm_moe_dsa) and
+    the MTP draft are covered by the PR test."""
+    check_model_has_dsa_indexer(_config())

@@ -26,6 +26,9 @@ from vllm.models.deepseek_v32.common.mxfp4_indexer_cache import (
 )
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+from vllm.v1.attention.backends.mla.rocm_dsa_mxfp4_config import (
+    check_model_has_dsa_indexer,
+)
 from vllm.v1.attention.ops import rocm_dsa_mxfp4_cache, rocm_paged_mxfp4_indexer
 from vllm.v1.attention.ops.rocm_dsa_mxfp4_cache import (
     LayerMxfp4CacheLayout,
@@ -146,6 +149,22 @@ def test_startup_errors(rocm, platform, overrides, match):
     rocm(**platform)
     with pytest.raises(ValueError, match=match):
         dsa_indexer_uses_fp4(_config(**overrides))
+
+
+@pytest.mark.cpu_test
+@pytest.mark.skip_global_cleanup
+def test_glm_5_3_flash_is_refused_by_name():
+    """GLM-5.3-Flash's config is multimodal: only its text config has the
+    indexer's fields, and its kpool indexer reads no MXFP4 cache."""
+    glm5next = pytest.importorskip("transformers.models.glm5_next")
+    hf_config = glm5next.Glm5NextConfig()
+    text_config = hf_config.get_text_config()
+    assert text_config.index_topk and not hasattr(hf_config, "index_topk")
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf_config, hf_text_config=text_config)
+    )
+    with pytest.raises(ValueError, match="not supported for GLM-5.3-Flash"):
+        check_model_has_dsa_indexer(config)
 
 
 @pytest.mark.cpu_test

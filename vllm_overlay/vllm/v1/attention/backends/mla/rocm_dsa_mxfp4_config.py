@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+# DeepSeek-V3.2 and GLM-5, GLM-5.1 and GLM-5.2 (glm_moe_dsa).
 DSA_MXFP4_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # Speculative decoding renames the draft's model_type to deepseek_mtp and
 # keeps the DSA family in its architecture.
 DSA_MXFP4_DRAFT_ARCHITECTURES = ("DeepseekV32MTPModel",)
+# DeepSeek-V4 and V4.1 have vLLM's own ROCm MXFP4 indexer cache.
+DSV4_MXFP4_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+# DSA models whose indexer reads no MXFP4 cache on ROCm, by name: GLM-5.3-Flash's
+# kpool indexer (vllm/models/glm5next) keeps its FP8 cache whatever is asked.
+DSA_MODELS_WITHOUT_MXFP4 = {"glm5_next": "GLM-5.3-Flash"}
 # The KV-cache block sizes (indexer pages) the DSA MXFP4 indexer backend
 # takes; its get_supported_kernel_block_sizes and the startup check read it.
 DSA_MXFP4_BLOCK_SIZES = (64, 128)
@@ -37,17 +43,29 @@ def is_dsa_v32_style_model(vllm_config: "VllmConfig") -> bool:
 
 
 def check_model_has_dsa_indexer(vllm_config: "VllmConfig") -> None:
-    """Raise ValueError for ``indexer_kv_dtype='mxfp4'`` on a model without
-    a DSA (sparse-attention) indexer, such as Llama or DeepSeek-V3: nothing
-    would read the option, and the model would start as if it were unset."""
+    """Raise ValueError for ``indexer_kv_dtype='mxfp4'`` on a model whose
+    indexer would not read an MXFP4 cache: one without a DSA (sparse-attention)
+    indexer, such as Llama or DeepSeek-V3, or a DSA model wired to none, such
+    as GLM-5.3-Flash. The model would otherwise start as if it were unset."""
     model_config = vllm_config.model_config
     if model_config is None:
         return
+    model_type = model_config.hf_config.model_type
+    # A multimodal model keeps its indexer's fields in its text config.
     if getattr(model_config.hf_text_config, "index_topk", None) is None:
         raise ValueError(
-            "indexer_kv_dtype='mxfp4' has no effect on model_type "
-            f"{model_config.hf_config.model_type!r}: it has no sparse-attention "
-            "(DSA) indexer; remove the option."
+            f"indexer_kv_dtype='mxfp4' has no effect on model_type {model_type!r}: "
+            "it has no sparse-attention (DSA) indexer; remove the option."
+        )
+    if not is_dsa_v32_style_model(vllm_config) and (
+        model_type not in DSV4_MXFP4_MODEL_TYPES
+    ):
+        name = DSA_MODELS_WITHOUT_MXFP4.get(model_type, "this model")
+        raise ValueError(
+            f"indexer_kv_dtype='mxfp4' on ROCm is not supported for {name} "
+            f"(model_type {model_type!r}): its DSA indexer keeps its FP8 cache. "
+            "It serves DeepSeek-V3.2, GLM-5, GLM-5.1 and GLM-5.2 (glm_moe_dsa), "
+            "their MTP drafts, and DeepSeek-V4 and V4.1; remove the option."
         )
 
 
