@@ -45,13 +45,18 @@ def installed_version(site: Path) -> str:
 
 
 def recovery(site: Path, version: str | None) -> str:
-    """How to get the package back as released, without the record."""
+    """How to get the package back as released, without the record, keeping
+    the installed vLLM's own build (the ROCm image's, a source build)."""
     version = version or "<version>"
     return (
-        f"reinstall vLLM {version}, which puts its files back as released (for "
-        f"a pip install: `pip install --force-reinstall --no-deps vllm=={version}`"
-        f"), then delete {site / INSTALL_RECORD_DIR}, which describes the old "
-        "install"
+        f"put vLLM {version}'s own files back where install changed them (they "
+        "are Python files, the same in the release's sdist as in its builds: "
+        "copy each from the series' base tree, whose path `python -m "
+        "scripts.series tree base` prints), or reinstall vLLM the way it was "
+        "installed (the ROCm image: a new container from it; a source build: "
+        "build it again), not from PyPI over a ROCm build (PyPI's wheel is the "
+        f"CUDA one); then delete {site / INSTALL_RECORD_DIR}, which describes "
+        "the old install"
     )
 
 
