@@ -620,7 +620,7 @@ def report(docs: Path) -> str:
             else "Logits and top-k are the fast stand-ins of "
             "`scripts/harness/fast_indexer_kernels.py`: a Triton fp8 MQA-logits "
             "kernel that leaves positions outside a row's range unwritten (vLLM "
-            "0.34.0 asks AITER for `clean_logits=False` on gfx950), one program "
+            "vLLM 0.34.0 asks AITER for `clean_logits=False` on gfx950), one program "
             "per row as AITER's gfx950 kernel, and a Triton radix top-k that "
             "reads only each row's range, one program per row or, where AITER's "
             "rule takes its multi-block kernel, several. Their times are H200 "

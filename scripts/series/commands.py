@@ -20,6 +20,7 @@ from scripts.series.export.export import export_stages, exporter_identity
 from scripts.series.export.pr_check import check_prs
 from scripts.series.install.install import install, stage_files
 from scripts.series.layout import INSTALL_RECORD_DIR, results_dir, workdir
+from scripts.series.pin_sites import pin_mismatches
 from scripts.series.rebase import commands as rebase_commands
 from scripts.series.rebase import roll
 from scripts.series.stages.apply import apply
@@ -159,6 +160,10 @@ def _check(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
             "README.md's stage table differs from series.toml; paste "
             "`python -m scripts.series overview` between its markers"
         )
+    problems += [
+        f"{mismatch}; a rebase's --accept writes these (scripts/series/pin_sites.py)"
+        for mismatch in pin_mismatches(series.root, series.base)
+    ]
     if problems:
         print("\n".join(f"error: {problem}" for problem in problems))
         return 1

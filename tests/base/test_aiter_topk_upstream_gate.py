@@ -5,7 +5,7 @@ vLLM's real indexer op takes, chunk by chunk, for the batches vLLM's own
 metadata builder makes (no hand-set fields), on gfx950 with AITER.
 
 This was stage 0002's upstream probe. Upstream merged the gate (#61943,
-vLLM 0.33.0) and the stage left the series with the move to 0.34.0; the
+vLLM 0.33.0) and the stage left the series with the move to vLLM 0.34.0; the
 probe stays so that a later release that changes the gate shows here. The
 expected table (``upstream_gate_table.json``) was recorded on vLLM 0.33.0.
 

@@ -239,7 +239,7 @@ def _unavailable(reason: str) -> None:
 @pytest.fixture(scope="session")
 def wheel_site() -> Path:
     """The pinned vLLM's wheel installed with ``pip install --no-deps
-    --target``, kept under build/cache/ (about 240 MB download for 0.34.0).
+    --target``, kept under build/cache/ (about 240 MB download for vLLM 0.34.0).
     Never written to: tests take ``installed_vllm``, a copy. Its sha256 is
     checked against the one the package index lists."""
     site = WHEEL_CACHE / "site"

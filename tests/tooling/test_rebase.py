@@ -954,11 +954,12 @@ def test_accept_carries_the_reviews_series_file_whole(two_stages):
 def test_accept_takes_the_newest_release_and_removes_older_reviews(two_stages, capsys):
     """With reviews onto two releases, a plain --accept takes the newest; the
     review of the release the new pin has passed is removed, not left to be
-    rebased "again"."""
+    rebased "again". Newest by release order, not string order (0.10.0 after
+    0.9.0)."""
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target)
     made = review_dir(two_stages.series(), target)
-    for version in ("0.33.0", "0.34.0"):
+    for version in ("0.10.0", "0.9.0"):
         copy = made.parent / f"vllm-{version}"
         shutil.copytree(made, copy)
         text = (copy / "series.toml").read_text()
@@ -967,8 +968,8 @@ def test_accept_takes_the_newest_release_and_removes_older_reviews(two_stages, c
     shutil.rmtree(made)
     two_stages.commit_all()
     accept(two_stages.series())
-    assert two_stages.series().base == SdistBase("vllm", "0.34.0", "ab" * 32)
+    assert two_stages.series().base == SdistBase("vllm", "0.10.0", "ab" * 32)
     assert not (two_stages.root / "patches" / "next").exists()
-    assert "removed patches/next/vllm-0.33.0: the new pin is past it" in (
+    assert "removed patches/next/vllm-0.9.0: the new pin is past it" in (
         capsys.readouterr().out
     )

@@ -18,6 +18,7 @@ from scripts.series import SeriesError
 from scripts.series.config import GitBase, Series, Stage
 from scripts.series.git import changed_files, git, git_out, is_repo
 from scripts.series.layout import NEXT_DIR, RESOLUTIONS, review_dir, workdir
+from scripts.series.pin_sites import PIN_FILES, moved_pin_files
 from scripts.series.rebase.series_toml import (
     base_fields,
     series_toml,
@@ -219,13 +220,14 @@ def write_review(series: Series, state: RebaseState) -> Path:
 
 def _after_accept(new: Series) -> str:
     """What CI's check-patches will say of the series once accepted: the
-    glue budget (``accept`` refuses while it fails) and the README stage
-    table (``accept`` writes it)."""
+    glue budget (``accept`` refuses while it fails), the README stage
+    table and the files that name the pin (``accept`` writes them)."""
     _, problems = hunk_budget(new)
     if not problems:
         return (
             "After `--accept`: the glue budget holds (CI's check-patches); the "
-            "accept writes the README's stage table for this series.\n"
+            "accept writes the README's stage table for this series and names "
+            f"the new pin in {', '.join(PIN_FILES)}.\n"
         )
     listed = "".join(f"- {problem}\n" for problem in problems)
     return (
@@ -306,6 +308,8 @@ def accept(series: Series, label: str | None = None) -> None:
         updated = with_stage_table(readme.read_text(encoding="utf-8"), new)
         if updated is not None:
             files[readme] = updated.encode()
+    # So do the files that name the pin (check-patches compares them too).
+    files.update(moved_pin_files(series.root, new.base, files))
     if (review / "REBASE.md").is_file():
         kept_report = series.root / "docs" / f"rebased_onto_{new.base.label}.md"
         files[kept_report] = (review / "REBASE.md").read_bytes()
@@ -338,6 +342,12 @@ def accept(series: Series, label: str | None = None) -> None:
         next_dir.rmdir()
     for other in passed:
         print(f"removed {other.relative_to(series.root)}: the new pin is past it")
+    if isinstance(new.base, GitBase):
+        print(
+            "note: a git pin has no release, so the image tags and the "
+            f"release named in {', '.join(PIN_FILES)} stay as they were "
+            "(install and the Dockerfile take a release pin)"
+        )
     print(
         f"the series is now on {new.base.label}; run apply to build its tree "
         f"(the old tree {workdir(series)} is left as it was); its conflict "
@@ -354,7 +364,7 @@ def accept(series: Series, label: str | None = None) -> None:
 
 
 def _release(series: Series) -> tuple[int, ...] | None:
-    """A release pin's version as numbers (``0.34.0`` -> (0, 34, 0)); None
+    """A release pin's version as numbers (``0.10.0`` -> (0, 10, 0)); None
     for a git checkout."""
     if isinstance(series.base, GitBase):
         return None
