@@ -41,7 +41,7 @@ RUNS, WARMUP, GRAPH_CALLS = 20, 3, 20
 # files kept in public GitHub repositories (Hugging Face was not reachable
 # from the machine that wrote this): DeepSeek-V3.2 61 layers, each with an
 # indexer; GLM-5.x 78 layers.
-# GLM-5.2's 21 indexer layers are from the stage 0002 PR text, not checked.
+# GLM-5.2's 21 indexer layers are from the stage 0003 PR text, not checked.
 MODELS = {
     "DeepSeek-V3.2": {"layers": 61, "indexer_layers": 61},
     "GLM-5.2": {"layers": 78, "indexer_layers": 21},
@@ -183,7 +183,7 @@ def _report(result: dict, command: str, out: Path) -> None:
         "and the tokens a fixed KV budget holds. Computed, not measured; the "
         "layer counts are from copies of the models' published config.json "
         "(DeepSeek-V3.2 61, GLM-5.x 78) and GLM-5.2's indexer layers are "
-        "from the stage 0002 PR (not checked):",
+        "from the stage 0003 PR text (not checked):",
         "",
         "| model | layers | indexer layers | FP8 indexer (B) | MXFP4 indexer (B) "
         "| KV capacity gain |",
