@@ -100,24 +100,25 @@ def _sdist(project, rev: str, version: str) -> bytes:
 
 @pytest.fixture
 def released(two_stages, monkeypatch, tmp_path):
-    """The series pinned to release 0.1.0 (upstream v1); 0.2.0 (v1 plus an
-    upstream change) is on the index too."""
+    """The series pinned to release 0.9.0 (upstream v1); 0.10.0 (v1 plus an
+    upstream change) is on the index too: newer by release order, older by
+    string order."""
     up = two_stages.upstream
     (up / "vllm/ops.py").write_text(
         (up / "vllm/ops.py").read_text().replace("return 5\n", "return 55\n", 1)
     )
-    sh(up, "git", "commit", "-qam", "upstream 0.2.0")
+    sh(up, "git", "commit", "-qam", "upstream 0.10.0")
     sh(up, "git", "tag", "v2")
     index = Releases(
         {
-            "0.1.0": _sdist(two_stages, "v1", "0.1.0"),
-            "0.2.0": _sdist(two_stages, "v2", "0.2.0"),
+            "0.9.0": _sdist(two_stages, "v1", "0.9.0"),
+            "0.10.0": _sdist(two_stages, "v2", "0.10.0"),
         }
     )
     monkeypatch.setenv(INDEX_ENV, index.url)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     text = two_stages.series_file.read_text()
-    pin = f'version = "0.1.0"\nsha256 = "{index.sha("0.1.0")}"\n'
+    pin = f'version = "0.9.0"\nsha256 = "{index.sha("0.9.0")}"\n'
     two_stages.series_file.write_text(text.replace(f'git = "{up}"\nrev = "v1"\n', pin))
     yield two_stages, index
     index.server.shutdown()
@@ -128,10 +129,10 @@ def test_roll_rebases_onto_a_newer_release_once(released, capsys):
     project, index = released
     assert roll.roll(project.series()) == 0
     out = capsys.readouterr().out
-    assert f"vllm 0.2.0 is out (sdist sha256 {index.sha('0.2.0')}): rebasing" in out
-    assert "Needs a person: review patches/next/vllm-0.2.0/REBASE.md" in out
+    assert f"vllm 0.10.0 is out (sdist sha256 {index.sha('0.10.0')}): rebasing" in out
+    assert "Needs a person: review patches/next/vllm-0.10.0/REBASE.md" in out
     folder = review_dir(
-        project.series(), SdistBase("vllm", "0.2.0", index.sha("0.2.0"))
+        project.series(), SdistBase("vllm", "0.10.0", index.sha("0.10.0"))
     )
     assert (folder / "series.toml").is_file()
     # On a schedule: the next run finds the review and does nothing.
@@ -143,12 +144,12 @@ def test_roll_is_a_no_op_on_the_newest_release(released, capsys):
     project, index = released
     text = project.series_file.read_text()
     project.series_file.write_text(
-        text.replace('"0.1.0"', '"0.2.0"').replace(
-            index.sha("0.1.0"), index.sha("0.2.0")
+        text.replace('"0.9.0"', '"0.10.0"').replace(
+            index.sha("0.9.0"), index.sha("0.10.0")
         )
     )
     assert roll.roll(project.series()) == 0
-    assert "vllm 0.2.0 is the newest release: nothing to do" in capsys.readouterr().out
+    assert "vllm 0.10.0 is the newest release: nothing to do" in capsys.readouterr().out
     assert not (project.root / "patches/next").exists()
 
 
@@ -158,20 +159,20 @@ def test_roll_reports_a_stopped_rebase_as_needing_a_person(released, capsys):
     up = project.upstream
     envs = up / "vllm/envs.py"
     envs.write_text(envs.read_text().replace("VAR_3 = 3\n", "VAR_3 = 33\n", 1))
-    sh(up, "git", "commit", "-qam", "upstream 0.3.0")
-    index.sdists["0.3.0"] = _sdist(project, "HEAD", "0.3.0")
+    sh(up, "git", "commit", "-qam", "upstream 0.100.0")
+    index.sdists["0.100.0"] = _sdist(project, "HEAD", "0.100.0")
     assert roll.roll(project.series()) == 1
     out = capsys.readouterr().out
-    assert "Needs a person: the rebase onto vllm 0.3.0 stopped." in out
+    assert "Needs a person: the rebase onto vllm 0.100.0 stopped." in out
     assert "stage 0001 has conflicts" in out
 
 
 def test_rebase_version_without_a_hash_names_the_index_hash(released, capsys):
     project, index = released
-    code = main(["--series", str(project.series_file), "rebase", "--version", "0.2.0"])
+    code = main(["--series", str(project.series_file), "rebase", "--version", "0.10.0"])
     err = capsys.readouterr().err
     assert code == 1
-    assert f"the package index lists {index.sha('0.2.0')} for vllm 0.2.0" in err
-    assert f"--version 0.2.0 --sha256 {index.sha('0.2.0')}" in err
+    assert f"the package index lists {index.sha('0.10.0')} for vllm 0.10.0" in err
+    assert f"--version 0.10.0 --sha256 {index.sha('0.10.0')}" in err
     with pytest.raises(SeriesError, match="lists no sdist"):
         roll.sdist_sha256("vllm", "7.7.7")
