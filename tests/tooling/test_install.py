@@ -425,6 +425,37 @@ def test_an_unwritable_folder_is_refused_before_anything_is_written(
             assert _tree_state(site / INSTALL_RECORD_DIR) == saved
 
 
+def test_an_unwritable_site_folder_is_refused_for_the_record(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """The site folder itself holds the record folder: a first install
+    creates it there and an undo removes it, so both are refused, naming
+    the site folder, when it cannot be written, though every package
+    folder can (simulated through os.access)."""
+    site = installed_vllm
+    real_access = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if Path(path) == site and mode & os.W_OK:
+            return False
+        return real_access(path, mode, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "access", access)
+        with pytest.raises(SeriesError, match=rf"cannot write in {site} \("):
+            install(site, wanted["0001"])
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert not (site / INSTALL_RECORD_DIR).exists()
+    install(site, wanted["0001"])
+    saved = _tree_state(site / INSTALL_RECORD_DIR)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "access", access)
+        with pytest.raises(SeriesError, match=rf"cannot write in {site} \("):
+            install(site, None)
+    assert _not_as_shipped(site, wheel_site) == _tree_package("0001")
+    assert _tree_state(site / INSTALL_RECORD_DIR) == saved
+
+
 def test_a_read_only_folder_is_refused(installed_vllm, wheel_site, wanted):
     """As above, with a real chmod (which root, writing anyway, ignores)."""
     site = installed_vllm
@@ -503,6 +534,45 @@ def test_a_file_on_another_filesystem_than_its_folder_is_refused(
         install(site, wanted["0001"])
     assert _not_as_shipped(site, wheel_site) == {}
     assert not (site / INSTALL_RECORD_DIR).exists()
+
+
+def test_a_file_to_delete_on_another_filesystem_is_refused(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """The undo deletes the files the stages added; one mounted on its own
+    (another device than its folder) cannot be unlinked (EBUSY): found
+    before the first change and refused naming it, with the install as it
+    was. Simulated through os.stat and os.unlink."""
+    site = installed_vllm
+    install(site, wanted["0001"])
+    added = [
+        p
+        for p in _tree_package("0001")
+        if p.startswith(OPS) and not (wheel_site / p).exists()
+    ]
+    mounted = site / added[0]
+    saved = _tree_state(site / INSTALL_RECORD_DIR)
+    real_stat, real_unlink = os.stat, os.unlink
+
+    def stat(path, *args, **kwargs):
+        result = real_stat(path, *args, **kwargs)
+        if Path(path) == mounted:
+            fields = list(result[:10])
+            fields[2] += 1  # st_dev
+            return os.stat_result(fields)
+        return result
+
+    def unlink(path, *args, **kwargs):
+        if Path(path) == mounted:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(SeriesError, match=rf"{mounted} is on another filesystem"):
+        install(site, None)
+    assert _not_as_shipped(site, wheel_site) == _tree_package("0001")
+    assert _tree_state(site / INSTALL_RECORD_DIR) == saved
 
 
 def test_an_undo_stopped_right_after_a_deletion_is_finished(
