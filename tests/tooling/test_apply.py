@@ -4,8 +4,11 @@ interruption, determinism."""
 
 from __future__ import annotations
 
+import errno
+import os
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -508,6 +511,35 @@ def test_a_git_base_gets_the_version_metadata_an_install_would(project: Project)
         "vllm.egg-info/PKG-INFO",
         "vllm/_version.py",
     ]
+
+
+@pytest.mark.parametrize(
+    "error, why",
+    [
+        (RuntimeError("Symlink loop from '...'"), "a symlink loop"),  # Python < 3.13
+        (OSError(errno.ELOOP, os.strerror(errno.ELOOP)), "a symlink loop"),  # 3.13+
+        (OSError(errno.EACCES, os.strerror(errno.EACCES)), os.strerror(errno.EACCES)),
+    ],
+)
+def test_a_path_that_cannot_be_followed_is_named_on_every_python(
+    project: Project, monkeypatch, error, why
+):
+    """Path.resolve reports a symlink loop as RuntimeError before Python 3.13
+    and as OSError(ELOOP) from 3.13: both are named a loop; another OSError
+    gives its own reason."""
+    series = project.series()
+    link = project.root / "vllm_overlay" / "vllm" / "looped.py"
+
+    def resolve(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(Path, "resolve", resolve)
+    with pytest.raises(SeriesError) as e:
+        series.inside(link)
+    assert str(e.value) == (
+        f"{link} cannot be followed ({why}); the series' files must be plain "
+        "files, or links to files, inside the project"
+    )
 
 
 def test_an_overlay_that_is_a_symlink_loop_is_named(project: Project):
