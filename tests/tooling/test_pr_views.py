@@ -11,6 +11,7 @@ its test is the one issue 45 found, before and after its fix."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
 
@@ -19,7 +20,7 @@ import pytest
 from scripts.series import SeriesError
 from scripts.series.export.export import export_stages
 from scripts.series.export.pr_check import check_prs, review_path
-from scripts.series.export.pr_views import AMD_CI, CPU, verdict
+from scripts.series.export.pr_views import AMD_CI, CPU, run_view, verdict
 from scripts.series.git import Identity
 from scripts.series.stages.apply import apply
 from scripts.series.testing.results import Tally
@@ -173,3 +174,48 @@ def test_a_skip_without_a_reason_fails_a_view():
         False,
         "0 passed, 0 failed, 0 skipped; no test ran",
     )
+
+
+# What a test sees of the machine: the platform, the arch vLLM's ROCm module
+# read from AMD SMI, and whether AITER is on.
+PROBE = (
+    "import json\nimport os\n\n\n"
+    "def test_probe():\n"
+    "    from vllm._aiter_ops import rocm_aiter_ops\n"
+    "    from vllm.platforms import current_platform\n"
+    "    from vllm.platforms.rocm import _ARCH\n\n"
+    "    seen = {'rocm': current_platform.is_rocm(), 'arch': _ARCH,\n"
+    "            'aiter': rocm_aiter_ops.is_enabled()}\n"
+    "    with open(os.environ['DSA_VIEW_PROBE'], 'w') as out:\n"
+    "        json.dump(seen, out)\n"
+)
+
+
+@pytest.mark.parametrize("view", AMD_CI, ids=lambda view: view.key)
+def test_each_amd_view_is_the_machine_it_names(project: Project, tmp_path, view):
+    """Each AMD view's tests see the chip and the AITER setting of the CI
+    machine it stands for (MI300: gfx942, MI355: gfx950; "-aiter": on), as
+    its label says; read from the machine names, not from the views."""
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nPROBE = True\n")},
+        {**VLLM_FILES, "tests/v1/test_probe.py": PROBE},
+    )
+    tree = apply(project.series())
+    chip = {"mi300": "gfx942", "mi355": "gfx950"}[view.key.split("-")[0]]
+    aiter = view.key.endswith("-aiter")
+    machine = {"gfx942": "MI300", "gfx950": "MI355"}[chip]
+    assert view.label == f"{machine} ({chip}), VLLM_ROCM_USE_AITER={int(aiter)}"
+    seen, log = tmp_path / "seen.json", tmp_path / "view.log"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSA_VIEW_PROBE", str(seen))
+        tally = run_view(
+            view,
+            sys.executable,
+            tree,
+            ["tests/v1/test_probe.py"],
+            tmp_path / "junit.xml",
+            log,
+        )
+    assert tally.passed == 1, log.read_text()
+    assert json.loads(seen.read_text()) == {"rocm": True, "arch": chip, "aiter": aiter}
