@@ -23,6 +23,7 @@ TREE = applied_tree("0001")
 ENABLE = "VLLM_ROCM_USE_AITER_CP_INDEXER"
 STRIPE = "VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"
 UNITS = "DSA_TEST_COMPUTE_UNITS"  # this test's own, read by _start
+GFX942_LOGITS = "DSA_TEST_GFX942_LOGITS"  # this test's own, read by _start
 TP = 4
 
 
@@ -49,6 +50,12 @@ def _start(rank: int, world_size: int, settings: list[tuple]):
         # and which size the planner's wave (MI355X's 256 unless a case
         # gives a rank another GPU).
         units = int(os.environ.get(UNITS, "256"))
+        if os.environ.get(GFX942_LOGITS):
+            # This rank's op calls gfx942's logits, which fill their chunk
+            # (a TP group of mixed GPUs).
+            from vllm.v1.attention.ops import rocm_aiter_mla_sparse
+
+            monkeypatch.setattr(rocm_aiter_mla_sparse, "_ON_GFX942", True)
         try:
             builder = indexer_batch.make_builder(
                 config, monkeypatch, compute_units=units
@@ -127,6 +134,16 @@ def test_the_flag_off_on_one_rank_is_an_error_on_the_others(off):
             "304",
             ["the GPU's compute units differs across the TP ranks", "rank 1: 304"],
             id="the GPU's compute units",
+        ),
+        # The logits' -inf fill adds each chunk's width to a row's cost.
+        pytest.param(
+            GFX942_LOGITS,
+            "1",
+            [
+                "the logits kernel's -inf fill differs across the TP ranks",
+                "rank 0: False, rank 1: True, rank 2: False",
+            ],
+            id="the logits kernel's fill",
         ),
     ],
 )

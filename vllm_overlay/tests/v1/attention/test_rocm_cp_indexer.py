@@ -450,6 +450,10 @@ def test_with_the_wave_the_costliest_rank_costs_the_least_it_can(monkeypatch):
         (8, [(15 * 1024, 64), (0, 1024)], False),  # too little work
         (8, [(0, 4096)], False),  # a fresh 4K prompt: 13.0M key-rows
         (2, [(0, 8192)], True),  # a fresh 8K prompt: 46.9M
+        # At the minimum, where each row's fixed cost and its chunk's -inf
+        # fill decide (without either, 4,652 rows cost 13.5M or 14.1M):
+        (2, [(0, 4652)], True),  # 16,782,090 key-rows, just over 2^24
+        (2, [(0, 4651)], False),  # 16,776,157, just under
         (8, [(100 * 1024, 512), (0, 8192)], True),  # a turn and a prompt
         (8, [(200 * 1024, 4096)], True),  # a long turn
     ],
