@@ -127,6 +127,65 @@ def test_prefill_follows_the_fp8_indexers_32k_gate(op, seq_len):
     assert bool((layer.topk_buffer < plan.row_ends[:, None]).all())
 
 
+def _requests_chunk_and_plan(seq_lens: list[int], rows_each: int = ROWS):
+    """One prefill chunk holding the last ``rows_each`` rows of several
+    requests: as vLLM's chunk metadata has it, ``max_seqlen_k`` is the
+    longest request and ``total_seq_lens`` all of the chunk's keys; the
+    MXFP4 plan's logits are as wide as the longest request."""
+    ends = [
+        torch.arange(n - rows_each + 1, n + 1, dtype=torch.int32) for n in seq_lens
+    ]
+    rows = rows_each * len(seq_lens)
+    chunk = SimpleNamespace(
+        token_start=0,
+        token_end=rows,
+        block_table=torch.zeros(len(seq_lens), 1, dtype=torch.int32),
+        max_seqlen_k=max(seq_lens),
+        total_seq_lens=sum(seq_lens),
+        num_reqs=len(seq_lens),
+    )
+    plan = SimpleNamespace(
+        width=max(seq_lens),
+        row_ends=torch.cat(ends),
+        context_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.arange(0, rows + 1, rows_each, dtype=torch.int32),
+    )
+    return chunk, plan
+
+
+@pytest.mark.parametrize(
+    "seq_lens, kernel",
+    [
+        # 56K keys in the chunk, none of its rows 32K long: vLLM's.
+        ([20_000, 24_000, 12_000], "vllm"),
+        ([16_384] * 4, "vllm"),
+        # One row past 32K among short ones: aiter's.
+        ([1_000, 40_000, 3_000], "aiter"),
+    ],
+)
+def test_a_chunk_of_several_requests_is_gated_by_its_longest_row(
+    op, seq_lens, kernel
+):
+    """The gate reads the chunk's longest row, not all the keys it holds."""
+    chunk, plan = _requests_chunk_and_plan(seq_lens)
+    rows = ROWS * len(seq_lens)
+    layer = _layer(rows, K)
+    mxfp4_ops._dense_prefill(layer, chunk, plan, candidate_write=False)
+    assert op == [kernel]
+    assert bool((layer.topk_buffer < plan.row_ends[:, None]).all())
+
+
+def test_the_first_rows_of_a_long_prompt_are_gated_as_the_fp8_op_gates_them(op):
+    """A chunk holding a query slice of a 40K-token request (its first rows,
+    each of few keys): the FP8 op asks the gate with the chunk's
+    ``max_seqlen_k``, the request's length, so the MXFP4 op does too."""
+    chunk, plan = _chunk_and_plan(ROWS, 40_960)
+    plan.row_ends = torch.arange(1, ROWS + 1, dtype=torch.int32)
+    layer = _layer(ROWS, K)
+    mxfp4_ops._dense_prefill(layer, chunk, plan, candidate_write=False)
+    assert op == ["aiter"]
+
+
 def test_the_gate_is_upstreams_function_not_a_copy(op, monkeypatch):
     """Whatever vLLM's gate answers, the MXFP4 op does, asked as the FP8 op
     asks it: the chunk's longest row and k."""
@@ -167,11 +226,14 @@ MAX_MODEL_LEN = 40960
 MAX_NUM_SEQS = 8
 
 
-def test_the_profiling_run_reserves_aiters_topk_scratch(op, monkeypatch):
+# 8 decodes: the prefill chunk's logits and scratch are the peak; 256: the
+# decode batch's scratch (about 5 MB) is, past the 1 MB logits budget.
+@pytest.mark.parametrize("max_num_seqs", [MAX_NUM_SEQS, 256])
+def test_the_profiling_run_reserves_aiters_topk_scratch(op, monkeypatch, max_num_seqs):
     monkeypatch.setattr(envs, "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", 1)
     budget = 1 << 20
     config = dsa_attention.make_config(dsa_attention.DEEPSEEK_V32, "mxfp4", 64)
-    config.scheduler_config.max_num_seqs = MAX_NUM_SEQS
+    config.scheduler_config.max_num_seqs = max_num_seqs
     config.speculative_config = None
 
     # A real step's peak: the largest prefill chunk (the chunker's rows at
@@ -182,14 +244,15 @@ def test_the_profiling_run_reserves_aiters_topk_scratch(op, monkeypatch):
     assert op == ["aiter"] and len(topk_reference.WORKSPACE_LOG) == 1
     prefill_peak = rows * MAX_MODEL_LEN * 4 + topk_reference.WORKSPACE_LOG[0]
     # ...and the largest decode batch's scratch, beside the workspace logits.
-    decode_logits = torch.randn(MAX_NUM_SEQS, MAX_MODEL_LEN)
-    lengths = torch.full((MAX_NUM_SEQS,), MAX_MODEL_LEN, dtype=torch.int32)
-    out = torch.empty(MAX_NUM_SEQS, K, dtype=torch.int32)
+    decode_logits = torch.randn(max_num_seqs, MAX_MODEL_LEN)
+    lengths = torch.full((max_num_seqs,), MAX_MODEL_LEN, dtype=torch.int32)
+    out = torch.empty(max_num_seqs, K, dtype=torch.int32)
     mxfp4_ops._topk(decode_logits, lengths, out, K)
     decode_scratch = topk_reference.WORKSPACE_LOG[1]
     assert decode_scratch == topk_reference.aiter_one_block_workspace_bytes(
-        MAX_NUM_SEQS, MAX_MODEL_LEN
+        max_num_seqs, MAX_MODEL_LEN
     )
+    assert (decode_scratch > prefill_peak) is (max_num_seqs > MAX_NUM_SEQS)
 
     # The profiling run (no attention metadata) claims, for a moment, bytes
     # beside the persistent workspace: record every transient byte buffer.
@@ -203,12 +266,13 @@ def test_the_profiling_run_reserves_aiters_topk_scratch(op, monkeypatch):
         return tensor
 
     indexer_batch.ensure_workspace(torch.device("cpu"))
-    tokens = 16
+    # The profiling run's tokens: vLLM's token budget, at least max_num_seqs.
+    tokens = 2 * max_num_seqs
     with set_current_vllm_config(config):
         # The persistent workspace (the decode logits) is the model runner's
         # and already this large: grown here, it is not counted below.
         current_workspace_manager().get_simultaneous(
-            ((MAX_NUM_SEQS, MAX_MODEL_LEN), torch.float32)
+            ((max_num_seqs, MAX_MODEL_LEN), torch.float32)
         )
         context = create_forward_context(None, config)
         with override_forward_context(context):
@@ -229,5 +293,6 @@ def test_the_profiling_run_reserves_aiters_topk_scratch(op, monkeypatch):
     assert claimed, "the profiling run claims nothing"
     assert max(claimed) >= prefill_peak, (max(claimed), prefill_peak)
     assert max(claimed) >= decode_scratch
-    # And not wildly more: the logits budget and an eighth of it.
-    assert max(claimed) <= budget + budget // 8 + 512
+    # And not wildly more: the logits budget and an eighth of it, or the
+    # decode batch's scratch.
+    assert max(claimed) <= max(budget + budget // 8 + 512, decode_scratch)
