@@ -132,9 +132,7 @@ def _requests_chunk_and_plan(seq_lens: list[int], rows_each: int = ROWS):
     requests: as vLLM's chunk metadata has it, ``max_seqlen_k`` is the
     longest request and ``total_seq_lens`` all of the chunk's keys; the
     MXFP4 plan's logits are as wide as the longest request."""
-    ends = [
-        torch.arange(n - rows_each + 1, n + 1, dtype=torch.int32) for n in seq_lens
-    ]
+    ends = [torch.arange(n - rows_each + 1, n + 1, dtype=torch.int32) for n in seq_lens]
     rows = rows_each * len(seq_lens)
     chunk = SimpleNamespace(
         token_start=0,
@@ -163,9 +161,7 @@ def _requests_chunk_and_plan(seq_lens: list[int], rows_each: int = ROWS):
         ([1_000, 40_000, 3_000], "aiter"),
     ],
 )
-def test_a_chunk_of_several_requests_is_gated_by_its_longest_row(
-    op, seq_lens, kernel
-):
+def test_a_chunk_of_several_requests_is_gated_by_its_longest_row(op, seq_lens, kernel):
     """The gate reads the chunk's longest row, not all the keys it holds."""
     chunk, plan = _requests_chunk_and_plan(seq_lens)
     rows = ROWS * len(seq_lens)
