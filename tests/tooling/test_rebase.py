@@ -354,6 +354,38 @@ def test_accept_leaves_what_ci_checks_passing(two_stages):
     assert kept.read_text() == report
 
 
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda text: text[: len(text) // 2] + "[[stage\n", "not valid TOML"),
+        (lambda text: re.sub(r"\nrev = .*\n", "\n", text), "base.rev: missing"),
+        (
+            lambda text: re.sub(r"rebased_from = .*\n", "", text),
+            "rebased_from: missing",
+        ),
+    ],
+    ids=["not TOML", "a field missing", "no rebased_from"],
+)
+def test_a_damaged_review_is_refused_naming_its_file(two_stages, damage, says):
+    """A review whose series.toml cannot be read or lacks a field: accept
+    names the file and what is wrong, says what to run, and writes nothing
+    (no traceback)."""
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    folder = review_dir(two_stages.series(), target)
+    series_file = folder / "series.toml"
+    series_file.write_text(damage(series_file.read_text()))
+    two_stages.commit_all()
+    before = _snapshot(two_stages)
+    with pytest.raises(SeriesError) as error:
+        accept(two_stages.series(), folder.name)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{folder} is not a rebased series that can be read")
+    assert says in message and "Rebase again" in message, message
+    assert _snapshot(two_stages) == before
+
+
 def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):
     """An overlay edited while resolving is the review's own copy (the
     project's stays as it was) and becomes the project's on --accept."""

@@ -258,6 +258,15 @@ def accept(series: Series, label: str | None = None) -> None:
         p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
     )
     review = _review_to_accept(series, reviews, label)
+    new = load_review(review)
+    if "rebased_from" not in tomllib.loads(
+        (review / "series.toml").read_text(encoding="utf-8")
+    ):
+        raise _damaged(
+            review,
+            f"{review / 'series.toml'}: rebased_from: missing (the digest of "
+            "the series it was rebased from)",
+        )
     # Named first: after a kill, these are what differ from the review's
     # starting point.
     _refuse_unless_git_holds(
@@ -271,7 +280,6 @@ def accept(series: Series, label: str | None = None) -> None:
             "patches/ or vllm_overlay/ changed since this rebase started; refusing "
             "to overwrite them (rebase again from the current series)"
         )
-    new = load_review(review)
     _, problems = hunk_budget(new)
     if problems:
         raise SeriesError(
@@ -451,6 +459,18 @@ def note_if_review_is_stale(series: Series) -> None:
 
 
 def load_review(path: Path) -> Series:
+    """The rebased series under review in ``path``; a damaged one is refused
+    naming its file, what is wrong and what to run."""
     from scripts.series.config import load_series
 
-    return load_series(path / "series.toml")
+    try:
+        return load_series(path / "series.toml")
+    except (SeriesError, OSError, UnicodeDecodeError) as error:
+        raise _damaged(path, str(error)) from None
+
+
+def _damaged(path: Path, problem: str) -> SeriesError:
+    return SeriesError(
+        f"{path} is not a rebased series that can be read: {problem}. Rebase "
+        "again to write it anew, or delete the folder; nothing was written"
+    )
