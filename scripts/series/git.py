@@ -92,9 +92,30 @@ def git(
     except FileNotFoundError:
         raise SeriesError("git is not installed (not found on PATH)") from None
     if check and result.returncode != 0:
+        refused = ownership_refusal(result.stderr)
+        if refused:
+            raise SeriesError(refused)
         message = result.stderr.decode(errors="replace").strip()
         raise SeriesError(f"git {' '.join(args[:2])} failed in {repo}: {message}")
     return result
+
+
+def ownership_refusal(stderr: bytes) -> str | None:
+    """The refusal to give for git's safe.directory check ("detected dubious
+    ownership in repository at '...'"), or None for any other error. The
+    user's safe.directory list is of no help: this tool ignores the user's
+    git configuration (git_env)."""
+    text = stderr.decode(errors="replace")
+    if "dubious ownership" not in text:
+        return None
+    where = text.split("repository at", 1)[-1].split("\n", 1)[0].strip(" '")
+    return (
+        f"git refuses to read {where}: the checkout belongs to another user "
+        "(git's safe.directory check), and this tool does not read your git "
+        "configuration, so adding it to safe.directory does not help. Clone "
+        f"it as yourself (`git clone {where} DEST`) and use DEST, or run as "
+        "its owner"
+    )
 
 
 def git_out(repo: Path, *args: str) -> str:

@@ -19,7 +19,7 @@ from scripts.series.config import GitBase, SdistBase, load_series
 from scripts.series.layout import review_dir
 from scripts.series.rebase import rebase
 from scripts.series.rebase.review import accept
-from scripts.series.rebase.state import format_report, load_state
+from scripts.series.rebase.state import format_report, load_state, state_file
 from scripts.series.rebase.tree_tester import TreeTester
 from scripts.series.stages.apply import apply
 from scripts.series.stages.patchfile import read_patch
@@ -384,6 +384,33 @@ def test_a_damaged_review_is_refused_naming_its_file(two_stages, damage, says):
     assert message.startswith(f"{folder} is not a rebased series that can be read")
     assert says in message and "Rebase again" in message, message
     assert _snapshot(two_stages) == before
+
+
+def test_a_target_owned_by_another_user_is_named_as_such(two_stages, monkeypatch):
+    """git refuses a checkout another user owns (safe.directory; simulated
+    with git's own GIT_TEST_ASSUME_DIFFERENT_OWNER, for that checkout
+    only): the rebase says so and how to go on, not "not a commit"."""
+    from scripts.series import git as git_module
+
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    real_run = git_module.subprocess.run
+
+    def run(command, *args, env=None, **kwargs):
+        if str(target.path) in command[:3]:
+            env = {**(env or {}), "GIT_TEST_ASSUME_DIFFERENT_OWNER": "1"}
+        return real_run(command, *args, env=env, **kwargs)
+
+    monkeypatch.setattr(git_module.subprocess, "run", run)
+    before = _snapshot(two_stages)
+    with pytest.raises(SeriesError) as error:
+        rebase.start(two_stages.series(), target)
+    message = str(error.value)
+    assert message.startswith(
+        f"git refuses to read {target.path}: the checkout belongs to another user"
+    ), message
+    assert f"git clone {target.path} DEST" in message
+    assert _snapshot(two_stages) == before
+    assert not state_file(two_stages.series()).exists()
 
 
 def test_an_overlay_changed_in_the_rebase_is_kept_and_accepted(two_stages):

@@ -19,7 +19,14 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, SdistBase, Series
-from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out, is_repo
+from scripts.series.git import (
+    TOOL_IDENTITY,
+    Identity,
+    git,
+    git_out,
+    is_repo,
+    ownership_refusal,
+)
 from scripts.series.layout import (
     BASE_REF,
     BASE_TAG,
@@ -52,6 +59,9 @@ def resolve_git_rev(base: GitBase) -> str:
         check=False,
     )
     if result.returncode != 0:
+        refused = ownership_refusal(result.stderr)
+        if refused:
+            raise SeriesError(refused)
         raise SeriesError(f"base.rev: {base.rev!r} is not a commit in {base.path}")
     return result.stdout.decode().strip()
 
