@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import socket
 import subprocess
 import threading
 
@@ -176,3 +177,38 @@ def test_rebase_version_without_a_hash_names_the_index_hash(released, capsys):
     assert f"--version 0.10.0 --sha256 {index.sha('0.10.0')}" in err
     with pytest.raises(SeriesError, match="lists no sdist"):
         roll.sdist_sha256("vllm", "7.7.7")
+
+
+def _refusing_url() -> str:
+    """An index URL on a loopback port nothing listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}/simple"
+
+
+@pytest.mark.parametrize(
+    "index_of, why",
+    [
+        (lambda index: _refusing_url(), "Connection refused"),
+        (lambda index: index.url.replace("/simple", "/nothing-here"), "Not Found"),
+    ],
+    ids=["refuses connections", "answers 404"],
+)
+def test_an_unreachable_index_is_one_sentence_naming_it(
+    released, monkeypatch, index_of, why
+):
+    """roll cannot read the index: one line naming the index URL, why, and
+    what to set; nothing is written."""
+    project, index = released
+    url = index_of(index)
+    monkeypatch.setenv(INDEX_ENV, url)
+    with pytest.raises(SeriesError) as error:
+        roll.roll(project.series())
+    message = str(error.value)
+    assert message == (
+        f"cannot read vllm's releases from the package index at {url}/vllm/ "
+        f"({why}); nothing was changed. Connect to the network, or set "
+        f"{INDEX_ENV} to an index this machine can reach"
+    )
+    assert not (project.root / "patches/next").exists()

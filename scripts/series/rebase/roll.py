@@ -5,6 +5,7 @@ pin, and say what needs a person; a no-op when there is nothing new."""
 from __future__ import annotations
 
 import re
+import urllib.error
 
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase, Series
@@ -12,7 +13,7 @@ from scripts.series.layout import review_dir
 from scripts.series.rebase import rebase
 from scripts.series.rebase.review import review_is_current
 from scripts.series.rebase.state import rebase_command
-from scripts.series.stages.fetch import index_url, listed_files
+from scripts.series.stages.fetch import INDEX_ENV, index_url, listed_files
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -23,8 +24,20 @@ def releases(name: str) -> dict[str, str]:
     """{version: sdist sha256} of the final releases the index lists with an
     sdist and its hash (pre-releases and post-releases are not followed)."""
     pattern = re.compile(rf"{re.escape(name)}-(\d+(?:\.\d+)*)\.tar\.gz")
+    url = f"{index_url()}/{name}/"
+    try:
+        files = listed_files(url)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        # URLError wraps the socket's error (refused, unknown host, timeout).
+        reason = getattr(error, "reason", error)
+        why = getattr(reason, "strerror", None) or str(reason)
+        raise SeriesError(
+            f"cannot read {name}'s releases from the package index at {url} "
+            f"({why}); nothing was changed. Connect to the network, or set "
+            f"{INDEX_ENV} to an index this machine can reach"
+        ) from None
     found = {}
-    for filename, (_, sha256, _) in listed_files(f"{index_url()}/{name}/").items():
+    for filename, (_, sha256, _) in files.items():
         if (match := pattern.fullmatch(filename)) and sha256:
             found[match.group(1)] = sha256.lower()
     return found
