@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import py_compile
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from scripts.series import SeriesError
 from scripts.series.config import SERIES_FILE, load_series
 from scripts.series.install import install as install_module
 from scripts.series.install.install import install, installed_record, stage_files
-from scripts.series.layout import INSTALL_RECORD_DIR, workdir
+from scripts.series.layout import INSTALL_JOURNAL, INSTALL_RECORD_DIR, workdir
 from scripts.series.stages.state import read_chain
 from scripts.series.stages.trees import stage_tree
 
@@ -573,6 +574,58 @@ def test_a_file_to_delete_on_another_filesystem_is_refused(
         install(site, None)
     assert _not_as_shipped(site, wheel_site) == _tree_package("0001")
     assert _tree_state(site / INSTALL_RECORD_DIR) == saved
+
+
+def test_an_undo_killed_while_removing_its_record_is_finished(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """Kill the undo while it deletes its record folder, part of it gone:
+    the package is already as shipped, and the next undo finishes (no
+    report of damaged originals, no advice to reinstall vLLM)."""
+    site = installed_vllm
+    install(site, wanted["0001"])
+    real_rmtree = install_module.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name.startswith(INSTALL_RECORD_DIR) and Path(path).exists():
+            # Part of the folder gone (its journal, an original), then the kill.
+            (Path(path) / INSTALL_JOURNAL).unlink(missing_ok=True)
+            for original in sorted(Path(path).rglob("*.py"))[:1]:
+                original.unlink()
+            raise _Stop
+        return real_rmtree(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(install_module.shutil, "rmtree", rmtree)
+        with pytest.raises(_Stop):
+            install(site, None)
+    assert _not_as_shipped(site, wheel_site) == {}
+    outcome = install(site, None)
+    assert outcome.record is None
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert [p.name for p in site.iterdir() if p.name.startswith(".dsa")] == []
+
+
+def test_an_undo_finds_the_release_back_under_a_damaged_record(
+    installed_vllm, wheel_site, wanted
+):
+    """A record whose originals were half deleted (an undo killed while an
+    older version removed it) over files already as shipped: the undo
+    removes the record instead of refusing on the damaged originals."""
+    site = installed_vllm
+    install(site, wanted["0001"])
+    records = site / INSTALL_RECORD_DIR
+    for path in _tree_package("0001"):
+        shipped = wheel_site / path
+        if shipped.exists():
+            shutil.copyfile(shipped, site / path)
+        else:
+            (site / path).unlink()
+    for original in sorted((records / "originals").rglob("*.py"))[:1]:
+        original.unlink()
+    outcome = install(site, None)
+    assert "as vLLM shipped them already" in outcome.note
+    assert not records.exists() and _not_as_shipped(site, wheel_site) == {}
 
 
 def test_an_undo_stopped_right_after_a_deletion_is_finished(

@@ -112,6 +112,16 @@ def install(site: Path, want: StageFiles | None) -> Outcome:
         finished = _finish_interrupted(site)
         record = load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
         recorded = record["files"] if record else {}
+        if want is None and record is not None and _as_released(site, recorded):
+            # An undo stopped while removing its record (before this tool
+            # removed it at once): nothing is left to undo but the record.
+            _remove_record_folder(site)
+            return Outcome(
+                (),
+                None,
+                finished + f"the package files in {site} are as vLLM shipped them "
+                "already; removed the install record left behind",
+            )
         if record is not None:
             _check_originals(site, record)
         edited = [
@@ -175,6 +185,18 @@ def _file_sha(path: Path) -> str | None:
     if path.is_symlink() or not path.is_file():
         raise SeriesError(f"{path} is not a plain file; install leaves it alone")
     return sha256(path.read_bytes())
+
+
+def _as_released(site: Path, recorded: dict) -> bool:
+    """Whether every file the record names is as vLLM shipped it (a file the
+    install added: absent)."""
+    try:
+        return all(
+            _file_sha(site / path) == hashes["original"]
+            for path, hashes in recorded.items()
+        )
+    except SeriesError:  # not a plain file: not as shipped
+        return False
 
 
 def _check_originals(site: Path, record: dict) -> None:
@@ -382,7 +404,7 @@ def _discard_staging(site: Path) -> None:
         install_staged(site / path).unlink(missing_ok=True)
     record = load(root / INSTALL_RECORD)
     if record is None:
-        shutil.rmtree(root)
+        _remove_record_folder(site)
         return
     _prune_originals(root, record["files"])
     for partial in root.glob(".*.partial"):
@@ -390,8 +412,20 @@ def _discard_staging(site: Path) -> None:
     (root / INSTALL_STAGING).unlink(missing_ok=True)
 
 
+def _remove_record_folder(site: Path) -> None:
+    """The record folder goes at once (renamed out of the way, then
+    deleted): a run killed while deleting it leaves no half record, only
+    the renamed folder, which the next run deletes."""
+    removed = site / f"{INSTALL_RECORD_DIR}.removed"
+    shutil.rmtree(removed, ignore_errors=True)
+    os.replace(site / INSTALL_RECORD_DIR, removed)
+    shutil.rmtree(removed)
+
+
 def _finish_interrupted(site: Path) -> str:
     root = site / INSTALL_RECORD_DIR
+    # What a run killed while removing its record folder left.
+    shutil.rmtree(site / f"{INSTALL_RECORD_DIR}.removed", ignore_errors=True)
     if not (root / INSTALL_JOURNAL).exists():
         if root.exists() and (
             not (root / INSTALL_RECORD).exists() or (root / INSTALL_STAGING).exists()
@@ -462,7 +496,7 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
         install_staged(site / entry["path"]).unlink(missing_ok=True)
     record = journal["record"]
     if record is None:
-        shutil.rmtree(root)  # undone: the install is as shipped again
+        _remove_record_folder(site)  # undone: the install is as shipped again
         return tuple(e["path"] for e in entries)
     _write(root / INSTALL_RECORD, json.dumps(record, indent=1).encode(), 0o644)
     _prune_originals(root, record["files"])
