@@ -734,6 +734,63 @@ def test_a_conflicted_stage_can_be_dropped_or_resolved_to_nothing(two_stages):
     assert [s.id for s in _review_of(two_stages, target).stages] == ["0002"]
 
 
+class _Stop(BaseException):
+    """A kill at one step (nothing after it runs)."""
+
+
+def test_a_rebase_killed_while_it_deletes_its_work_area_is_over(
+    two_stages, monkeypatch
+):
+    """Killed while deleting its work area, the finished rebase has already
+    dropped its state and written its review: nothing to continue, and the
+    next rebase onto the target deletes what the kill left."""
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    real_rmtree = rebase.shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name == target.label and not kwargs.get("ignore_errors"):
+            real_rmtree(Path(path) / "vllm" / ".git" / "objects")
+            raise _Stop
+        return real_rmtree(path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(rebase.shutil, "rmtree", rmtree)
+        with pytest.raises(_Stop):
+            rebase.start(two_stages.series(), target)
+    assert not state_file(two_stages.series()).exists()
+    assert (review_dir(two_stages.series(), target) / "REBASE.md").is_file()
+    with pytest.raises(SeriesError, match="no rebase in progress"):
+        rebase.resume(two_stages.series())
+    reports = rebase.start(two_stages.series(), target)
+    assert _outcomes(reports)["0001"] == "applied cleanly"
+
+
+@pytest.mark.parametrize("damage", ["missing", "damaged"])
+def test_continue_without_the_work_repo_says_what_to_run(two_stages, damage):
+    """A state whose work repo is gone or damaged (what an older version of
+    the tool left when killed at its end): --continue names the state file
+    and the repo and says to abort, instead of git's own error; --abort
+    then drops it, with the project as it was."""
+    target = _upstream_merged_0001_differently(two_stages)
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    repo = _work_repo(two_stages)
+    if damage == "missing":
+        shutil.rmtree(repo)
+    else:
+        shutil.rmtree(repo / ".git" / "objects")
+    before = _snapshot(two_stages)
+    with pytest.raises(SeriesError) as error:
+        rebase.resume(two_stages.series())
+    message = str(error.value)
+    assert f"its work repo {repo} is {damage}" in message, message
+    assert str(state_file(two_stages.series())) in message
+    assert "`nox -s rebase -- --abort`" in message
+    rebase.abort(two_stages.series())
+    assert not state_file(two_stages.series()).exists()
+    assert _snapshot(two_stages) == before
+
+
 def test_continue_keeps_the_unmerged_state_and_the_options(two_stages):
     target = _target(
         two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}

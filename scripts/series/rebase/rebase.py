@@ -23,6 +23,7 @@ from scripts.series.git import (
     files_with_conflict_markers,
     git,
     git_out,
+    is_repo,
     rev_parse,
 )
 from scripts.series.layout import (
@@ -179,6 +180,7 @@ def resume(
     state.test_python = test_python or state.test_python
     tester = TreeTester(state.test_python) if state.test_python else None
     repo = work_repo(series, state)
+    _refuse_unless_work_repo_holds(series, state, repo)
     if not state.pending:
         # Interrupted inside a stage: only the tool has touched the work repo
         # since the last recorded stage, so go back to it (a commit made for
@@ -232,6 +234,29 @@ def resume(
     state.next += 1
     save_state(series, state)
     return _run(series, state, tester)
+
+
+def _refuse_unless_work_repo_holds(
+    series: Series, state: RebaseState, repo: Path
+) -> None:
+    """The work repo must hold what the state records (the last rebased
+    stage's commit): a kill can leave the state without it (an older
+    version of this tool deleted the work repo before the state)."""
+    start = _stage_start(series, state)
+    found = is_repo(repo) and (
+        git(
+            repo, "rev-parse", "--verify", "-q", f"{start}^{{commit}}", check=False
+        ).returncode
+        == 0
+    )
+    if not found:
+        raise SeriesError(
+            f"the rebase onto {target_from(state.target).label} recorded in "
+            f"{state_file(series)} cannot go on: its work repo {repo} is "
+            f"{'damaged' if repo.exists() else 'missing'} (a run killed while it "
+            f"ended or aborted). Run {rebase_command('--abort')} to drop it, then "
+            "rebase again"
+        )
 
 
 CHECKS_FAILED = "merged, but fails its checks"
@@ -404,9 +429,11 @@ def _run(
         state.next += 1
         save_state(series, state)
     out = write_review(series, state)
-    # The review holds all that is kept (patches, resolutions, report).
-    shutil.rmtree(rebase_dir(series) / target_from(state.target).label)
+    # The review holds all that is kept (patches, resolutions, report). The
+    # state goes first: a kill while the work area is deleted then leaves
+    # no rebase to continue, only a folder the next rebase deletes.
     remove_state(series)
+    shutil.rmtree(rebase_dir(series) / target_from(state.target).label)
     print(format_report(state.reports))
     print(
         f"rebased series written for review to {out}; test it with "
