@@ -75,3 +75,33 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     single = indexer_batch.make_builder(indexer_batch.make_vllm_config(1), monkeypatch)
     batch = indexer_batch.build_batch(single, [(30, 1), (0, 200)])
     assert batch.metadata.prefill.cp_split is None
+
+
+def test_mtp_decodes_before_the_prefills_are_left_out_of_the_plan(monkeypatch):
+    """MTP (next_n 2): the decode requests hold two rows each, so decode
+    tokens outnumber decode requests. The plan takes the prefill requests'
+    lengths (after the decode requests) and the prefill rows (after the
+    decode tokens): rows 4-293 here, cut by their own costs."""
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
+    with emulate_rocm("gfx950"):
+        config = indexer_batch.make_vllm_config(tp_size=4, num_speculative_tokens=1)
+        builder = indexer_batch.make_builder(config, monkeypatch)
+        builder.cp_indexer = dataclasses.replace(builder.cp_indexer, wave_rows=0)
+        # Two next_n 2 decodes, then a fresh 200-token prompt and 90 new
+        # tokens over 50 cached ones.
+        requests = [(3000, 2), (40, 2), (0, 200), (50, 90)]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+            batch = indexer_batch.build_batch(builder, requests)
+    assert batch.metadata.num_decode_tokens == 4
+    split = batch.metadata.prefill.cp_split
+    assert split is not None and split.bounds[0] == 4 and split.bounds[-1] == 294
+    fixed = rocm_cp_indexer.ROW_COST_KEYS
+    costs = [t + 1 + fixed for t in range(200)] + [
+        50 + t + 1 + fixed for t in range(90)
+    ]
+    before = [sum(costs[:j]) for j in range(len(costs) + 1)]
+    for rank, cut in enumerate(split.bounds[1:-1], start=1):
+        share = rank * before[-1] / 4
+        nearest = min(range(len(before)), key=lambda j: abs(before[j] - share))
+        assert abs(cut - 4 - nearest) <= 1, (rank, cut, nearest)

@@ -1067,15 +1067,22 @@ def test_accept_carries_the_reviews_series_file_whole(two_stages):
     assert "# vLLM's own tests\n" in two_stages.series_file.read_text()
 
 
-def test_accept_takes_the_newest_release_and_removes_older_reviews(two_stages, capsys):
+@pytest.mark.parametrize(
+    "older, newer",
+    # Release order against string order (0.10.0 after 0.9.0), and the
+    # newest sorted last by name (0.9.1 after 0.9.0).
+    [("0.9.0", "0.10.0"), ("0.9.0", "0.9.1")],
+)
+def test_accept_takes_the_newest_release_and_removes_older_reviews(
+    two_stages, capsys, older, newer
+):
     """With reviews onto two releases, a plain --accept takes the newest; the
     review of the release the new pin has passed is removed, not left to be
-    rebased "again". Newest by release order, not string order (0.10.0 after
-    0.9.0)."""
+    rebased "again"."""
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
     rebase.start(two_stages.series(), target)
     made = review_dir(two_stages.series(), target)
-    for version in ("0.10.0", "0.9.0"):
+    for version in (older, newer):
         copy = made.parent / f"vllm-{version}"
         shutil.copytree(made, copy)
         text = (copy / "series.toml").read_text()
@@ -1084,8 +1091,29 @@ def test_accept_takes_the_newest_release_and_removes_older_reviews(two_stages, c
     shutil.rmtree(made)
     two_stages.commit_all()
     accept(two_stages.series())
-    assert two_stages.series().base == SdistBase("vllm", "0.10.0", "ab" * 32)
+    assert two_stages.series().base == SdistBase("vllm", newer, "ab" * 32)
     assert not (two_stages.root / "patches" / "next").exists()
-    assert "removed patches/next/vllm-0.9.0: the new pin is past it" in (
+    assert f"removed patches/next/vllm-{older}: the new pin is past it" in (
         capsys.readouterr().out
     )
+
+
+def test_a_git_review_beside_a_release_review_must_be_named(two_stages):
+    """A git checkout's review has no release to compare: with another
+    review beside it, a plain --accept asks which, naming both."""
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    made = review_dir(two_stages.series(), target)
+    release = made.parent / "vllm-0.9.0"
+    shutil.copytree(made, release)
+    text = (release / "series.toml").read_text()
+    pin = f'version = "0.9.0"\nsha256 = "{"ab" * 32}"\n'
+    (release / "series.toml").write_text(re.sub(r"git = .*\nrev = .*\n", pin, text))
+    two_stages.commit_all()
+    before = _snapshot(two_stages)
+    with pytest.raises(SeriesError, match="name the rebased series to accept") as e:
+        accept(two_stages.series())
+    assert f"{made.name}, vllm-0.9.0" in str(e.value) or (
+        f"vllm-0.9.0, {made.name}" in str(e.value)
+    )
+    assert _snapshot(two_stages) == before

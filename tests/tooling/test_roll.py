@@ -212,3 +212,18 @@ def test_an_unreachable_index_is_one_sentence_naming_it(
         f"{INDEX_ENV} to an index this machine can reach"
     )
     assert not (project.root / "patches/next").exists()
+
+
+def test_roll_rebases_again_when_its_review_is_older_than_the_series(released, capsys):
+    """A review of the newest release made before a stage changed is stale:
+    the next roll rebases again instead of pointing at it."""
+    project, index = released
+    assert roll.roll(project.series()) == 0
+    capsys.readouterr()
+    series_file = project.series_file
+    series_file.write_text(series_file.read_text() + "# a stage changed since\n")
+    project.commit_all()
+    assert roll.roll(project.series()) == 0
+    out = capsys.readouterr().out
+    assert "already rebased onto it" not in out
+    assert f"vllm 0.10.0 is out (sdist sha256 {index.sha('0.10.0')}): rebasing" in out
