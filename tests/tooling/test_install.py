@@ -367,7 +367,13 @@ def test_a_damaged_original_stops_the_undo_with_nothing_changed(
             lambda text: text.replace('"vllm/envs.py"', '"vllm/../../envs.py"', 1),
             r"record\.json is damaged: .*vllm/\.\./\.\./envs\.py",
         ),
+        # The package folder itself, not a file in it.
+        (
+            lambda text: text.replace('"vllm/envs.py"', '"vllm"', 1),
+            r"record\.json is damaged: 'vllm' is not a file",
+        ),
     ],
+    ids=["cut short", "a path out of the package", "the package folder"],
 )
 def test_a_damaged_record_changes_nothing(
     installed_vllm, wheel_site, wanted, damage, message

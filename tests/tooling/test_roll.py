@@ -24,8 +24,8 @@ from scripts.series.stages.fetch import CACHE_ENV, INDEX_ENV
 
 
 class Releases:
-    """A simple-API index (JSON) listing sdists, plus a wheel and a
-    pre-release that roll must not follow."""
+    """A simple-API index (JSON) listing sdists, plus a wheel, a
+    pre-release and a signature file that roll must not follow."""
 
     def __init__(self, sdists: dict[str, bytes]):
         self.sdists = sdists
@@ -75,6 +75,12 @@ class Releases:
                 "hashes": {"sha256": "0" * 64},
             },
             {"filename": "vllm-9.0.0-cp38-abi3-manylinux_2_28_x86_64.whl", "url": "/x"},
+            # A signature beside an sdist: not a release of its own.
+            {
+                "filename": "vllm-9.0.0.tar.gz.asc",
+                "url": "/x",
+                "hashes": {"sha256": "1" * 64},
+            },
         ]
         return json.dumps({"files": files}).encode()
 
