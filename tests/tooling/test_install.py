@@ -10,6 +10,7 @@ or undone, by the next run."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
 import errno
 import functools
@@ -17,6 +18,7 @@ import hashlib
 import os
 import py_compile
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -396,33 +398,40 @@ def test_a_damaged_record_changes_nothing(
 OPS = "vllm/v1/attention/ops"  # stage 0001 adds a file there, changes one
 
 
-def test_an_unwritable_folder_is_refused_before_anything_is_written(
-    installed_vllm, wheel_site, wanted, monkeypatch
-):
-    """A folder of the package that cannot be written (a read-only layer or
-    mount, or another owner's) is found before the first file is swapped:
-    the install, or the undo, is refused naming it, with nothing changed.
-    Simulated through os.access, as the tests may run as root."""
-    site = installed_vllm
-    ops = site / OPS
+@contextlib.contextmanager
+def _unwritable(folder: Path) -> Iterator[None]:
+    """os.access reports ``folder`` unwritable, as for a read-only layer or
+    mount, or another owner's folder (the tests may run as root, for whom a
+    chmod changes nothing)."""
     real_access = os.access
 
     def access(path, mode, *args, **kwargs):
-        if Path(path) == ops and mode & os.W_OK:
+        if Path(path) == folder and mode & os.W_OK:
             return False
         return real_access(path, mode, *args, **kwargs)
 
-    with monkeypatch.context() as patched:
+    with pytest.MonkeyPatch.context() as patched:
         patched.setattr(os, "access", access)
-        with pytest.raises(SeriesError, match=rf"cannot write in {ops} \(") as e:
-            install(site, wanted["0003"])
+        yield
+
+
+def test_an_unwritable_folder_is_refused_before_anything_is_written(
+    installed_vllm, wheel_site, wanted
+):
+    """A folder of the package that cannot be written (a read-only layer or
+    mount, or another owner's) is found before the first file is swapped:
+    the install, or the undo, is refused naming it, with nothing changed."""
+    site = installed_vllm
+    ops = site / OPS
+    refused = pytest.raises(SeriesError, match=rf"cannot write in {ops} \(")
+    with _unwritable(ops), refused as e:
+        install(site, wanted["0003"])
     assert "nothing was changed" in str(e.value)
     assert _not_as_shipped(site, wheel_site) == {}
     assert not (site / INSTALL_RECORD_DIR).exists()
     install(site, wanted["0003"])
     saved = _tree_state(site / INSTALL_RECORD_DIR)
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "access", access)
+    with _unwritable(ops):
         # The undo writes back stage 0001's files in ops (a move between
         # stages may leave ops alone: stage 0003 writes nothing there).
         for target in (None,):
@@ -433,32 +442,22 @@ def test_an_unwritable_folder_is_refused_before_anything_is_written(
 
 
 def test_an_unwritable_site_folder_is_refused_for_the_record(
-    installed_vllm, wheel_site, wanted, monkeypatch
+    installed_vllm, wheel_site, wanted
 ):
     """The site folder itself holds the record folder: a first install
     creates it there and an undo removes it, so both are refused, naming
     the site folder, when it cannot be written, though every package
-    folder can (simulated through os.access)."""
+    folder can."""
     site = installed_vllm
-    real_access = os.access
-
-    def access(path, mode, *args, **kwargs):
-        if Path(path) == site and mode & os.W_OK:
-            return False
-        return real_access(path, mode, *args, **kwargs)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "access", access)
-        with pytest.raises(SeriesError, match=rf"cannot write in {site} \("):
-            install(site, wanted["0001"])
+    refused = rf"cannot write in {site} \("
+    with _unwritable(site), pytest.raises(SeriesError, match=refused):
+        install(site, wanted["0001"])
     assert _not_as_shipped(site, wheel_site) == {}
     assert not (site / INSTALL_RECORD_DIR).exists()
     install(site, wanted["0001"])
     saved = _tree_state(site / INSTALL_RECORD_DIR)
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "access", access)
-        with pytest.raises(SeriesError, match=rf"cannot write in {site} \("):
-            install(site, None)
+    with _unwritable(site), pytest.raises(SeriesError, match=refused):
+        install(site, None)
     assert _not_as_shipped(site, wheel_site) == _tree_package("0001")
     assert _tree_state(site / INSTALL_RECORD_DIR) == saved
 
