@@ -6,7 +6,7 @@
 #   docker build --build-arg INSTALL_ARGS="--upto 0001" -t dsa-vllm:0.34.0-0001 .
 #
 # The tag is the vLLM release the series is pinned to (patches/series.toml;
-# a rebase's --accept moves it with the pin); install refuses any other vLLM. The build downloads that release's sdist
+# a rebase's branch moves it with the pin); install refuses any other vLLM. The build downloads that release's sdist
 # from PyPI (checked against its sha256) to make the stage commits, so it
 # needs network access and git (installed if the image lacks it).
 FROM vllm/vllm-openai-rocm:v0.34.0

@@ -19,13 +19,12 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).resolve().parent
-SERIES_FILE = ROOT / "patches" / "series.toml"
 
 
-def _stage_ids(series: Path = SERIES_FILE) -> list[str]:
-    """'base' and the stage ids of a series, in order."""
+def _stage_ids() -> list[str]:
+    """'base' and the stage ids of the series, in order."""
     stages = subprocess.run(
-        [sys.executable, "-m", "scripts.series", "--series", str(series), "stages"],
+        [sys.executable, "-m", "scripts.series", "stages"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -37,8 +36,6 @@ def _stage_ids(series: Path = SERIES_FILE) -> list[str]:
 
 
 STAGE_IDS = _stage_ids()
-# Rebased series written by `rebase` for review, one folder per target.
-REBASED = sorted((ROOT / "patches" / "next").glob("*/series.toml"))
 REQUIREMENTS = ROOT / "tests" / "requirements-cpu.txt"
 
 nox.options.default_venv_backend = "uv|virtualenv"
@@ -46,28 +43,7 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["apply-and-test"]
 
 
-def _note_if_uncommitted(session: nox.Session, series_file: Path) -> None:
-    """A review under patches/next/ that git does not track is run here but
-    not in CI (a clean clone): say so, not to sweep it in unnoticed."""
-    tracked = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-files", "--error-unmatch", str(series_file)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    # Exit status 1 with git's "did not match" message: not tracked (any
-    # other failure, such as no git checkout, says nothing about it).
-    if tracked.returncode == 1 and "did not match" in tracked.stderr:
-        folder = series_file.parent.relative_to(ROOT)
-        session.warn(
-            f"{folder}/ is not committed: it runs here, but CI (a clean clone) "
-            "does not see it; commit it, or delete it if it is a leftover"
-        )
-
-
-def _check_args(
-    session: nox.Session, command: str, *args: str, series: Path = SERIES_FILE
-) -> dict:
+def _check_args(session: nox.Session, command: str, *args: str) -> dict:
     """Check the arguments a session passes on with the series tool's own
     parser (stage ids included) before anything is applied or installed;
     return them as the tool parsed them."""
@@ -76,8 +52,6 @@ def _check_args(
             sys.executable,
             "-m",
             "scripts.series",
-            "--series",
-            str(series),
             "--check-args",
             command,
             *args,
@@ -111,11 +85,9 @@ def _no_args(session: nox.Session) -> None:
         )
 
 
-def _series(session: nox.Session, *args: str, series: Path = SERIES_FILE) -> None:
+def _series(session: nox.Session, *args: str) -> None:
     """Run the series CLI with the session's interpreter (stdlib only)."""
-    session.run(
-        "python", "-m", "scripts.series", "--series", str(series), *args, external=True
-    )
+    session.run("python", "-m", "scripts.series", *args, external=True)
 
 
 def _find_links() -> list[str]:
@@ -136,10 +108,10 @@ def _find_links() -> list[str]:
     return [arg for link in links for arg in ("--find-links", link)]
 
 
-def _install_cpu_deps(session: nox.Session, series: Path = SERIES_FILE) -> None:
+def _install_cpu_deps(session: nox.Session) -> None:
     """Install what the indexer modules need (vLLM's own pins as
     constraints), once per change of inputs."""
-    constraints = _stage_tree(session, "base", series) / "requirements" / "common.txt"
+    constraints = _stage_tree(session, "base") / "requirements" / "common.txt"
     find_links = _find_links()
     key = hashlib.sha256(
         REQUIREMENTS.read_bytes()
@@ -169,15 +141,11 @@ def _install_cpu_deps(session: nox.Session, series: Path = SERIES_FILE) -> None:
     stamp.write_text(key)
 
 
-def _stage_tree(
-    session: nox.Session, stage_id: str, series: Path = SERIES_FILE
-) -> Path:
+def _stage_tree(session: nox.Session, stage_id: str) -> Path:
     tree = session.run(
         "python",
         "-m",
         "scripts.series",
-        "--series",
-        str(series),
         "tree",
         stage_id,
         silent=True,
@@ -245,8 +213,9 @@ def rebase(session: nox.Session) -> None:
     """Rebase the stages onto a newer vLLM release or git checkout.
 
     -- --version V --sha256 H (a release; --version alone prints the hash
-    the package index lists), or -- --git PATH --rev REV; then -- --continue,
-    --abort or --accept.
+    the package index lists), or -- --git PATH --rev REV; then -- --continue
+    or --abort. It ends on a project branch, rebase/<target>: merge it to
+    adopt the new pin.
     """
     python = str(Path(session.virtualenv.location) / "bin" / "python")
     parsed = _check_args(session, "rebase", "--test-python", python, *session.posargs)
@@ -261,11 +230,12 @@ def rebase(session: nox.Session) -> None:
 
 @nox.session(name="rehearse-rebase")
 def rehearse_rebase(session: nox.Session) -> None:
-    """Rehearse the next rebase, with every check on, and delete its review.
+    """Rehearse the next rebase, with every check on, and delete its branch.
 
     The target: a git checkout of the pinned release plus upstream commits
     that move and touch the stages' hunks (build/rehearsal/). Every stage
-    must apply or merge and pass its checks. -- --keep keeps the review.
+    must apply or merge and pass its checks, and the rebase must end on its
+    branch. -- --keep keeps the branch.
     """
     if set(session.posargs) - {"--keep"}:
         session.error(
@@ -295,39 +265,6 @@ def roll(session: nox.Session) -> None:
     _series(session, "apply")
     _install_cpu_deps(session)
     _series(session, "roll", "--test-python", python)
-
-
-@nox.session(name="refresh-reviews")
-def refresh_reviews(session: nox.Session) -> None:
-    """Rebase each review under patches/next/ again after a stage change.
-
-    Only reviews older than patches/ are redone; recorded resolutions replay.
-    """
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
-    _check_args(
-        session, "rebase", "--refresh", "--test-python", python, *session.posargs
-    )
-    _series(session, "apply")
-    _install_cpu_deps(session)
-    _series(session, "rebase", "--refresh", "--test-python", python)
-
-
-@nox.session
-def rebased(session: nox.Session) -> None:
-    """Apply and test each rebased series under review on its own vLLM.
-
-    The series under patches/next/<target>/, each on its target.
-    """
-    for series_file in REBASED:
-        _check_args(session, "test", *_test_args(session), series=series_file)
-    if not REBASED:
-        _check_args(session, "test", *_test_args(session))
-        session.skip("no rebased series under patches/next/")
-    for series_file in REBASED:
-        _note_if_uncommitted(session, series_file)
-        _series(session, "apply", series=series_file)
-        _install_cpu_deps(session, series_file)
-        _series(session, "test", *_test_args(session), series=series_file)
 
 
 @nox.session
@@ -394,33 +331,17 @@ def check_patches(session: nox.Session) -> None:
 def export(session: nox.Session) -> None:
     """Export each stage as an upstream PR and check it as a maintainer would.
 
-    For the pinned vLLM and each rebased series' target (build/export/<base>/,
-    branch pr/<id>): git am on the base, its pre-commit, its tests with plain
-    pytest on a CPU and as AMD CI's MI300 and MI355 machines run them (ROCm
-    emulated, AITER on and off). -- 0001 exports one stage (and those it
-    needs); -- --signoff 'NAME <EMAIL>' signs off as someone other than your
-    git identity.
+    For the pinned vLLM (build/export/<base>/, branch pr/<id>): git am on
+    the base, its pre-commit, its tests with plain pytest on a CPU and as AMD
+    CI's MI300 and MI355 machines run them (ROCm emulated, AITER on and off).
+    -- 0001 exports one stage (and those it needs); -- --signoff 'NAME
+    <EMAIL>' signs off as someone other than your git identity.
     """
     python = str(Path(session.virtualenv.location) / "bin" / "python")
-    parsed = _check_args(session, "export", "--test-python", python, *session.posargs)
-    for series_file in (SERIES_FILE, *REBASED):
-        if series_file != SERIES_FILE:
-            _note_if_uncommitted(session, series_file)
-            stage = parsed["stage"]
-            if stage and stage not in _stage_ids(series_file):
-                folder = series_file.parent.relative_to(ROOT)
-                session.log(f"{folder}/ has no stage {stage} (upstream has it)")
-                continue
-        _series(session, "apply", series=series_file)
-        _install_cpu_deps(session, series_file)
-        _series(
-            session,
-            "export",
-            "--test-python",
-            python,
-            *session.posargs,
-            series=series_file,
-        )
+    _check_args(session, "export", "--test-python", python, *session.posargs)
+    _series(session, "apply")
+    _install_cpu_deps(session)
+    _series(session, "export", "--test-python", python, *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -14,7 +14,6 @@ from scripts.series import SeriesError
 from scripts.series.commands import BY_NAME, COMMANDS
 from scripts.series.config import SERIES_FILE, Series, load_series
 from scripts.series.lock import project_lock
-from scripts.series.rebase import review
 from scripts.series.rebase.state import rebase_command
 
 
@@ -99,6 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 def _run(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     command = BY_NAME[args.command]
     _check_arguments(series, args)
-    if args.command in ("apply", "test"):
-        review.note_if_review_is_stale(series)
     return command.run(series, args, extra) or 0

@@ -34,13 +34,12 @@ from scripts.series.stages.fetch import fetch_sdist
 from scripts.series.stages.overview import (
     readme_table_is_current,
     stage_table,
-    wide_stage_table,
 )
 from scripts.series.stages.prepare import prepare
 from scripts.series.stages.refresh import refresh
 from scripts.series.stages.state import read_chain
 from scripts.series.stages.status import format_status, tree_status
-from scripts.series.stages.trees import copy_tree, stage_tree
+from scripts.series.stages.trees import stage_tree
 from scripts.series.testing.results import format_summary, format_timings
 from scripts.series.testing.testrun import compile_summary, run_tests
 
@@ -161,7 +160,7 @@ def _check(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
             "`python -m scripts.series overview` between its markers"
         )
     problems += [
-        f"{mismatch}; a rebase's --accept writes these (scripts/series/pin_sites.py)"
+        f"{mismatch}; a rebase's branch writes these (scripts/series/pin_sites.py)"
         for mismatch in pin_mismatches(series.root, series.base)
     ]
     if problems:
@@ -178,30 +177,12 @@ def _stages(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
     print(" ".join(["base", *(s.id for s in series.stages)]))
 
 
-def _overview_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--wide",
-        action="store_true",
-        help="every column: the files each stage hooks into, its overlay "
-        "modules and tests, and where it was validated",
-    )
-
-
 def _overview(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
-    print(wide_stage_table(series) if args.wide else stage_table(series))
+    print(stage_table(series))
 
 
 def _tree(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
     print(stage_tree(series, args.stage))
-
-
-def _copy_tree_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("stage", help="'base' or a stage id (all up to it)")
-    parser.add_argument("dest", type=Path, help="a new or empty folder")
-
-
-def _copy_tree(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
-    print(copy_tree(series, args.stage, args.dest.resolve()))
 
 
 # -- export and install -------------------------------------------------------
@@ -371,7 +352,6 @@ COMMANDS = (
         "overview",
         "print the README's stage table",
         _overview,
-        _overview_args,
         writes=False,
     ),
     Command(
@@ -379,13 +359,6 @@ COMMANDS = (
         "print the path of a stage's test tree",
         _tree,
         _stage_arg,
-        stage_ids=lambda args: [args.stage],
-    ),
-    Command(
-        "copy-tree",
-        "copy a stage's tree (no .git) to build and install vLLM from",
-        _copy_tree,
-        _copy_tree_args,
         stage_ids=lambda args: [args.stage],
     ),
     Command(
@@ -421,8 +394,8 @@ COMMANDS = (
         lambda series, args, extra: roll.roll(series, test_python=args.test_python),
         rebase_commands.roll_arguments,
         description="Asks the package index for the newest vLLM release; if it "
-        "is newer than the pin, rebases the series onto it for review "
-        "(patches/next/) and prints what needs a person. Exit status 1 when "
+        "is newer than the pin, rebases the series onto it (a project branch, "
+        "rebase/vllm-VERSION) and prints what needs a person. Exit status 1 when "
         "the rebase stopped on a conflict or a failed check.",
     ),
     Command(
@@ -432,9 +405,8 @@ COMMANDS = (
         rebase_commands.arguments,
         description="Targets: --version V --sha256 H (a release's PyPI sdist) or "
         "--git PATH --rev REV (a local checkout). Then --continue after "
-        "resolving conflicts, --abort to drop it, --accept to adopt the "
-        "reviewed series, --refresh to rebase each review again after a "
-        "stage change.",
+        "resolving conflicts, or --abort to drop it. The rebased series is a "
+        "commit on a new project branch, rebase/<target>: merge it to adopt it.",
         stage_ids=rebase_commands.stage_ids,
     ),
 )

@@ -15,7 +15,6 @@ from scripts.series import SeriesError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERIES_FILE = REPO_ROOT / "patches" / "series.toml"
-DEFAULT_OVERLAYS = ("../vllm_overlay",)  # relative to the series file
 
 UPSTREAM_STATUSES = ("not-submitted", "open", "merged", "closed", "upstreamed")
 _STAGE_ID = re.compile(r"^[0-9]{4}$")
@@ -115,31 +114,24 @@ class RegressionSuite:
 
 @dataclass(frozen=True)
 class Series:
-    """``root`` is the project (tests/, build/, docs/); the patch files sit
-    next to the series file and the overlays in ``overlay_dirs``, searched in
-    order. The project's own series is patches/series.toml with vllm_overlay/;
-    a rebased series written for review keeps its own patches and only the
-    overlays that differ, and finds the others in the project's vllm_overlay/
-    (which a review checks is unchanged: review.review_is_current)."""
+    """``root`` is the project (tests/, build/, docs/): the folder above the
+    series file's (patches/), whose patch files sit beside it, and whose
+    overlays are in ``overlay_dir`` (vllm_overlay/)."""
 
     root: Path
     base: Base
     stages: tuple[Stage, ...]
     regression: tuple[RegressionSuite, ...]
     patches_dir: Path
-    overlay_dirs: tuple[Path, ...]
+    overlay_dir: Path
 
     @property
     def tests_dir(self) -> Path:
         return self.root / "tests"
 
     def overlay_file(self, overlay: str) -> Path:
-        """Where ``overlay`` is read from and refreshed to: the first overlay
-        folder that has it (the first folder when none has)."""
-        for folder in self.overlay_dirs:
-            if (folder / overlay).is_file():
-                return self.inside(folder / overlay)
-        return self.inside(self.overlay_dirs[0] / overlay)
+        """Where ``overlay`` is read from and refreshed to."""
+        return self.inside(self.overlay_dir / overlay)
 
     def patch_file(self, stage: Stage) -> Path:
         return self.inside(self.patches_dir / stage.patch)
@@ -370,9 +362,7 @@ def load_series(path: Path = SERIES_FILE) -> Series:
     except OSError as exc:
         raise SeriesFileError(f"{path}: cannot read it ({exc.strerror})") from None
     top = _Fields(path, "series", raw)
-    top.check_keys(
-        {"base", "stage", "regression", "project", "overlays", "rebased_from"}
-    )
+    top.check_keys({"base", "stage", "regression"})
     if "base" not in raw:
         top.fail("base", "missing")
     base = _parse_base(path, raw["base"])
@@ -388,43 +378,32 @@ def load_series(path: Path = SERIES_FILE) -> Series:
     regression = tuple(
         _parse_regression(path, i, r) for i, r in enumerate(raw_regression)
     )
-    overlay_dirs = (
-        top.string_list("overlays") if "overlays" in raw else DEFAULT_OVERLAYS
-    )
-    if not overlay_dirs:
-        top.fail("overlays", "expected at least one overlay folder")
     # The project is the checkout the series file sits in, found from the
     # path as given: a symlinked folder on the way must not move it.
     folder = Path(os.path.abspath(path)).parent
-    project = top.string("project", default="..")
-    root = Path(os.path.normpath(folder / project))
-    if not folder.is_relative_to(root):
-        top.fail("project", f"{root} does not contain the series file")
+    root = folder.parent
     checkout = next(
         (p for p in (folder, *folder.parents) if (p / ".git").exists()), None
     )
     if checkout is not None and root != checkout:
         top.fail(
-            "project",
-            f"{project!r} is {root}, not the checkout the series file is in "
-            f"({checkout})",
+            "series",
+            f"the series file must sit in a folder of the checkout's root "
+            f"({checkout}, as patches/series.toml), not in {folder}",
         )
     root = root.resolve()
     if not folder.resolve().is_relative_to(root):
         top.fail(
-            "project",
+            "series",
             f"the series folder {folder} leads outside the project ({root}) "
             "through a symlink",
         )
     folder = folder.resolve()
-    for overlays in overlay_dirs:
-        if not (folder / overlays).resolve().is_relative_to(root):
-            top.fail("overlays", f"{overlays!r} is outside the project ({root})")
     return Series(
         root=root,
         base=base,
         stages=tuple(stages),
         regression=regression,
         patches_dir=folder,
-        overlay_dirs=tuple((folder / d).resolve() for d in overlay_dirs),
+        overlay_dir=root / "vllm_overlay",
     )

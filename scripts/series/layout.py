@@ -11,7 +11,6 @@ from scripts.series.config import Base, Series
 
 BUILD_DIR = "build"
 LOCK_FILE = "series.lock"  # build/series.lock: one writer at a time
-NEXT_DIR = "next"  # patches/next/<target>/: a rebased series under review
 RESOLUTIONS = "resolutions"  # git rerere's rr-cache, kept in patches/
 
 # In a work repo (build/<base label>/).
@@ -101,21 +100,22 @@ def rebase_dir(series: Series) -> Path:
     return build_dir(series) / "rebase"
 
 
-def review_dir(series: Series, target: Base) -> Path:
-    return series.patches_dir / NEXT_DIR / target.label
+def rebase_branch(target: Base) -> str:
+    """The project branch a finished rebase onto ``target`` writes."""
+    return f"rebase/{target.label}"
 
 
-def aborted_resolutions_dir(series: Series, target: Base) -> Path:
-    """Where an aborted rebase keeps the resolutions made before the abort
-    (under build/: the project stays as it was)."""
-    return rebase_dir(series) / "aborted-resolutions" / target.label
+def kept_resolutions_dir(series: Series, target: Base) -> Path:
+    """Where a rebase onto ``target`` that ended (on its branch, or aborted)
+    keeps the conflict resolutions it made, for the next rebase from this
+    checkout (under build/: the project stays as it was)."""
+    return rebase_dir(series) / "resolutions" / target.label
 
 
 def resolution_dirs(series: Series) -> list[Path]:
     """Every set of recorded conflict resolutions (git rerere's rr-cache):
-    those of accepted rebases (patches/resolutions/), then each review's,
-    then those kept by aborted rebases."""
-    accepted = series.patches_dir / RESOLUTIONS
-    reviews = sorted((series.patches_dir / NEXT_DIR).glob(f"*/{RESOLUTIONS}"))
-    aborted = sorted((rebase_dir(series) / "aborted-resolutions").glob("*"))
-    return ([accepted] if accepted.is_dir() else []) + reviews + aborted
+    those of merged rebases (patches/resolutions/), then those kept under
+    build/ by rebases that ended or were aborted here."""
+    merged = series.patches_dir / RESOLUTIONS
+    kept = sorted((rebase_dir(series) / "resolutions").glob("*"))
+    return ([merged] if merged.is_dir() else []) + kept

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The project's files that name the pinned vLLM, kept equal to
-patches/series.toml: ``rebase --accept`` moves them with the pin, and
+patches/series.toml: a rebase's branch moves them with the pin, and
 ``check`` (CI's check-patches) names any mention that differs.
 
 In these files the pin is named only in the forms below, and those forms

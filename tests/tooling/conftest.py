@@ -123,7 +123,7 @@ class Project:
 
     def commit_all(self) -> None:
         """Commit the project as it is (a git checkout from the first call):
-        ``rebase --accept`` needs git to hold the files it replaces."""
+        a rebase ends on a branch of it."""
         if not (self.root / ".git").exists():
             (self.root / ".gitignore").write_text("build/\n")
             sh(self.root, "git", "init", "-q")
@@ -200,6 +200,12 @@ def project(tmp_path: Path) -> Project:
 
 @pytest.fixture
 def two_stages(project: Project) -> Project:
+    return add_two_stages(project)
+
+
+def add_two_stages(project: Project) -> Project:
+    """Stage 0001 (an env line and an overlay) and 0002 (flips that line and
+    changes an op), as most tooling tests use them."""
     project.add_stage(
         "0001",
         {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},

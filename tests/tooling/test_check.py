@@ -14,7 +14,6 @@ from scripts.series.stages.overview import (
     END,
     readme_table_is_current,
     stage_table,
-    wide_stage_table,
 )
 
 # 30 functions of two lines each in the synthetic vllm/ops.py.
@@ -140,11 +139,6 @@ def test_the_readme_stage_table_is_generated_and_checked(two_stages: Project):
     table = stage_table(series)
     row = "| **0001** | Striped indexer | none | not submitted |"
     assert table.splitlines()[2] == row
-    # The wide form (overview --wide) keeps the files each stage touches.
-    wide = wide_stage_table(series)
-    assert wide.splitlines()[2].startswith("| **0001** Striped indexer | none |")
-    assert "`envs.py`" in wide and "`cp_indexer.py`" in wide
-    assert "`tests/stage_0001/`" in wide and "| not stated | not submitted |" in wide
     # A stage with a results page links to it.
     (two_stages.root / "docs").mkdir()
     (two_stages.root / "docs" / "stage_0002.md").write_text("# 0002\n")

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
-from scripts.series.config import REPO_ROOT
+from scripts.series.config import REPO_ROOT, SERIES_FILE, load_series
 from tests.tooling.conftest import Project, run_cli, sh, write_files
 
 
@@ -134,12 +135,14 @@ def test_a_failed_extraction_leaves_nothing_half_made(two_stages: Project, monke
 
 
 def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
-    """The local-checkout target as users give it, then --accept: the pin is
-    the commit (a branch moves), the path relative to the series file, and
-    the file keeps its comments."""
+    """The local-checkout target as users give it: the rebase ends on a
+    branch whose pin is the commit (a branch moves), the path relative to
+    the series file, and whose series file keeps its comments; merged, it
+    applies on that commit."""
     two_stages.series_file.write_text(
         "# A comment of the user's\n" + two_stages.series_file.read_text()
     )
+    two_stages.commit_all()
     ops = two_stages.upstream / "vllm/ops.py"
     ops.write_text(ops.read_text().replace("return 5\n", "return 55\n", 1))
     sh(two_stages.upstream, "git", "commit", "-q", "-am", "upstream main")
@@ -150,39 +153,15 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     )
     assert done.returncode == 0, done.stderr
     assert "| 0002 Top-k gate | applied cleanly |" in done.stdout
-    review = two_stages.root / "patches/next/vllm-git-main/series.toml"
-    assert review.exists()
-    assert _cli(two_stages, "--series", str(review), "apply").returncode == 0
-    # An edit to the project's series makes the review stale: apply and
-    # test of it say so and what to do, and still run (CI stays green).
-    series_text = two_stages.series_file.read_text()
-    two_stages.series_file.write_text(series_text + "# edited\n")
-    for verb in ("apply", "test"):
-        stale = _cli(two_stages, "--series", str(review), verb)
-        assert "was rebased from an older version of patches/" in stale.stderr
-        assert "nox -s refresh-reviews" in stale.stderr
-        # test runs (this project has no tests for the review to find).
-        assert verb == "test" or stale.returncode == 0, stale.stderr
-        assert verb == "apply" or "pytest runs took" in stale.stdout
-    # One command brings every review up to date, onto its own target.
-    refreshed = _cli(two_stages, "rebase", "--refresh")
-    assert refreshed.returncode == 0, refreshed.stderr
-    assert "vllm-git-main: rebasing again onto" in refreshed.stdout, refreshed.stdout
-    assert [p.name for p in review.parent.parent.iterdir()] == ["vllm-git-main"]
-    assert _cli(two_stages, "--series", str(review), "apply").returncode == 0
-    again = _cli(two_stages, "rebase", "--refresh")
-    assert "vllm-git-main: up to date with patches/" in again.stdout
-    two_stages.series_file.write_text(series_text)
-    assert _cli(two_stages, "rebase", "--refresh").returncode == 0
-    assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
-    two_stages.commit_all()  # accept replaces only what git holds
-    accepted = _cli(two_stages, "rebase", "--accept")
-    assert accepted.returncode == 0, accepted.stderr
     main = sh(two_stages.upstream, "git", "rev-parse", "main").strip()
-    accepted_text = two_stages.series_file.read_text()
-    assert f'rev = "{main}"' in accepted_text
-    assert 'git = "../../upstream"' in accepted_text
-    assert accepted_text.startswith("# A comment of the user's\n")
+    branch = f"rebase/vllm-git-{main[:12]}"
+    assert f"committed on the project's branch {branch}" in done.stdout
+    assert _cli(two_stages, "rebase", "--abort").returncode == 1  # nothing running
+    sh(two_stages.root, "git", "merge", "-q", "--ff-only", branch)
+    merged = two_stages.series_file.read_text()
+    assert f'rev = "{main}"' in merged
+    assert 'git = "../../upstream"' in merged
+    assert merged.startswith("# A comment of the user's\n")
     sh(two_stages.upstream, "git", "commit", "-q", "--allow-empty", "-m", "moves on")
     assert _cli(two_stages, "apply").returncode == 0
     tree = two_stages.root / f"build/vllm-git-{main[:12]}"
@@ -395,8 +374,6 @@ def test_adding_a_stage_in_the_readmes_order(two_stages: Project):
     checked = _cli(two_stages, "check")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "| **0003** | Gate | `always on` | not submitted |" in overview
-    wide = _cli(two_stages, "overview", "--wide").stdout
-    assert "| **0003** Gate | `always on` | `ops.py` | `gate.py` |" in wide
     again = _cli(two_stages, "apply")  # the series files rebuild the same tree
     assert again.returncode == 0 and "stage 0003: up to date" in again.stdout
 
@@ -417,77 +394,70 @@ def test_a_waiter_names_a_holder_that_writes_its_name_late(tmp_path):
         late.join()
 
 
-def test_copy_tree_gives_a_tree_to_build_from(two_stages: Project, tmp_path):
-    """The copy holds the stage's files and no .git; building in it (a
-    version file written, say) leaves the series' trees clean."""
+PINNED = load_series(SERIES_FILE).base
+
+
+def _serving_block(marker: str) -> list[str]:
+    """The command lines of docs/serving.md's bash block holding ``marker``."""
+    text = (REPO_ROOT / "docs" / "serving.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return [line.split("  #")[0].strip() for line in block.splitlines()]
+
+
+def test_the_documented_copy_to_build_from_and_its_update(
+    two_stages: Project, tmp_path
+):
+    """docs/serving.md's git lines, run as written on a synthetic series: the
+    copy holds every stage and no .git, a build's file in it stays, the
+    update writes the new stage, and an edit it would overwrite stops it
+    with nothing written."""
     assert _cli(two_stages, "apply").returncode == 0
-    dest = tmp_path / "vllm-dsa"
-    copied = _cli(two_stages, "copy-tree", "0001", str(dest))
-    assert copied.returncode == 0, copied.stderr
+    repo = two_stages.root / "build" / "vllm-git-v1"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+
+    def run(lines: list[str]) -> subprocess.CompletedProcess[str]:
+        script = "\n".join(
+            line.replace(f"build/{PINNED.label}", str(repo))
+            for line in lines
+            if line.startswith("git ")
+        )
+        return subprocess.run(
+            ["bash", "-ec", script],
+            cwd=two_stages.root,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    made = run(_serving_block("archive --prefix=vllm-dsa/"))
+    assert made.returncode == 0, made.stderr
+    dest = home / "vllm-dsa"
     assert (dest / "vllm/cp_indexer.py").exists() and not (dest / ".git").exists()
-    assert "CP_INDEXER = False" in (dest / "vllm/envs.py").read_text()
+    assert "return 2020" in (dest / "vllm/ops.py").read_text()
     (dest / "vllm/_version.py").write_text("__version__ = '0.1.dev1'\n")
-    repo = two_stages.root / "build" / "vllm-git-v1"
-    assert sh(repo, "git", "status", "--porcelain") == ""
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "mine.txt").write_text("not a copy\n")
-    refused = _cli(two_stages, "copy-tree", "0001", str(other))
-    _one_line_error(refused, "exists and is not an empty folder or a copy")
-
-
-def test_copy_tree_updates_a_copy_it_made(two_stages: Project, tmp_path):
-    """Into its own copy it writes only what differs between the stages: a
-    build's outputs stay, unchanged files keep their times; an edit the
-    update would overwrite stops it, with nothing written."""
-
-    assert _cli(two_stages, "apply").returncode == 0
-    dest = tmp_path / "vllm-dsa"
-    assert _cli(two_stages, "copy-tree", "0001", str(dest)).returncode == 0
-    (dest / "vllm/_version.py").write_text("__version__ = '0.1.dev1'\n")
-    untouched = dest / "README.md"
-    os.utime(untouched, (1, 1))
-    (dest / "vllm/envs.py").write_text("my edit\n")
-    refused = _cli(two_stages, "copy-tree", "0002", str(dest))
-    _one_line_error(refused, "vllm/envs.py changed since copy-tree wrote it")
-    assert (dest / "vllm/envs.py").read_text() == "my edit\n"
-    assert "return 2020" not in (dest / "vllm/ops.py").read_text()
-    (dest / "vllm/envs.py").unlink()  # gone: nothing of the user's is lost
-    updated = _cli(two_stages, "copy-tree", "0002", str(dest))
+    # a stage change: stage 0002 now also changes op_21
+    ops = repo / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 21\n", "return 2121\n"))
+    assert _cli(two_stages, "refresh").returncode == 0
+    update = _serving_block("diff --binary copied series")
+    copied = (dest / "vllm/ops.py").read_text()
+    (dest / "vllm/ops.py").write_text(copied.replace("return 21\n", "return -21\n"))
+    refused = run(update)
+    assert refused.returncode != 0 and "vllm/ops.py" in refused.stderr
+    assert "return -21" in (dest / "vllm/ops.py").read_text()
+    (dest / "vllm/ops.py").write_text(copied + "# mine, away from the change\n")
+    updated = run(update)
     assert updated.returncode == 0, updated.stderr
-    assert "CP_INDEXER = True" in (dest / "vllm/envs.py").read_text()
-    assert "return 2020" in (dest / "vllm/ops.py").read_text()
+    assert "return 2121" in (dest / "vllm/ops.py").read_text()
+    assert (dest / "vllm/ops.py").read_text().endswith("# mine, away from the change\n")
     assert (dest / "vllm/_version.py").read_text() == "__version__ = '0.1.dev1'\n"
-    assert untouched.stat().st_mtime == 1
-    back = _cli(two_stages, "copy-tree", "0001", str(dest))
-    assert back.returncode == 0, back.stderr
-    assert "CP_INDEXER = False" in (dest / "vllm/envs.py").read_text()
-    assert "return 2020" not in (dest / "vllm/ops.py").read_text()
-    # An edit to a file the next update leaves alone is still the user's
-    # when a later update would change that file.
-    ops = dest / "vllm/ops.py"
-    ops.write_text(ops.read_text() + "# mine\n")
-    assert _cli(two_stages, "copy-tree", "base", str(dest)).returncode == 0
-    assert ops.read_text().endswith("# mine\n")
-    refused = _cli(two_stages, "copy-tree", "0002", str(dest))
-    _one_line_error(refused, "vllm/ops.py changed since copy-tree wrote it")
-    assert ops.read_text().endswith("# mine\n")
-
-
-def test_copy_tree_finishes_an_update_stopped_part_way(two_stages: Project, tmp_path):
-    """An update killed after writing some files (here vllm/envs.py, already
-    at stage 0002) is finished by the next run: a file holding the new
-    contents is not taken for the user's edit."""
-    assert _cli(two_stages, "apply").returncode == 0
-    dest = tmp_path / "vllm-dsa"
-    assert _cli(two_stages, "copy-tree", "0001", str(dest)).returncode == 0
-    repo = two_stages.root / "build" / "vllm-git-v1"
-    (dest / "vllm/envs.py").write_text(
-        sh(repo, "git", "show", "stage/0002:vllm/envs.py")
+    assert sh(repo, "git", "rev-parse", "copied") == sh(
+        repo, "git", "rev-parse", "series"
     )
-    finished = _cli(two_stages, "copy-tree", "0002", str(dest))
-    assert finished.returncode == 0, finished.stderr
-    assert "return 2020" in (dest / "vllm/ops.py").read_text()
 
 
 def test_export_signs_off_as_the_person_exporting(two_stages: Project, tmp_path):

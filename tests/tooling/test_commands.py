@@ -415,7 +415,6 @@ def test_nox_l_shows_a_whole_sentence_per_session(name: str):
         ("rebase", ["TARGET"]),
         ("rebase", []),
         ("roll", ["now"]),
-        ("refresh-reviews", ["--abort"]),
         ("install", ["--upto", "0001"]),
         ("install", ["--into", "SITE", "--upto", "9999"]),
         ("export", ["base"]),
@@ -441,8 +440,7 @@ def test_a_rebase_without_a_hash_only_asks_the_tool_for_it():
     with pytest.raises(_Started):
         SESSIONS["rebase"][0].func(session)
     assert session.runs == [
-        ("python", "-m", "scripts.series", "--series", str(SERIES_FILE), "rebase")
-        + ("--version", "0.35.0")
+        ("python", "-m", "scripts.series", "rebase", "--version", "0.35.0")
     ]
 
 
@@ -451,28 +449,6 @@ def test_help_after_the_double_dash_prints_the_commands_options(capsys):
     with pytest.raises(_Skipped):
         SESSIONS["rebase"][0].func(session)
     assert "--sha256 SHA256" in capsys.readouterr().out and session.runs == []
-
-
-def test_export_of_one_stage_leaves_out_a_review_without_it(monkeypatch):
-    """A review under patches/next/ made after a stage went upstream has no
-    such stage: nox -s export -- STAGE exports it for the pinned series and
-    says the review has none, instead of failing on it."""
-    review = NOXFILE.ROOT / "patches" / "next" / "vllm-9.9.9" / "series.toml"
-    monkeypatch.setattr(NOXFILE, "REBASED", [review])
-    monkeypatch.setattr(NOXFILE, "_stage_ids", lambda series: ["base"])
-    monkeypatch.setattr(NOXFILE, "_note_if_uncommitted", lambda *a: None)
-    monkeypatch.setattr(NOXFILE, "_install_cpu_deps", lambda *a: None)
-    session = _Session("export", [FIRST_STAGE], stop=False)
-    SESSIONS["export"][0].func(session)
-    assert {run[4] for run in session.runs} == {str(SERIES_FILE)}
-    assert session.runs[-1][5:] == (
-        "export",
-        "--test-python",
-        "/nonexistent/venv/bin/python",
-        FIRST_STAGE,
-    )
-    said = "\n".join(session.logged)
-    assert f"patches/next/vllm-9.9.9/ has no stage {FIRST_STAGE}" in said
 
 
 # -- the tool's help ---------------------------------------------------------

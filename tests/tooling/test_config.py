@@ -104,10 +104,6 @@ def test_a_git_base_parses(tmp_path):
         ),
         (BASE + STAGE + "colour = 1\n", "stage[0].colour: unknown field"),
         ("stage = 1\n" + BASE, "stage: expected an array"),
-        ('overlays = "vllm_overlay"\n' + BASE, "series.overlays: expected a list"),
-        ("overlays = []\n" + BASE, "overlays: expected at least one"),
-        ('overlays = ["../../elsewhere"]\n' + BASE, "is outside the project"),
-        ('project = "../patches/x"\n' + BASE, "does not contain the series file"),
         (BASE + '[[regression]]\nname = "x"\npaths = []\n', "regression[0].paths"),
     ],
 )
@@ -124,14 +120,20 @@ def test_a_missing_file_is_reported(tmp_path):
 
 
 def test_the_project_is_the_checkout_the_series_file_is_in(tmp_path):
-    """``project`` may not reach above the checkout (build/ would be written
-    outside the clone), and a symlinked patches/ folder may not move the
-    project to where the link points."""
+    """The series file sits in a folder of the checkout's root (build/ would
+    otherwise be written elsewhere), and a symlinked patches/ folder may not
+    move the project to where the link points."""
     clone = tmp_path / "clone"
     (clone / ".git").mkdir(parents=True)
     assert _load(clone, BASE + STAGE).root == clone.resolve()
-    with pytest.raises(SeriesFileError, match="not the checkout the series file"):
-        _load(clone, 'project = "../.."\n' + BASE + STAGE)
+    deeper = clone / "patches" / "old" / "series.toml"
+    deeper.parent.mkdir(parents=True)
+    deeper.write_text(BASE + STAGE)
+    with pytest.raises(SeriesFileError, match="must sit in a folder of the checkout"):
+        load_series(deeper)
+    for key in ("project", "overlays", "rebased_from"):
+        with pytest.raises(SeriesFileError, match=f"series.{key}: unknown field"):
+            _load(clone, f'{key} = ".."\n' + BASE + STAGE)
     elsewhere = tmp_path / "elsewhere" / "patches"
     elsewhere.mkdir(parents=True)
     (elsewhere / "series.toml").write_text(BASE + STAGE)

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The files that name the pin follow patches/series.toml: check-patches
-names a mention that differs, and ``rebase --accept`` moves them with the
-pin. The last test moves the real project's pin in a scratch copy, as a
-maintainer's accept onto a newer release would, and runs the project's
-pin-dependent checks there."""
+names a mention that differs, and a rebase's branch moves them with the
+pin. The last test moves the real project's pin in a scratch copy, as the
+end of a rebase onto a newer release would, and runs the project's
+pin-dependent checks on that branch."""
 
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ from scripts.series.config import (
     SdistBase,
     load_series,
 )
+from scripts.series.layout import rebase_branch, stage_tag, workdir
 from scripts.series.pin_sites import PIN_FILES, moved_pin_files, pin_mismatches
-from scripts.series.rebase.review import series_digest
-from scripts.series.rebase.series_toml import series_toml
+from scripts.series.rebase import branch
+from scripts.series.rebase.state import RebaseState, target_dict, work_repo
+from scripts.series.stages.apply import apply
 from tests.tooling.conftest import sh
 
 PIN = SdistBase("vllm", "0.9.0", "ab" * 32)
@@ -103,11 +105,11 @@ def _citation(version: str) -> re.Pattern[str]:
 
 
 def test_a_pin_moved_in_a_scratch_copy_leaves_no_stale_mention(tmp_path):
-    """The project as it is (uncommitted files included) copied, a review of a
-    made-up vLLM 0.35.0 written as a rebase writes one (same stages), and
-    accepted in a subprocess. Then: no pin file names the old pin, every other
-    mention is history or a citation, and the pin-dependent checks pass in
-    the copy (the Dockerfile's, these, the README's stage table)."""
+    """The project as it is (uncommitted files included) copied and committed;
+    a rebase onto a made-up vLLM 0.35.0 (the same stage commits) ended on its
+    branch. Then, on that branch: no pin file names the old pin, every other
+    mention is history or a citation, and the pin-dependent checks pass (the
+    Dockerfile's, these, the README's stage table)."""
     copy = tmp_path / "project"
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -128,31 +130,27 @@ def test_a_pin_moved_in_a_scratch_copy_leaves_no_stale_mention(tmp_path):
     old = series.base
     assert isinstance(old, SdistBase)
     new_pin = SdistBase(old.name, "0.35.0", "cd" * 32)
-    review = copy / "patches" / "next" / new_pin.label
-    review.mkdir(parents=True)
+    state = RebaseState(target_dict(new_pin), "", "", next=len(series.stages))
+    # The stage commits as the rebase's work repo would hold them.
+    tree = workdir(load_series(SERIES_FILE))
+    if not (tree / ".git").is_dir():
+        tree = apply(series, quiet=True)
+    sh(
+        tree.parent,
+        "git",
+        "clone",
+        "-q",
+        "--no-checkout",
+        str(tree),
+        str(work_repo(series, state)),
+    )
     for stage in series.stages:
-        shutil.copy2(series.patch_file(stage), review / stage.patch)
-    folders = [os.path.relpath(d, review) for d in series.overlay_dirs]
-    (review / "series.toml").write_text(
-        series_toml(
-            replace(series, base=new_pin, patches_dir=review),
-            review,
-            review=("../../..", folders, series_digest(series)),
-        )
-    )
-    (review / "REBASE.md").write_text("# Rebased onto vllm-0.35.0\n")
-    sh(copy, "git", "add", "-A")
-    sh(copy, "git", "commit", "-q", "-m", "the review")
+        state.commits[stage.id] = sh(
+            tree, "git", "rev-parse", f"{stage_tag(stage.id)}^{{commit}}"
+        ).strip()
+    assert branch.finish(series, state) == rebase_branch(new_pin)
+    sh(copy, "git", "switch", "-q", rebase_branch(new_pin))
     env = {**os.environ, "PYTHONPATH": str(copy)}
-    accepted = subprocess.run(
-        [sys.executable, "-m", "scripts.series", "rebase", "--accept"],
-        cwd=copy,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
     assert load_series(copy / "patches" / "series.toml").base == new_pin
 
     stale = []

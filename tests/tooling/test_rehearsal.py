@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The rebase rehearsal (nox -s rehearse-rebase) on a synthetic series: its
 target has upstream commits that make a hunk merge and others move, the
-rebase runs with the checks, and the review it writes is deleted."""
+rebase runs with the checks and ends on its branch, which is deleted."""
 
 from __future__ import annotations
 
@@ -11,34 +11,33 @@ import pytest
 from conftest import run_cli, sh
 
 from scripts.series import SeriesError
-from scripts.series.layout import review_dir
 from scripts.series.rebase import rehearsal
 from scripts.series.rebase.state import HunkReport, StageReport, state_file
 
 
-def test_the_rehearsal_merges_a_hunk_and_leaves_no_review(two_stages):
+def test_the_rehearsal_merges_a_hunk_and_ends_on_a_branch(two_stages):
+    """It runs on a project with uncommitted edits (left as they are), ends
+    on its branch and deletes it; --keep keeps it, and a second rehearsal
+    then refuses to overwrite it."""
+    two_stages.commit_all()
+    (two_stages.root / "notes.txt").write_text("uncommitted\n")
     series = two_stages.series()
     assert run_cli(["--series", str(two_stages.series_file), "apply"]).returncode == 0
-    review = rehearsal.rehearse(series, sys.executable)
-    assert not review.exists()
+    branch = rehearsal.rehearse(series, sys.executable)
+    assert branch.startswith("rebase/vllm-git-")
+    assert sh(two_stages.root, "git", "branch", "--list", "rebase/*") == ""
+    assert (two_stages.root / "notes.txt").read_text() == "uncommitted\n"
     target = rehearsal.target_dir(series)
     log = sh(target, "git", "log", "--format=%s").splitlines()
     assert len(log) == 4 and log[0] == "upstream: README.md"
     # The context line landed inside stage 0001's hunk of vllm/envs.py.
     envs = (target / "vllm" / "envs.py").read_text().splitlines()
     assert envs[2] == rehearsal.UPSTREAM_NOTE.strip()
-
-
-def test_a_review_already_there_is_not_overwritten(two_stages):
-    series = two_stages.series()
-    assert run_cli(["--series", str(two_stages.series_file), "apply"]).returncode == 0
-    target = rehearsal.GitBase("vllm", rehearsal.target_dir(series), rehearsal.REV)
-    kept = review_dir(series, target) / "series.toml"
-    kept.parent.mkdir(parents=True)
-    kept.write_text("a user's review\n")
-    with pytest.raises(SeriesError, match="exists; the rehearsal writes"):
+    assert rehearsal.rehearse(series, sys.executable, keep=True) == branch
+    kept = sh(two_stages.root, "git", "rev-parse", branch)
+    with pytest.raises(SeriesError, match=f"already has a branch {branch}"):
         rehearsal.rehearse(series, sys.executable)
-    assert kept.read_text() == "a user's review\n"
+    assert sh(two_stages.root, "git", "rev-parse", branch) == kept
 
 
 def test_every_outcome_but_applied_or_merged_fails_it(two_stages):
@@ -69,6 +68,7 @@ def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project):
         {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
         {"vllm/cp_indexer.py": "raise ImportError('planted by the test')\n"},
     )
+    project.commit_all()
     series = project.series()
     assert run_cli(["--series", str(project.series_file), "apply"]).returncode == 0
     with pytest.raises(SeriesError) as stopped:

@@ -17,8 +17,6 @@ from conftest import sh
 
 from scripts.series import SeriesError
 from scripts.series.cli import main
-from scripts.series.config import SdistBase
-from scripts.series.layout import review_dir
 from scripts.series.rebase import roll
 from scripts.series.stages.fetch import CACHE_ENV, INDEX_ENV
 
@@ -127,6 +125,7 @@ def released(two_stages, monkeypatch, tmp_path):
     text = two_stages.series_file.read_text()
     pin = f'version = "0.9.0"\nsha256 = "{index.sha("0.9.0")}"\n'
     two_stages.series_file.write_text(text.replace(f'git = "{up}"\nrev = "v1"\n', pin))
+    two_stages.commit_all()
     yield two_stages, index
     index.server.shutdown()
     index.server.server_close()
@@ -137,14 +136,17 @@ def test_roll_rebases_onto_a_newer_release_once(released, capsys):
     assert roll.roll(project.series()) == 0
     out = capsys.readouterr().out
     assert f"vllm 0.10.0 is out (sdist sha256 {index.sha('0.10.0')}): rebasing" in out
-    assert "Needs a person: review patches/next/vllm-0.10.0/REBASE.md" in out
-    folder = review_dir(
-        project.series(), SdistBase("vllm", "0.10.0", index.sha("0.10.0"))
-    )
-    assert (folder / "series.toml").is_file()
-    # On a schedule: the next run finds the review and does nothing.
+    assert (
+        "Needs a person: review docs/rebased_onto_vllm-0.10.0.md on the branch "
+        "rebase/vllm-0.10.0"
+    ) in out
+    written = sh(project.root, "git", "show", "rebase/vllm-0.10.0:patches/series.toml")
+    assert f'version = "0.10.0"\nsha256 = "{index.sha("0.10.0")}"' in written
+    # On a schedule: the next run finds the branch and does nothing.
     assert roll.roll(project.series()) == 0
-    assert "already rebased onto it for review" in capsys.readouterr().out
+    assert "already rebased onto it on the branch rebase/vllm-0.10.0" in (
+        capsys.readouterr().out
+    )
 
 
 def test_roll_is_a_no_op_on_the_newest_release(released, capsys):
@@ -157,7 +159,7 @@ def test_roll_is_a_no_op_on_the_newest_release(released, capsys):
     )
     assert roll.roll(project.series()) == 0
     assert "vllm 0.10.0 is the newest release: nothing to do" in capsys.readouterr().out
-    assert not (project.root / "patches/next").exists()
+    assert sh(project.root, "git", "branch", "--list", "rebase/*") == ""
 
 
 def test_roll_reports_a_stopped_rebase_as_needing_a_person(released, capsys):
@@ -217,19 +219,4 @@ def test_an_unreachable_index_is_one_sentence_naming_it(
         f"({why}); nothing was changed. Connect to the network, or set "
         f"{INDEX_ENV} to an index this machine can reach"
     )
-    assert not (project.root / "patches/next").exists()
-
-
-def test_roll_rebases_again_when_its_review_is_older_than_the_series(released, capsys):
-    """A review of the newest release made before a stage changed is stale:
-    the next roll rebases again instead of pointing at it."""
-    project, index = released
-    assert roll.roll(project.series()) == 0
-    capsys.readouterr()
-    series_file = project.series_file
-    series_file.write_text(series_file.read_text() + "# a stage changed since\n")
-    project.commit_all()
-    assert roll.roll(project.series()) == 0
-    out = capsys.readouterr().out
-    assert "already rebased onto it" not in out
-    assert f"vllm 0.10.0 is out (sdist sha256 {index.sha('0.10.0')}): rebasing" in out
+    assert sh(project.root, "git", "branch", "--list", "rebase/*") == ""

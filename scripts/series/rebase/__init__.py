@@ -1,2 +1,2 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rebasing the stages onto a newer vLLM, and the review it writes."""
+"""Rebasing the stages onto a newer vLLM, ending on a project branch."""

@@ -1,17 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ``rebase`` and ``roll`` commands' arguments, and what ``rebase`` runs
-for each of its forms (start, --continue, --abort, --accept, --refresh)."""
+for each of its forms (start, --continue, --abort)."""
 
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, SdistBase, Series
-from scripts.series.layout import NEXT_DIR, review_dir
-from scripts.series.rebase import rebase, review, roll
+from scripts.series.rebase import rebase, roll
 from scripts.series.rebase.state import rebase_command
 
 
@@ -37,20 +35,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="drop a stopped rebase; the conflicts resolved so far are kept "
         "for the next one",
-    )
-    action.add_argument(
-        "--refresh",
-        action="store_true",
-        help="rebase again onto each target under patches/next/ whose review "
-        "is older than patches/ (after a stage change; recorded resolutions "
-        "replay)",
-    )
-    action.add_argument(
-        "--accept",
-        nargs="?",
-        const="",
-        metavar="TARGET",
-        help="adopt the rebased series under patches/next/ (TARGET: which one)",
     )
     parser.add_argument("--version", help="target vLLM release (its PyPI sdist)")
     parser.add_argument(
@@ -78,7 +62,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 def stage_ids(args: argparse.Namespace) -> list[str]:
     """The stages ``--drop`` names; a new rebase must also name a target."""
-    if not (args.resume or args.abort or args.refresh) and args.accept is None:
+    if not (args.resume or args.abort):
         _target_form(args)
     return [d for d in args.drop if d != "base"]
 
@@ -87,12 +71,8 @@ def run(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
     options = {"test_python": args.test_python, "drop": args.drop}
     if args.abort:
         rebase.abort(series)
-    elif args.accept is not None:
-        review.accept(series, args.accept or None)
     elif args.resume:
         rebase.resume(series, **options)
-    elif args.refresh:
-        refresh_reviews(series, options)
     else:
         rebase.start(series, _target(series, args), **options)
 
@@ -123,25 +103,3 @@ def _target_form(args: argparse.Namespace) -> str:
     if args.version and not (args.sha256 or args.git or args.rev):
         return "version"
     raise SeriesError("give a target: --version V --sha256 H, or --git PATH --rev REV")
-
-
-def refresh_reviews(series: Series, options: dict) -> None:
-    """Each review under patches/next/ made from an older patches/, rebased
-    again onto its own target; one that stops on a conflict stops here."""
-    folders = sorted(
-        p.parent for p in (series.patches_dir / NEXT_DIR).glob("*/series.toml")
-    )
-    if not folders:
-        print("no rebased series under review (patches/next/)")
-    for folder in folders:
-        if review.review_is_current(series, folder):
-            print(f"{folder.name}: up to date with patches/")
-            continue
-        target = review.load_review(folder).base
-        print(f"{folder.name}: rebasing again onto {target.label}")
-        rebase.start(series, target, **options)
-        # A git target is recorded by its commit: keep the review's own name.
-        written = review_dir(series, target)
-        if written != folder:
-            shutil.rmtree(folder)
-            written.rename(folder)

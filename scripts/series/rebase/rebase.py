@@ -6,8 +6,8 @@ holds the current series' commits; the report says per hunk whether it
 applied, merged, conflicted, was already upstream or was dropped (never
 silently). Resolutions are recorded with git rerere and replay. A stage
 whose changes, or whose upstream probe, the target already has is left
-out. The result is written for review to patches/next/<target>/; only
-``--accept`` changes the committed series (docs/maintaining.md)."""
+out. The result is a commit on a new project branch, rebase/<target>
+(branch.py); merging it adopts the new pin (docs/maintaining.md)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,17 @@ from scripts.series.layout import (
     BASE_REF,
     REBASE_OLD_REF,
     REBASED_BRANCH,
-    aborted_resolutions_dir,
+    kept_resolutions_dir,
+    rebase_branch,
     rebase_dir,
     resolution_dirs,
     workdir,
+)
+from scripts.series.rebase.branch import (
+    finish,
+    pinned_target,
+    refuse_unless_ready,
+    series_digest,
 )
 from scripts.series.rebase.checks import claimed_stages, stage_problem
 from scripts.series.rebase.hunks import (
@@ -45,7 +52,6 @@ from scripts.series.rebase.hunks import (
 from scripts.series.rebase.hunks import (
     added_lines_present as _added_lines_present,
 )
-from scripts.series.rebase.review import project_snapshot, series_digest, write_review
 from scripts.series.rebase.state import (
     HunkReport,
     RebaseState,
@@ -73,10 +79,13 @@ def start(
     *,
     test_python: str | None = None,
     drop: Sequence[str] = (),
+    allow_uncommitted: bool = False,
 ) -> list[StageReport]:
     """Begin a rebase of ``series`` onto ``target``; run as far as it goes.
     With ``test_python`` a stage whose upstream probe passes on the target
-    without it is left out; the stages in ``drop`` are left out on request."""
+    without it is left out; the stages in ``drop`` are left out on request.
+    The project must be committed unless ``allow_uncommitted`` (the
+    rehearsal, whose branch is deleted)."""
     if state_file(series).exists():
         raise SeriesError(
             "a rebase is already in progress; finish it with "
@@ -87,6 +96,12 @@ def start(
         raise SeriesError(f"the series is already on {target.label}")
     for stage_id in drop:
         series.stage(stage_id)
+    pinned = (
+        replace(target, rev=resolve_git_rev(target))
+        if isinstance(target, GitBase)
+        else target
+    )
+    refuse_unless_ready(series, rebase_branch(pinned), clean=not allow_uncommitted)
     tester = TreeTester(test_python) if test_python else None
     old_tip = _old_tip(series)
     area = rebase_dir(series)
@@ -116,12 +131,10 @@ def start(
         series_digest(series),
         test_python=test_python,
         drop=list(drop),
-        # A branch moves; the review pins the commit this rebase is onto.
-        target_commit=(
-            resolve_git_rev(target) if isinstance(target, GitBase) else None
-        ),
+        # A branch moves; the rebased series pins the commit it is onto.
+        target_commit=pinned.rev if isinstance(pinned, GitBase) else None,
         regression_gone=gone,
-        project_start=project_snapshot(series),
+        allow_uncommitted=allow_uncommitted,
     )
     save_state(series, state)
     print(f"rebasing {len(series.stages)} stage(s) onto {target.label} in {work}")
@@ -363,32 +376,39 @@ def abort(series: Series) -> None:
     continued) are kept under build/ and replay on the next rebase."""
     state = load_state(series)
     target = target_from(state.target)
-    repo = work_repo(series, state)
-    kept = ""
-    if (repo / ".git" / "rr-cache").is_dir():
-        git(repo, "rerere", check=False)  # records a resolution not continued
-        # Only those made in this rebase: the recorded ones it was offered
-        # are kept where they came from.
-        offered = {entry.name for d in resolution_dirs(series) for entry in d.iterdir()}
-        resolved = [
-            entry
-            for entry in (repo / ".git" / "rr-cache").iterdir()
-            if (entry / "postimage").is_file() and entry.name not in offered
-        ]
-        if resolved:
-            out = aborted_resolutions_dir(series, target)
-            for entry in resolved:
-                shutil.copytree(entry, out / entry.name, dirs_exist_ok=True)
-            kept = (
-                f"; {len(resolved)} conflict resolution(s) kept in "
-                f"{out.relative_to(series.root)}, replayed by the next rebase"
-            )
+    count = _keep_resolutions(series, state)
     shutil.rmtree(rebase_dir(series) / target.label, ignore_errors=True)
     remove_state(series)
+    kept = (
+        f"; {count} conflict resolution(s) kept in "
+        f"{kept_resolutions_dir(series, target).relative_to(series.root)}, "
+        "replayed by the next rebase"
+        if count
+        else ""
+    )
     print(
         f"rebase onto {target.label} aborted; the series and its tree are as "
         f"before{kept}"
     )
+
+
+def _keep_resolutions(series: Series, state: RebaseState) -> int:
+    """Copy the conflict resolutions this rebase made (not those it was
+    offered, kept where they came from) under build/; return how many."""
+    repo = work_repo(series, state)
+    if not (repo / ".git" / "rr-cache").is_dir():
+        return 0
+    git(repo, "rerere", check=False)  # records a resolution not continued
+    offered = {entry.name for d in resolution_dirs(series) for entry in d.iterdir()}
+    resolved = [
+        entry
+        for entry in (repo / ".git" / "rr-cache").iterdir()
+        if (entry / "postimage").is_file() and entry.name not in offered
+    ]
+    out = kept_resolutions_dir(series, target_from(state.target))
+    for entry in resolved:
+        shutil.copytree(entry, out / entry.name, dirs_exist_ok=True)
+    return len(resolved)
 
 
 def _run(
@@ -428,17 +448,27 @@ def _run(
             )
         state.next += 1
         save_state(series, state)
-    out = write_review(series, state)
-    # The review holds all that is kept (patches, resolutions, report). The
+    branch = finish(series, state)
+    _keep_resolutions(series, state)
+    # The branch holds all that is kept (patches, resolutions, report). The
     # state goes first: a kill while the work area is deleted then leaves
     # no rebase to continue, only a folder the next rebase deletes.
     remove_state(series)
     shutil.rmtree(rebase_dir(series) / target_from(state.target).label)
     print(format_report(state.reports))
     print(
-        f"rebased series written for review to {out}; test it with "
-        f"`nox -s rebased`, adopt it with {rebase_command('--accept')}"
+        f"the rebased series is committed on the project's branch {branch} (your "
+        f"checkout is as it was): `git switch {branch}`, read "
+        f"docs/rebased_onto_{branch.split('/', 1)[1]}.md, test it with "
+        "`nox -s apply-and-test` (or push it for CI), and merge it to adopt "
+        "the new pin"
     )
+    if isinstance(pinned_target(state), GitBase):
+        print(
+            "note: a git pin has no release, so the image tags and the release "
+            "named in the README, the Dockerfile and the docs stay as they were "
+            "(install and the Dockerfile take a release pin)"
+        )
     return state.reports
 
 

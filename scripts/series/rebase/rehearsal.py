@@ -16,9 +16,12 @@ the sdist ships), tagged as the release, then three upstream commits:
 
 Every stage must come out applied or merged, with its checks passed (its
 Python compiles, its vLLM modules import, its tests and its PR's tests pass
-on the target), none reported upstream, and the rebased series written for
-review to patches/next/<target>/. That review is then deleted (--keep keeps
-it): it names a checkout under build/ that is not the project's to keep.
+on the target), none reported upstream, and the rebase must end on its
+project branch, rebase/<target>, with the rebased series.toml on it. That
+branch is then deleted (--keep keeps it): it names a checkout under build/
+that is not the project's to keep. Unlike a real rebase, the rehearsal runs
+on a project with uncommitted edits (the branch is made from the last
+commit plus the rebased series).
 
 ``python -m scripts.series.rebase.rehearsal --test-python PY`` (``nox -s
 rehearse-rebase`` passes its own); exits 1 with the reason when the
@@ -40,12 +43,13 @@ from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out
 from scripts.series.layout import (
     BASE_REF,
     build_dir,
+    rebase_branch,
     rebase_dir,
-    review_dir,
     workdir,
 )
 from scripts.series.lock import project_lock
 from scripts.series.rebase import rebase
+from scripts.series.rebase.branch import branch_commit
 from scripts.series.rebase.state import StageReport, rebase_command, state_file
 from scripts.series.stages.patchfile import Hunk, read_patch
 from scripts.series.stages.prepare import extract_commit
@@ -174,16 +178,11 @@ def _stopped(series: Series, target: GitBase, error: str, keep: bool) -> str:
     )
 
 
-def rehearse(series: Series, test_python: str, keep: bool = False) -> Path:
-    """Run the rehearsal; return the review folder (deleted unless ``keep``)."""
-    target = GitBase(series.base.name, target_dir(series), REV)
-    review = review_dir(series, target)
-    if review.exists():
-        raise SeriesError(
-            f"{review} exists; the rehearsal writes its review there: move it "
-            "away or delete it, then run again"
-        )
+def rehearse(series: Series, test_python: str, keep: bool = False) -> str:
+    """Run the rehearsal; return its branch (deleted unless ``keep``)."""
     repo, changes = make_target(series)
+    target = GitBase(series.base.name, repo, git_out(repo, "rev-parse", "HEAD"))
+    branch = rebase_branch(target)
     print(
         f"rehearsal target {repo} ({git_out(repo, 'describe', '--tags', '--always')}):"
     )
@@ -191,18 +190,24 @@ def rehearse(series: Series, test_python: str, keep: bool = False) -> Path:
         print(f"  upstream commit: {change}")
     with project_lock(series, "rebase rehearsal"):
         try:
-            reports = rebase.start(series, target, test_python=test_python)
+            reports = rebase.start(
+                series, target, test_python=test_python, allow_uncommitted=True
+            )
         except SeriesError as exc:
             raise SeriesError(_stopped(series, target, str(exc), keep)) from None
     found = problems(reports, series)
-    if not (review / "series.toml").is_file():
-        found.append(f"no rebased series in {review}")
-    if not keep:
-        shutil.rmtree(review, ignore_errors=True)
+    if branch_commit(series, branch) is None:
+        found.append(f"the rebase made no branch {branch}")
+    else:
+        written = git_out(series.root, "show", f"{branch}:patches/series.toml")
+        if f'rev = "{target.rev}"' not in written:
+            found.append(f"{branch}'s series.toml is not pinned to {target.rev}")
+        if not keep:
+            git(series.root, "branch", "-q", "-D", branch)
     if found:
         raise SeriesError("the rebase rehearsal failed: " + "; ".join(found))
     print(f"rebase rehearsal passed: {len(series.stages)} stage(s) on {repo}")
-    return review
+    return branch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep",
         action="store_true",
-        help="keep the review under patches/next/, or a stopped rebase",
+        help="keep the rebase's branch, or a stopped rebase",
     )
     args = parser.parse_args(argv)
     try:

@@ -9,9 +9,9 @@ import urllib.error
 
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase, Series
-from scripts.series.layout import review_dir
+from scripts.series.layout import rebase_branch
 from scripts.series.rebase import rebase
-from scripts.series.rebase.review import review_is_current
+from scripts.series.rebase.branch import branch_commit
 from scripts.series.rebase.state import rebase_command
 from scripts.series.stages.fetch import INDEX_ENV, index_url, listed_files
 
@@ -73,12 +73,12 @@ def roll(series: Series, *, test_python: str | None = None) -> int:
         print(f"{pin.name} {pin.version} is the newest release: nothing to do")
         return 0
     target = SdistBase(pin.name, newest, listed[newest])
-    folder = review_dir(series, target)
-    if (folder / "series.toml").is_file() and review_is_current(series, folder):
+    branch = rebase_branch(target)
+    if branch_commit(series, branch) is not None:
         print(
             f"{pin.name} {newest} is out and the series is already rebased onto "
-            f"it for review in {folder.relative_to(series.root)}: test it with "
-            f"`nox -s rebased`, adopt it with {rebase_command('--accept')}"
+            f"it on the branch {branch}: test it, and merge it to adopt it (or "
+            f"delete it, `git branch -D {branch}`, to rebase again)"
         )
         return 0
     print(f"{pin.name} {newest} is out (sdist sha256 {target.sha256}): rebasing")
@@ -99,11 +99,11 @@ def roll(series: Series, *, test_python: str | None = None) -> int:
         for h in r.hunks
         if h.outcome == "dropped"
     ]
-    print(f"\nNeeds a person: review {folder.relative_to(series.root)}/REBASE.md")
+    print(
+        f"\nNeeds a person: review docs/rebased_onto_{target.label}.md on the "
+        f"branch {branch}"
+    )
     for line in needs:
         print(f"- {line}")
-    print(
-        f"then `nox -s rebased` and {rebase_command('--accept')} (commit the "
-        "review first if others should see it)"
-    )
+    print("then test the branch (push it for CI) and merge it")
     return 0

@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Write a series file (the fields config.load_series reads): a whole new
-one for a rebased series under review, or the project's own edited in place
-(comments kept) when a review is accepted."""
+"""Write a series file (the fields config.load_series reads), and edit the
+project's own in place to say what a rebased one says (comments kept)."""
 
 from __future__ import annotations
 
@@ -22,12 +21,9 @@ def base_fields(base: Base, folder: Path) -> dict[str, str]:
     return {"git": os.path.relpath(base.path, folder), "rev": base.rev}
 
 
-def series_toml(
-    series: Series, folder: Path, *, review: tuple[str, list[str], str] | None = None
-) -> str:
-    """``series`` as a series file (the fields load_series reads). A series
-    for review names its project folder, its overlay folders (its own, then
-    the project's) and the digest of the series it was rebased from."""
+def series_toml(series: Series, folder: Path) -> str:
+    """``series`` as a series file (the fields load_series reads) in
+    ``folder``."""
 
     def s(value: str) -> str:
         return json.dumps(value, ensure_ascii=False)
@@ -36,14 +32,6 @@ def series_toml(
         return "[" + ", ".join(s(v) for v in values) + "]"
 
     lines = ["# The patch series: one pinned vLLM base and the ordered stages."]
-    if review is not None:
-        project, overlays, digest = review
-        lines += [
-            "# Written by `python -m scripts.series rebase` for review.",
-            f"project = {s(project)}",
-            f"overlays = {strings(tuple(overlays))}",
-            f"rebased_from = {s(digest)}",
-        ]
     lines += ["", "[base]", f"name = {s(series.base.name)}"]
     lines += [f"{k} = {s(v)}" for k, v in base_fields(series.base, folder).items()]
     for suite in series.regression:
@@ -82,27 +70,26 @@ def series_toml(
     return "\n".join(lines) + "\n"
 
 
-def updated_series_file(text: str, review_text: str, base: dict[str, str]) -> str:
-    """The series file ``text`` made to say what the reviewed series file
-    ``review_text`` says (its regression tests and stages, whole: a fix made
-    in the review survives the accept) on the pin ``base`` (``[base]``'s
-    fields, a git path relative to ``text``'s folder), with every comment
-    and unchanged value of ``text`` kept where it was."""
+def updated_series_file(text: str, new_text: str, base: dict[str, str]) -> str:
+    """The series file ``text`` made to say what the series file
+    ``new_text`` says (its regression tests and stages) on the pin ``base``
+    (``[base]``'s fields, a git path relative to ``text``'s folder), with
+    every comment and unchanged value of ``text`` kept where it was."""
     try:
         import tomlkit
     except ImportError:
         raise SeriesError(
-            "`rebase --accept` edits series.toml with tomlkit, which this Python "
+            "`rebase` edits series.toml with tomlkit, which this Python "
             "lacks: `pip install tomlkit` (the nox sessions install it)"
         ) from None
     doc = tomlkit.parse(text)
-    review = tomllib.loads(review_text)
-    _sync_table(doc["base"], {"name": review["base"]["name"], **base})
-    if "regression" in review:
-        _sync_array(doc, "regression", review["regression"], key=None)
+    new = tomllib.loads(new_text)
+    _sync_table(doc["base"], {"name": new["base"]["name"], **base})
+    if "regression" in new:
+        _sync_array(doc, "regression", new["regression"], key=None)
     elif "regression" in doc:
         del doc["regression"]
-    _sync_array(doc, "stage", review.get("stage", []), key="id")
+    _sync_array(doc, "stage", new.get("stage", []), key="id")
     return tomlkit.dumps(doc)
 
 
@@ -128,7 +115,7 @@ def _sync_array(doc, name: str, want: list[dict], key: str | None) -> None:
             del have[index]
     current = [t[key] if key else i for i, t in enumerate(have)]
     if current != wanted[: len(current)] or len(have) > len(want):
-        # Reordered: rebuild in the review's order (comments of moved
+        # Reordered: rebuild in the new order (comments of moved
         # tables go with their values only where tomlkit keeps them).
         rebuilt = tomlkit.aot()
         for w in want:

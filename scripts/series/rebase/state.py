@@ -49,11 +49,12 @@ class RebaseState:
     target_commit: str | None = None  # a git target's commit, pinned
     commits: dict[str, str] = field(default_factory=dict)
     # [[regression]] test paths the target no longer has (left out of the
-    # review's series.toml, and reported).
+    # rebased series.toml, and reported).
     regression_gone: list[str] = field(default_factory=list)
-    # The project's commit and its uncommitted files' blob ids when the
-    # rebase started: the review names the project files it needed changed.
-    project_start: dict[str, str] = field(default_factory=dict)
+    # The rehearsal's rebase may start from a project with uncommitted edits.
+    allow_uncommitted: bool = False
+    # The commit of the rebase's branch, once made (finish() after a kill).
+    branch_commit: str | None = None
 
 
 def state_file(series: Series) -> Path:

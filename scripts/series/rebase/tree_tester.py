@@ -102,7 +102,14 @@ class TreeTester:
 
     @staticmethod
     def _env(tree: Path, stages: list[str]) -> dict[str, str]:
-        return {**os.environ, **tree_env(tree, stages, tree), "PYTHONPATH": str(tree)}
+        # No bytecode in the project's tests/: the rebase ends on a branch
+        # made from a project with nothing uncommitted.
+        return {
+            **os.environ,
+            **tree_env(tree, stages, tree),
+            "PYTHONPATH": str(tree),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
 
     @staticmethod
     @contextmanager

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The README's stage table, generated from series.toml and the patch files
 (``python -m scripts.series overview``); ``check`` fails when the README's
-copy differs. ``overview --wide`` adds the files each stage touches."""
+copy differs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 from scripts.series.config import Series, Stage
-from scripts.series.stages.patchfile import read_patch
 
 BEGIN = "<!-- stage table: python -m scripts.series overview -->"
 END = "<!-- end of stage table -->"
@@ -22,12 +21,12 @@ def _switches(stage: Stage) -> str:
     return "<br>".join(f"`{s}`" for s in stage.switches) or "none"
 
 
-def _upstream(stage: Stage, *, link: bool = False) -> str:
+def _upstream(stage: Stage) -> str:
     status = stage.upstream_status.replace("-", " ")
     if stage.upstream_status == "not-submitted":
         return status
     pr = _PR.match(stage.upstream_pr)
-    if link and pr:
+    if pr:
         url = f"https://github.com/{pr[1]}/pull/{pr[2]}"
         return f"{status}: [{stage.upstream_pr}]({url})"
     return f"{status} ({stage.upstream_pr})"
@@ -45,33 +44,7 @@ def stage_table(series: Series) -> str:
         if (series.root / "docs" / f"stage_{stage.id}.md").is_file():
             name = f"[**{stage.id}**](docs/stage_{stage.id}.md)"
         rows.append(
-            f"| {name} | {stage.title} | {_switches(stage)} "
-            f"| {_upstream(stage, link=True)} |"
-        )
-    return "\n".join(rows)
-
-
-def wide_stage_table(series: Series) -> str:
-    """Every column: the files each stage hooks into, its overlay modules,
-    its tests and where it was validated (``overview --wide``)."""
-    rows = [
-        "| stage | turn it on | hooks into vLLM | overlay modules | series tests "
-        "| PR tests (vLLM's tests/) | validated on | upstream |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for stage in series.stages:
-        files = read_patch(series.patch_file(stage)).files
-        hooks = "<br>".join(f"`{f.removeprefix('vllm/')}`" for f in files)
-        overlays = "<br>".join(
-            f"`{o.rsplit('/', 1)[-1]}`"
-            for o in stage.overlays
-            if o not in stage.vllm_tests
-        )
-        pr_tests = "<br>".join(f"`{t}`" for t in stage.vllm_tests) or "none"
-        rows.append(
-            f"| **{stage.id}** {stage.title} | {_switches(stage)} | {hooks} "
-            f"| {overlays} | `tests/{stage.tests}/` | {pr_tests} "
-            f"| {stage.validated_on} | {_upstream(stage)} |"
+            f"| {name} | {stage.title} | {_switches(stage)} | {_upstream(stage)} |"
         )
     return "\n".join(rows)
 
