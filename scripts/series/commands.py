@@ -28,6 +28,7 @@ from scripts.series.stages.check import (
     HUNK_BUDGET,
     format_hunk_sizes,
     hunk_budget,
+    later_stage_edits,
     stale_files,
 )
 from scripts.series.stages.fetch import fetch_sdist
@@ -163,6 +164,7 @@ def _check(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
         f"{mismatch}; a rebase's branch writes these (scripts/series/pin_sites.py)"
         for mismatch in pin_mismatches(series.root, series.base)
     ]
+    problems += later_stage_edits(series)
     if problems:
         print("\n".join(f"error: {problem}" for problem in problems))
         return 1

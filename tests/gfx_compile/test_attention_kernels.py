@@ -25,6 +25,14 @@ TREE = applied_tree("0003")
 
 from vllm.config import set_current_vllm_config  # noqa: E402
 
+# The files that define or launch these kernels: a tree compiles them when
+# its own stage patches one (scripts/series/testing/testrun.py).
+KERNEL_CALLERS = (
+    "vllm/models/deepseek_v32/common/kernels.py",
+    "vllm/models/deepseek_v32/amd/rocm.py",
+    "vllm/models/deepseek_v32/attention.py",
+    "vllm/models/deepseek_v32/common/mxfp4_indexer_cache.py",
+)
 PAGES = (64, 128)
 NEXT_N = (1, 2, 4)
 TP_SIZES = (1, 2, 4, 8)

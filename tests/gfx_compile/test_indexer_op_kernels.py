@@ -33,6 +33,13 @@ TREE = applied_tree("0001")
 
 from vllm.config import set_current_vllm_config  # noqa: E402
 
+# The files that define or launch these kernels: a tree compiles them when
+# its own stage patches one (scripts/series/testing/testrun.py).
+KERNEL_CALLERS = (
+    "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py",
+    "vllm/v1/attention/backends/mla/indexer.py",
+    "vllm/v1/attention/ops/rocm_cp_indexer.py",
+)
 TOPK = 2048
 PAGES = (64, 128)
 NEXT_N = (1, 2, 4)

@@ -32,7 +32,16 @@ def test_apply_status_tree_and_check(two_stages: Project):
     assert check.returncode == 1
     assert "stale" in check.stdout
     assert _cli(two_stages, "refresh").returncode == 0
-    assert _cli(two_stages, "check").returncode == 0
+    # Stage 0002 flips the CP_INDEXER line stage 0001 adds: named, not fresh.
+    check = _cli(two_stages, "check")
+    assert "patch files match a fresh export" in check.stdout
+    assert check.returncode == 1
+    assert check.stdout.splitlines()[-1] == (
+        "error: stage 0002 changes 1 line(s) of vllm/envs.py that stage 0001 "
+        "adds; make that change in stage 0001 (a stage's tests run on its own "
+        "tree only when a later stage patches its files, so such a change would "
+        "leave them untested there)"
+    )
 
 
 def test_errors_are_one_line_without_a_traceback(two_stages: Project):
@@ -209,7 +218,7 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == [
         "| base | 1 | 0 | 0 | - |",
-        "| 0001 | 3 | 0 | 0 | - |",
+        "| 0001 | 2 | 0 | 0 | - |",  # stage 0001's own: 0002 patches its files
         "| 0002 | 4 | 1 | 0 | - |",
     ]
     assert "test_two::test_fails" in result.stdout.split("Failed:")[1]
@@ -329,10 +338,19 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
     assert "waiting for `python -m scripts.series test holder`" in said
 
 
-def test_adding_a_stage_in_the_readmes_order(two_stages: Project):
+def test_adding_a_stage_in_the_readmes_order(project: Project):
     """README, 'Adding a stage', step by step through the command line: each
     step works as written, and the project ends where CI passes (check)."""
     from scripts.series.stages.overview import BEGIN, END
+
+    # Two stages, neither changing the other's lines (check refuses that).
+    project.add_stage(
+        "0001", {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = 1\n")}
+    )
+    project.add_stage(
+        "0002", {"vllm/ops.py": ("return 20\n", "return 2020\n")}, depends_on=("0001",)
+    )
+    two_stages = project
 
     assert _cli(two_stages, "apply").returncode == 0  # 1. the tree at the top
     repo = two_stages.root / "build" / "vllm-git-v1"

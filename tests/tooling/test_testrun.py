@@ -65,19 +65,66 @@ def _series_folders(runs) -> list[str]:
     return [a for a in run.args if not a.startswith("-")]
 
 
-def test_a_middle_stage_runs_its_own_tests(two_stages: Project):
-    series = two_stages.series()
-    runs = stage_runs(series, "0001", Path("/t"), Path("/b"))
-    assert _series_folders(runs) == [
-        str(series.tests_dir / "base"),
-        str(series.tests_dir / "stage_0001"),
+def test_a_middle_stage_runs_its_tests_only_where_a_repeat_can_catch_more(
+    project: Project,
+):
+    """Below the top, a stage's tests run on its own tree only when a later
+    stage patches one of its files (stage 0002 patches 0001's envs.py, not
+    0002's ops.py), and never the base tests; tested alone, a tree is the
+    top and runs the base tests and every stage's up to it."""
+    project.add_stage("0001", {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 33\n")})
+    project.add_stage("0002", {"vllm/ops.py": ("return 7\n", "return 77\n")})
+    project.add_stage("0003", {"vllm/envs.py": ("VAR_9 = 9\n", "VAR_9 = 99\n")})
+    series = project.series()
+    tests = series.tests_dir
+    runs = stage_runs(series, "0001", Path("/t"), Path("/b"), top="0003")
+    assert _series_folders(runs) == [str(tests / "stage_0001")]
+    assert stage_runs(series, "0002", Path("/t"), Path("/b"), top="0003") == []
+    alone = stage_runs(series, "0002", Path("/t"), Path("/b"), top="0002")
+    assert _series_folders(alone) == [
+        str(tests / "base"),
+        str(tests / "stage_0001"),
+        str(tests / "stage_0002"),
     ]
+    base = stage_runs(series, "base", Path("/b"), Path("/b"), top="0003")
+    assert _series_folders(base) == [str(tests / "base")]
+
+
+def test_a_kernel_group_compiles_where_the_trees_stage_patches_a_caller(
+    two_stages: Project,
+):
+    """Stage 0002 patches vllm/ops.py, a caller of group A's kernels: its
+    tree compiles A, not B; stage 0001's tree (envs.py and its overlay)
+    compiles neither. A group that names no callers is an error."""
+    from scripts.series import SeriesError
+
+    folder = two_stages.root / "tests" / "gfx_compile"
+    folder.mkdir()
+    (folder / "test_a.py").write_text('KERNEL_CALLERS = ("vllm/ops.py",)\n')
+    (folder / "test_b.py").write_text('KERNEL_CALLERS = ("vllm/other.py",)\n')
+    series = two_stages.series()
+
+    def compiled(stage_id: str) -> list[str]:
+        runs = stage_runs(series, stage_id, Path("/t"), Path("/b"), top="0002")
+        return [
+            Path(a).name
+            for run in runs
+            if run.label.startswith("compile")
+            for a in run.args
+            if a.endswith(".py")
+        ]
+
+    assert compiled("0002") == ["test_a.py"]
+    assert compiled("0001") == []
+    (folder / "test_c.py").write_text("CALLERS = ()\n")
+    with pytest.raises(SeriesError, match="test_c.py names no KERNEL_CALLERS"):
+        compiled("0002")
 
 
 def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
     series = two_stages.series()
     tree = Path("/trees/0002")
-    runs = stage_runs(series, "0002", tree, Path("/trees/base"))
+    runs = stage_runs(series, "0002", tree, Path("/trees/base"), top="0002")
     own = runs[0]
     assert _series_folders(runs) == [
         str(series.tests_dir / "base"),
@@ -89,7 +136,8 @@ def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
     assert own.env["DSA_STAGES"] == "base,0001,0002"
     assert own.env["CUDA_VISIBLE_DEVICES"] == ""
     assert own.env["DSA_BASE_TREE"] == "/trees/base"
-    assert stage_runs(series, "base", tree, tree)[0].env["DSA_STAGES"] == "base"
+    base = stage_runs(series, "base", tree, tree, top="0002")
+    assert base[0].env["DSA_STAGES"] == "base"
 
 
 def test_the_regression_selection_runs_on_every_stage_tree():
@@ -100,7 +148,7 @@ def test_the_regression_selection_runs_on_every_stage_tree():
 
     series = load_series()
     tree = Path("/trees/x")
-    runs = stage_runs(series, "base", tree, tree)
+    runs = stage_runs(series, "base", tree, tree, top=series.stages[-1].id)
     assert len(runs) == 1
     run = runs[0]
     assert [a for a in run.args if a.startswith("/trees")] == [
@@ -136,29 +184,34 @@ def test_a_vllm_conftest_the_cut_would_not_keep_out_stops_the_run(tmp_path: Path
         series, regression=(suite, replace(suite, paths=("tests/elsewhere/t.py",)))
     )
     with pytest.raises(SeriesError, match="conftest"):
-        stage_runs(series, "base", tmp_path, tmp_path)
+        stage_runs(series, "base", tmp_path, tmp_path, top=None)
 
 
 def test_pr_tests_run_with_plain_pytest_in_the_tree():
-    """The tests stages add to vLLM's tests/: the stage's own on its tree,
-    every stage's on the top one; from the tree's root, with vLLM's conftest
-    and nothing of this project on the path."""
+    """The tests stages add to vLLM's tests/, every stage's, on the top tree
+    only (a PR alone: export's CPU view); from the tree's root, with vLLM's
+    conftest and nothing of this project on the path."""
     from scripts.series.config import load_series
 
     series = load_series()
     first, top = series.stages[0], series.stages[-1]
     assert first.vllm_tests and all(t.startswith("tests/") for t in first.vllm_tests)
     tree = Path("/trees/x")
-    own = [r for r in stage_runs(series, first.id, tree, tree) if r.cwd == tree]
-    assert len(own) == 1
-    assert own[0].env["PYTHONPATH"] == ""
-    assert "--noconftest" not in own[0].args
-    assert [a for a in own[0].args if a.startswith("tests/")] == list(first.vllm_tests)
-    every = [r for r in stage_runs(series, top.id, tree, tree) if r.cwd == tree]
-    assert [a for a in every[0].args if a.startswith("tests/")] == [
+
+    def pr_runs(stage_id: str, top_id: str):
+        runs = stage_runs(series, stage_id, tree, tree, top=top_id)
+        return [r for r in runs if r.cwd == tree]
+
+    assert pr_runs(first.id, top.id) == []
+    (every,) = pr_runs(top.id, top.id)
+    assert every.env["PYTHONPATH"] == ""
+    assert "--noconftest" not in every.args
+    assert [a for a in every.args if a.startswith("tests/")] == [
         t for stage in series.stages for t in stage.vllm_tests
     ]
-    assert not [r for r in stage_runs(series, "base", tree, tree) if r.cwd]
+    (alone,) = pr_runs(first.id, first.id)
+    assert [a for a in alone.args if a.startswith("tests/")] == list(first.vllm_tests)
+    assert pr_runs("base", top.id) == []
 
 
 def test_junit_counts_only_the_modules_asked_for(tmp_path: Path):

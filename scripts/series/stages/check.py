@@ -10,11 +10,12 @@ error too, so the list stays true.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from scripts.series import SeriesError
 from scripts.series.config import LargeHunk, Series, Stage
-from scripts.series.git import changed_files, rev_parse
+from scripts.series.git import changed_files, git, git_out, rev_parse
 from scripts.series.layout import workdir
 from scripts.series.stages.patchfile import Hunk, read_patch
 from scripts.series.stages.refresh import format_stage_patch, overlay_bytes
@@ -43,6 +44,50 @@ def stale_files(series: Series) -> list[str]:
             if source.read_bytes() != overlay_bytes(repo, commit, overlay):
                 stale.append(str(source.relative_to(series.root)))
     return stale
+
+
+_REMOVED = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+", re.M)
+
+
+def later_stage_edits(series: Series) -> list[str]:
+    """A later stage that changes or removes lines an earlier stage adds
+    (git blame on the lines each stage commit removes). The test runs rely
+    on there being none: an earlier stage's tests run on its own tree only
+    when a later stage patches its files, and the base tests only on the
+    base and top trees."""
+    repo = workdir(series)
+    applied = read_chain(series, repo).applied
+    owner = {commit: stage for stage, commit in applied}
+    problems = []
+    for stage, commit in applied[1:]:
+        for path in git_out(repo, "diff", "--name-only", f"{commit}^", commit).split():
+            diff = git_out(repo, "diff", "-U0", f"{commit}^", commit, "--", path)
+            found: dict[str, int] = {}
+            for start, count in _REMOVED.findall(diff):
+                if count == "0":
+                    continue
+                blamed = git(
+                    repo,
+                    "blame",
+                    "--porcelain",
+                    "-L",
+                    f"{start},+{count or 1}",
+                    f"{commit}^",
+                    "--",
+                    path,
+                ).stdout.decode(errors="replace")
+                for line in blamed.splitlines():
+                    earlier = owner.get(line.split(" ", 1)[0])
+                    if earlier is not None and earlier != stage:
+                        found[earlier.id] = found.get(earlier.id, 0) + 1
+            problems += [
+                f"stage {stage.id} changes {count} line(s) of {path} that stage "
+                f"{earlier} adds; make that change in stage {earlier} (a stage's "
+                "tests run on its own tree only when a later stage patches its "
+                "files, so such a change would leave them untested there)"
+                for earlier, count in found.items()
+            ]
+    return problems
 
 
 @dataclass(frozen=True)

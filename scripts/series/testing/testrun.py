@@ -1,12 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which pytest runs test a stage's tree, and running them side by side.
 
-A tree runs the base tests, its stage's tests, the regression selection of
-vLLM's tests and its PR tests; the top tree runs every stage's tests, so a
-later stage that breaks an earlier one is caught there."""
+Each test runs where a repetition could catch something new. Every tree runs
+the regression selection of vLLM's tests. The top tree runs every stage's
+tests, the base tests and every PR's tests (a PR alone is tested by
+``export``'s CPU view); the base tree runs the base tests; a lower stage's
+tree runs that stage's tests only when a later stage patches one of its
+files (``check`` refuses a later stage that changes its lines). The compile
+matrix's kernel groups compile on a tree whose own stage patches a file
+that launches them (each group's ``KERNEL_CALLERS``)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Series
+from scripts.series.config import Series, Stage
 from scripts.series.contract import (
     COMPILE_SUMMARY_ENV,
     CPU_ENV,
@@ -28,6 +34,7 @@ from scripts.series.contract import (
     tree_env,
 )
 from scripts.series.layout import results_dir
+from scripts.series.stages.patchfile import read_patch
 from scripts.series.stages.trees import stage_tree
 from scripts.series.testing.results import RunTiming, Tally, junit_suite, read_junit
 
@@ -52,46 +59,26 @@ class PytestRun:
 
 
 def stage_runs(
-    series: Series, stage_id: str, tree: Path, base_tree: Path
+    series: Series, stage_id: str, tree: Path, base_tree: Path, *, top: str | None
 ) -> list[PytestRun]:
-    """The pytest runs for one stage's tree ("base" or a stage id)."""
+    """The pytest runs for one stage's tree ("base" or a stage id) when
+    ``top`` is the highest tree tested with it (it runs as the top)."""
     applied = series.stages_upto(stage_id)
     stages = ["base", *(s.id for s in applied)]
     out = results_dir(series) / stage_id
-    is_top = bool(applied) and applied[-1] == series.stages[-1]
-    tested = applied if is_top else applied[-1:]
-    own_dirs = ["base", *(s.tests for s in tested)]
+    is_top = bool(applied) and stage_id == top
+    if not applied or is_top:
+        own_dirs = ["base", *(s.tests for s in applied)]
+    else:
+        own_dirs = [s.tests for s in applied[-1:] if _patched_later(series, s)]
     env = tree_env(tree, stages, base_tree)
-    # Every folder in one run: each run imports torch and vLLM anew, and that
-    # import costs more than the balance of smaller runs side by side gains.
-    # vLLM's own tests (the regression selection) join it: the same tree and
-    # CPU platform, and the import was most of their run's time.
-    folders = [str(series.tests_dir / folder) for folder in own_dirs]
-    label = "series tests (" + ", ".join(own_dirs) + ")"
-    regression_args: list[str] = []
-    if series.regression:
-        regression_args, plugin_files = _regression_args(series, tree)
-        env = {**env, PLUGIN_FILES_ENV: json.dumps(plugin_files)}
-        names = ", ".join(s.name for s in series.regression)
-        label = f"series tests ({', '.join(own_dirs)}) and vLLM tests ({names})"
-    runs = [
-        PytestRun(
-            stage_id,
-            label,
-            (
-                *folders,
-                *regression_args,
-                f"--junitxml={out / 'series.xml'}",
-                "-q",
-            ),
-            env,
-            out / "series.xml",
-        )
-    ]
-    if pr_tests := [path for stage in tested for path in stage.vllm_tests]:
+    runs = []
+    if own_dirs:
+        runs.append(_series_run(series, stage_id, tree, own_dirs, env, out))
+    pr_tests = [path for stage in applied for path in stage.vllm_tests]
+    if is_top and pr_tests:
         runs.append(pr_tests_run(stage_id, tree, pr_tests, out / "pr-tests.xml"))
-    compile_tests = series.tests_dir / COMPILE_TESTS
-    if applied and compile_tests.is_dir():
+    if applied and (groups := _compile_groups(series, applied[-1])):
         # Triton's compiler, not its interpreter: the kernels are compiled
         # for the AMD targets (tests/gfx_compile/conftest.py).
         runs.append(
@@ -99,7 +86,7 @@ def stage_runs(
                 stage_id,
                 "compile matrix (gfx950, gfx942)",
                 (
-                    str(compile_tests),
+                    *(str(group) for group in groups),
                     f"--junitxml={out / 'gfx-compile.xml'}",
                     "-q",
                 ),
@@ -112,6 +99,68 @@ def stage_runs(
             )
         )
     return runs
+
+
+def _series_run(
+    series: Series,
+    stage_id: str,
+    tree: Path,
+    own_dirs: list[str],
+    env: dict[str, str],
+    out: Path,
+) -> PytestRun:
+    """The series' test folders and vLLM's own tests in one run: each run
+    imports torch and vLLM anew, and that import costs more than the balance
+    of smaller runs side by side gains (the regression selection's run was
+    mostly that import)."""
+    folders = [str(series.tests_dir / folder) for folder in own_dirs]
+    label = "series tests (" + ", ".join(own_dirs) + ")"
+    regression_args: list[str] = []
+    if series.regression:
+        regression_args, plugin_files = _regression_args(series, tree)
+        env = {**env, PLUGIN_FILES_ENV: json.dumps(plugin_files)}
+        names = ", ".join(s.name for s in series.regression)
+        label += f" and vLLM tests ({names})"
+    return PytestRun(
+        stage_id,
+        label,
+        (*folders, *regression_args, f"--junitxml={out / 'series.xml'}", "-q"),
+        env,
+        out / "series.xml",
+    )
+
+
+def _stage_files(series: Series, stage: Stage) -> set[str]:
+    return set(read_patch(series.patch_file(stage)).files) | set(stage.overlays)
+
+
+def _patched_later(series: Series, stage: Stage) -> bool:
+    """Whether a later stage patches a file ``stage`` patches."""
+    later = series.stages[series.stages.index(stage) + 1 :]
+    files = set(read_patch(series.patch_file(stage)).files)
+    return any(files & set(read_patch(series.patch_file(s)).files) for s in later)
+
+
+def kernel_callers(module: Path) -> tuple[str, ...]:
+    """A compile-matrix module's ``KERNEL_CALLERS``: the vLLM files whose
+    code launches the kernels it compiles (read without importing it)."""
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, ast.Assign) and [
+            getattr(t, "id", None) for t in node.targets
+        ] == ["KERNEL_CALLERS"]:
+            return tuple(ast.literal_eval(node.value))
+    raise SeriesError(f"{module} names no KERNEL_CALLERS (a tuple of vLLM files)")
+
+
+def _compile_groups(series: Series, stage: Stage) -> list[Path]:
+    """The compile-matrix modules whose kernels ``stage`` patches a caller of."""
+    folder = series.tests_dir / COMPILE_TESTS
+    files = _stage_files(series, stage)
+    return [
+        module
+        for module in sorted(folder.glob("test_*.py"))
+        if files & set(kernel_callers(module))
+    ]
 
 
 def _regression_args(
@@ -269,8 +318,11 @@ def run_tests(
     the longest first by their last time."""
     base_tree = stage_tree(series, "base")
     runs = tooling_runs(series) if tooling else []
+    tree_ids = ["base", *(s.id for s in series.stages)]
+    top = max(stage_ids, key=tree_ids.index, default=None)
     for stage_id in stage_ids:
-        runs += stage_runs(series, stage_id, stage_tree(series, stage_id), base_tree)
+        tree = stage_tree(series, stage_id)
+        runs += stage_runs(series, stage_id, tree, base_tree, top=top)
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
