@@ -833,6 +833,51 @@ def test_the_work_tree_keeps_its_stage_through_a_rebase_and_abort(two_stages):
     assert sh(repo, "git", "rev-parse", "--verify", "-q", "stage/0002")
 
 
+def test_a_rebase_killed_while_it_starts_leaves_the_tree_where_it_was(tmp_path):
+    """The work tree at stage 0001; a rebase killed at every sixth git call
+    while it starts and runs: after --abort (when there is a rebase to
+    abort), the tree is at stage 0001 and clean, as the user left it."""
+    from scripts.series import git as git_module
+
+    real_run = git_module.subprocess.run
+
+    def killed_at(step: int | None, calls: list[int]):
+        def run(command, *args, **kwargs):
+            if command and command[0] == "git":
+                calls.append(1)
+                if len(calls) == step:
+                    raise _Killed
+            return real_run(command, *args, **kwargs)
+
+        return run
+
+    def fresh(name: str):
+        made = add_two_stages(Project(tmp_path / name))
+        made.commit_all()
+        repo = apply(made.series(), quiet=True)
+        apply(made.series(), "0001", quiet=True)
+        at_0001 = sh(repo, "git", "rev-parse", "HEAD")
+        target = _target(made, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+        return made, repo, at_0001, target
+
+    made, repo, at_0001, target = fresh("count")
+    calls: list[int] = []
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(git_module.subprocess, "run", killed_at(None, calls))
+        rebase.start(made.series(), target)
+    assert sh(repo, "git", "rev-parse", "HEAD") == at_0001
+    for step in range(1, len(calls), 6):
+        made, repo, at_0001, target = fresh(f"kill-{step}")
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(git_module.subprocess, "run", killed_at(step, []))
+            with pytest.raises(_Killed):
+                rebase.start(made.series(), target)
+        if state_file(made.series()).exists():
+            rebase.abort(made.series())
+        assert sh(repo, "git", "rev-parse", "HEAD") == at_0001, step
+        assert sh(repo, "git", "status", "--porcelain") == "", step
+
+
 def test_recorded_resolutions_are_offered_on_another_target(two_stages):
     """Resolved once onto v2; a rebase onto v3 (v2 plus unrelated drift) meets
     the same conflicts and replays those resolutions."""

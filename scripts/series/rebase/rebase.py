@@ -143,11 +143,14 @@ def start(
 
 def _old_tip(series: Series) -> str:
     """The series' last stage commit, built if needed; the work tree is left
-    at the stage it was at (``apply --upto``)."""
+    at the stage it was at (``apply --upto``), and is not moved at all when
+    every stage commit is current (a kill cannot leave it elsewhere)."""
     repo = workdir(series)
     position = None
     if repo.exists():
         chain = read_chain(series, repo)
+        if chain.current == len(series.stages):
+            return chain.tip
         head = git_out(repo, "rev-parse", "HEAD")
         commits = {c: s.id for s, c in chain.applied[: chain.current]}
         position = "base" if head == chain.base else commits.get(head)
