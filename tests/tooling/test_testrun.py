@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.series.config import load_series
 from scripts.series.testing.results import Tally, format_summary, read_junit
 from scripts.series.testing.testrun import stage_runs, tooling_runs
 from tests.tooling.conftest import Project
@@ -59,6 +60,10 @@ def test_summary_table_lists_every_stage_and_reason():
     assert table.endswith("Failed:\n- t::x")
 
 
+ALL3 = ("base", "0001", "0002", "0003")
+ALL = ("base", *(s.id for s in load_series().stages))
+
+
 def _series_folders(runs) -> list[str]:
     """The test folders of a tree's series tests, which are one run."""
     (run,) = [run for run in runs if run.label.startswith("series tests")]
@@ -77,16 +82,16 @@ def test_a_middle_stage_runs_its_tests_only_where_a_repeat_can_catch_more(
     project.add_stage("0003", {"vllm/envs.py": ("VAR_9 = 9\n", "VAR_9 = 99\n")})
     series = project.series()
     tests = series.tests_dir
-    runs = stage_runs(series, "0001", Path("/t"), Path("/b"), top="0003")
+    runs = stage_runs(series, "0001", Path("/t"), Path("/b"), tested=ALL3)
     assert _series_folders(runs) == [str(tests / "stage_0001")]
-    assert stage_runs(series, "0002", Path("/t"), Path("/b"), top="0003") == []
-    alone = stage_runs(series, "0002", Path("/t"), Path("/b"), top="0002")
+    assert stage_runs(series, "0002", Path("/t"), Path("/b"), tested=ALL3) == []
+    alone = stage_runs(series, "0002", Path("/t"), Path("/b"), tested=("0002",))
     assert _series_folders(alone) == [
         str(tests / "base"),
         str(tests / "stage_0001"),
         str(tests / "stage_0002"),
     ]
-    base = stage_runs(series, "base", Path("/b"), Path("/b"), top="0003")
+    base = stage_runs(series, "base", Path("/b"), Path("/b"), tested=ALL3)
     assert _series_folders(base) == [str(tests / "base")]
 
 
@@ -94,18 +99,20 @@ def test_a_kernel_group_compiles_where_the_trees_stage_patches_a_caller(
     two_stages: Project,
 ):
     """Stage 0002 patches vllm/ops.py, a caller of group A's kernels: its
-    tree compiles A, not B; stage 0001's tree (envs.py and its overlay)
-    compiles neither. A group that names no callers is an error."""
+    tree compiles A, not B; stage 0001's compiles C (its overlay). The top
+    tree tested without 0001's compiles C too. A group that names no
+    callers is an error."""
     from scripts.series import SeriesError
 
     folder = two_stages.root / "tests" / "gfx_compile"
     folder.mkdir()
     (folder / "test_a.py").write_text('KERNEL_CALLERS = ("vllm/ops.py",)\n')
     (folder / "test_b.py").write_text('KERNEL_CALLERS = ("vllm/other.py",)\n')
+    (folder / "test_c.py").write_text('KERNEL_CALLERS = ("vllm/cp_indexer.py",)\n')
     series = two_stages.series()
 
-    def compiled(stage_id: str) -> list[str]:
-        runs = stage_runs(series, stage_id, Path("/t"), Path("/b"), top="0002")
+    def compiled(stage_id: str, tested=("base", "0001", "0002")) -> list[str]:
+        runs = stage_runs(series, stage_id, Path("/t"), Path("/b"), tested=tested)
         return [
             Path(a).name
             for run in runs
@@ -115,16 +122,19 @@ def test_a_kernel_group_compiles_where_the_trees_stage_patches_a_caller(
         ]
 
     assert compiled("0002") == ["test_a.py"]
-    assert compiled("0001") == []
-    (folder / "test_c.py").write_text("CALLERS = ()\n")
-    with pytest.raises(SeriesError, match="test_c.py names no KERNEL_CALLERS"):
+    assert compiled("0001") == ["test_c.py"]
+    assert compiled("0002", tested=("0002",)) == ["test_a.py", "test_c.py"]
+    (folder / "test_d.py").write_text("CALLERS = ()\n")
+    with pytest.raises(SeriesError, match="test_d.py names no KERNEL_CALLERS"):
         compiled("0002")
 
 
 def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
     series = two_stages.series()
     tree = Path("/trees/0002")
-    runs = stage_runs(series, "0002", tree, Path("/trees/base"), top="0002")
+    runs = stage_runs(
+        series, "0002", tree, Path("/trees/base"), tested=("base", "0001", "0002")
+    )
     own = runs[0]
     assert _series_folders(runs) == [
         str(series.tests_dir / "base"),
@@ -136,11 +146,11 @@ def test_the_top_stage_tree_runs_every_stages_tests(two_stages: Project):
     assert own.env["DSA_STAGES"] == "base,0001,0002"
     assert own.env["CUDA_VISIBLE_DEVICES"] == ""
     assert own.env["DSA_BASE_TREE"] == "/trees/base"
-    base = stage_runs(series, "base", tree, tree, top="0002")
+    base = stage_runs(series, "base", tree, tree, tested=("base", "0001", "0002"))
     assert base[0].env["DSA_STAGES"] == "base"
 
 
-def test_the_regression_selection_runs_on_every_stage_tree():
+def test_the_regression_selection_runs_with_the_series_tests():
     """vLLM's own tests: every suite in the tree's series run, without
     vLLM's conftest files; a suite's plugin is loaded and told which files
     are its own."""
@@ -148,7 +158,7 @@ def test_the_regression_selection_runs_on_every_stage_tree():
 
     series = load_series()
     tree = Path("/trees/x")
-    runs = stage_runs(series, "base", tree, tree, top=series.stages[-1].id)
+    runs = stage_runs(series, "base", tree, tree, tested=ALL)
     assert len(runs) == 1
     run = runs[0]
     assert [a for a in run.args if a.startswith("/trees")] == [
@@ -184,7 +194,7 @@ def test_a_vllm_conftest_the_cut_would_not_keep_out_stops_the_run(tmp_path: Path
         series, regression=(suite, replace(suite, paths=("tests/elsewhere/t.py",)))
     )
     with pytest.raises(SeriesError, match="conftest"):
-        stage_runs(series, "base", tmp_path, tmp_path, top=None)
+        stage_runs(series, "base", tmp_path, tmp_path, tested=("base",))
 
 
 def test_pr_tests_run_with_plain_pytest_in_the_tree():
@@ -199,7 +209,7 @@ def test_pr_tests_run_with_plain_pytest_in_the_tree():
     tree = Path("/trees/x")
 
     def pr_runs(stage_id: str, top_id: str):
-        runs = stage_runs(series, stage_id, tree, tree, top=top_id)
+        runs = stage_runs(series, stage_id, tree, tree, tested=(stage_id, top_id))
         return [r for r in runs if r.cwd == tree]
 
     assert pr_runs(first.id, top.id) == []

@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which pytest runs test a stage's tree, and running them side by side.
 
-Each test runs where a repetition could catch something new. Every tree runs
-the regression selection of vLLM's tests. The top tree runs every stage's
-tests, the base tests and every PR's tests (a PR alone is tested by
-``export``'s CPU view); the base tree runs the base tests; a lower stage's
-tree runs that stage's tests only when a later stage patches one of its
-files (``check`` refuses a later stage that changes its lines). The compile
-matrix's kernel groups compile on a tree whose own stage patches a file
-that launches them (each group's ``KERNEL_CALLERS``)."""
+Each test runs where a repetition could catch something new. The top tree
+runs every stage's tests, the base tests and every PR's tests (a PR alone
+is tested by ``export``'s CPU view); the base tree runs the base tests; a
+lower stage's tree runs that stage's tests only when a later stage patches
+one of its files (``check`` refuses a later stage that changes its lines).
+The regression selection of vLLM's tests joins each of those runs. The
+compile matrix's kernel groups compile on a tree whose own stage patches a
+file that launches them (each group's ``KERNEL_CALLERS``); the top tree
+also compiles those of the stages whose trees are not tested with it."""
 
 from __future__ import annotations
 
@@ -59,14 +60,21 @@ class PytestRun:
 
 
 def stage_runs(
-    series: Series, stage_id: str, tree: Path, base_tree: Path, *, top: str | None
+    series: Series,
+    stage_id: str,
+    tree: Path,
+    base_tree: Path,
+    *,
+    tested: Sequence[str],
 ) -> list[PytestRun]:
-    """The pytest runs for one stage's tree ("base" or a stage id) when
-    ``top`` is the highest tree tested with it (it runs as the top)."""
+    """The pytest runs for one stage's tree ("base" or a stage id), tested
+    together with the trees ``tested`` (the highest of them runs as the
+    top)."""
     applied = series.stages_upto(stage_id)
     stages = ["base", *(s.id for s in applied)]
     out = results_dir(series) / stage_id
-    is_top = bool(applied) and stage_id == top
+    tree_ids = ["base", *(s.id for s in series.stages)]
+    is_top = bool(applied) and stage_id == max(tested, key=tree_ids.index)
     if not applied or is_top:
         own_dirs = ["base", *(s.tests for s in applied)]
     else:
@@ -78,7 +86,9 @@ def stage_runs(
     pr_tests = [path for stage in applied for path in stage.vllm_tests]
     if is_top and pr_tests:
         runs.append(pr_tests_run(stage_id, tree, pr_tests, out / "pr-tests.xml"))
-    if applied and (groups := _compile_groups(series, applied[-1])):
+    compiled = [s for s in applied if s.id == stage_id or is_top and s.id not in tested]
+    groups = sorted({g for stage in compiled for g in _compile_groups(series, stage)})
+    if groups:
         # Triton's compiler, not its interpreter: the kernels are compiled
         # for the AMD targets (tests/gfx_compile/conftest.py).
         runs.append(
@@ -318,11 +328,11 @@ def run_tests(
     the longest first by their last time."""
     base_tree = stage_tree(series, "base")
     runs = tooling_runs(series) if tooling else []
-    tree_ids = ["base", *(s.id for s in series.stages)]
-    top = max(stage_ids, key=tree_ids.index, default=None)
     for stage_id in stage_ids:
         tree = stage_tree(series, stage_id)
-        runs += stage_runs(series, stage_id, tree, base_tree, top=top)
+        runs += stage_runs(series, stage_id, tree, base_tree, tested=stage_ids)
+        # The summary reads it: none from an earlier run.
+        (results_dir(series) / stage_id / COMPILE_SUMMARY).unlink(missing_ok=True)
     started = time.monotonic()
     # Reversed first: with no results yet, the top tree's runs lead.
     order = sorted(reversed(runs), key=_last_duration, reverse=True)
@@ -332,7 +342,9 @@ def run_tests(
         )
     wall_s = time.monotonic() - started
     print(f"{len(runs)} pytest runs took {wall_s:.0f} s")
-    rows: dict[str, Tally] = {run.row: Tally() for run in runs}
+    # A tree with no run of its own keeps its row (its tests ran on the top).
+    names = ["tooling"] if tooling else []
+    rows: dict[str, Tally] = {row: Tally() for row in [*names, *stage_ids]}
     for run, tally in zip(order, tallies, strict=True):
         rows[run.row].add(tally)
     return TestResults(list(rows.items()), len(runs), wall_s)
