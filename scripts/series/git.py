@@ -100,6 +100,21 @@ def git(
     return result
 
 
+def status_as_the_user_sees_it(repo: Path) -> subprocess.CompletedProcess[bytes]:
+    """``git status --porcelain`` with the user's own configuration, so that
+    the files their global ignore file hides are not listed (the tool's
+    other git calls ignore that configuration)."""
+    env = {**os.environ, "LC_ALL": "C"}
+    try:
+        return subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain=v1", "-uall"],
+            env=env,
+            capture_output=True,
+        )
+    except FileNotFoundError:
+        raise SeriesError("git is not installed (not found on PATH)") from None
+
+
 def ownership_refusal(stderr: bytes) -> str | None:
     """The refusal to give for git's safe.directory check ("detected dubious
     ownership in repository at '...'"), or None for any other error. The

@@ -38,9 +38,9 @@ def test_apply_status_tree_and_check(two_stages: Project):
     assert check.returncode == 1
     assert check.stdout.splitlines()[-1] == (
         "error: stage 0002 changes 1 line(s) of vllm/envs.py that stage 0001 "
-        "adds; make that change in stage 0001 (a stage's tests run on its own "
-        "tree only when a later stage patches its files, so such a change would "
-        "leave them untested there)"
+        "adds; make that change in stage 0001 (the base tests and the PR tests "
+        "run on the top tree only, so they would not see stage 0001's lines as "
+        "its own PR has them)"
     )
 
 
@@ -461,7 +461,7 @@ def test_the_documented_copy_to_build_from_and_its_update(
     ops = repo / "vllm/ops.py"
     ops.write_text(ops.read_text().replace("return 21\n", "return 2121\n"))
     assert _cli(two_stages, "refresh").returncode == 0
-    update = _serving_block("diff --binary copied series")
+    update = _serving_block("diff-tree -p --binary copied series")
     copied = (dest / "vllm/ops.py").read_text()
     (dest / "vllm/ops.py").write_text(copied.replace("return 21\n", "return -21\n"))
     refused = run(update)

@@ -319,37 +319,66 @@ def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
     assert "1 passed, 0 failed" in reports[1].evidence
 
 
-def test_the_branch_leaves_what_ci_checks_passing(two_stages):
+def test_the_branch_leaves_what_ci_checks_passing(project):
     """The branch's README has the stage table of the new series and its
-    report says what check-patches will find: the budget holds, or (a
-    large_hunks entry for a hunk within the budget) it fails, naming it."""
+    report says what check-patches will find: it passes, or it fails naming
+    why (a large_hunks entry for a hunk within the budget; a stage that
+    changes a line an earlier one adds)."""
     from scripts.series.stages.overview import BEGIN, END, readme_table_is_current
 
-    readme = two_stages.root / "README.md"
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
+        title="Striped indexer",
+    )
+    project.add_stage(
+        "0002",
+        {"vllm/ops.py": ("return 20\n", "return 2020\n")},
+        title="Top-k gate",
+        depends_on=("0001",),
+    )
+    readme = project.root / "README.md"
     readme.write_text(f"# Project\n\n{BEGIN}\nan old table\n{END}\n\nmore\n")
-    two_stages.commit_all()
-    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
-    rebase.start(two_stages.series(), target)
-    assert "CI's check-patches: the glue budget holds" in _report(two_stages, target)
-    rebased = _rebased(two_stages, target)
+    project.commit_all()
+    target = _target(project, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+
+    def rebased_report() -> str:
+        rebase.start(project.series(), target)
+        report = _report(project, target)
+        sh(project.root, "git", "branch", "-q", "-D", _branch(target))
+        return report
+
+    rebase.start(project.series(), target)
+    assert "the glue budget holds, no stage changes" in _report(project, target)
+    rebased = _rebased(project, target)
     assert readme_table_is_current(rebased, readme)
     assert readme.read_text().startswith("# Project\n\n") and "\nmore\n" in (
         readme.read_text()
     )
-    sh(two_stages.root, "git", "switch", "-q", "-")
-    sh(two_stages.root, "git", "branch", "-q", "-D", _branch(target))
-    two_stages.series_file.write_text(
-        two_stages.series_file.read_text().replace(
+    sh(project.root, "git", "switch", "-q", "-")
+    sh(project.root, "git", "branch", "-q", "-D", _branch(target))
+    project.series_file.write_text(
+        project.series_file.read_text().replace(
             'title = "Top-k gate"',
-            'title = "Top-k gate"\nlarge_hunks = [{ file = "vllm/ops.py", hunk = 1, '
-            'reason = "none" }]',
+            'title = "Top-k gate"\nlarge_hunks = [{ file = "vllm/ops.py", '
+            'hunk = 1, reason = "none" }]',
         )
     )
-    two_stages.commit_all()
-    rebase.start(two_stages.series(), target)
-    report = _report(two_stages, target)
+    project.commit_all()
+    report = rebased_report()
     assert "CI's check-patches will fail on this branch" in report
-    assert "vllm/ops.py" in report
+    assert "large_hunks names vllm/ops.py hunk 1" in report
+    project.add_stage(
+        "0003",
+        {"vllm/envs.py": ("CP_INDEXER = False\n", "CP_INDEXER = True\n")},
+        title="Flip",
+    )
+    project.commit_all()
+    report = rebased_report()
+    assert "CI's check-patches will fail on this branch" in report
+    assert "stage 0003 changes 1 line(s) of vllm/envs.py that stage 0001 adds" in (
+        report
+    )
 
 
 def test_a_rebase_needs_a_committed_project(two_stages, capsys):
@@ -500,10 +529,11 @@ def _kill(step: int, after: bool):
 def test_a_rebase_killed_at_any_step_of_its_end_continues_to_the_same_branch(
     tmp_path, monkeypatch
 ):
-    """Killed before or after any git step of making its branch (the
-    worktree, the commit, the ref, the cleanup): the checkout is as it was,
-    and --continue ends with a branch whose tree is an uninterrupted
-    rebase's, with no state or worktree left."""
+    """Killed before any git step of making its branch (the worktree, the
+    commit, the ref, the cleanup), or after the last (a kill after one step
+    is one before the next): the checkout is as it was, and --continue ends
+    with a branch whose tree is an uninterrupted rebase's, with no state or
+    worktree left."""
 
     def fresh(name: str) -> tuple[Project, GitBase]:
         made = add_two_stages(Project(tmp_path / name))
@@ -523,22 +553,20 @@ def test_a_rebase_killed_at_any_step_of_its_end_continues_to_the_same_branch(
     steps = len(calls)
     assert steps >= 6
     want = sh(reference.root, "git", "rev-parse", f"{_branch(target)}^{{tree}}")
-    for step in range(steps):
-        for after in (False, True):
-            made, target = fresh(f"kill-{step}-{after}")
-            head = sh(made.root, "git", "rev-parse", "HEAD")
-
-            with monkeypatch.context() as patched:
-                patched.setattr(rebase, "finish", _end_with_git(_kill(step, after)))
-                with pytest.raises(_Killed):
-                    rebase.start(made.series(), target)
-            assert sh(made.root, "git", "rev-parse", "HEAD") == head
-            assert sh(made.root, "git", "status", "--porcelain") == ""
-            rebase.resume(made.series())
-            got = sh(made.root, "git", "rev-parse", f"{_branch(target)}^{{tree}}")
-            assert got == want, (step, after)
-            assert not state_file(made.series()).exists()
-            assert sh(made.root, "git", "worktree", "list").count("\n") == 1
+    for step, after in [*((s, False) for s in range(steps)), (steps - 1, True)]:
+        made, target = fresh(f"kill-{step}-{after}")
+        head = sh(made.root, "git", "rev-parse", "HEAD")
+        with monkeypatch.context() as patched:
+            patched.setattr(rebase, "finish", _end_with_git(_kill(step, after)))
+            with pytest.raises(_Killed):
+                rebase.start(made.series(), target)
+        assert sh(made.root, "git", "rev-parse", "HEAD") == head
+        assert sh(made.root, "git", "status", "--porcelain") == ""
+        rebase.resume(made.series())
+        got = sh(made.root, "git", "rev-parse", f"{_branch(target)}^{{tree}}")
+        assert got == want, (step, after)
+        assert not state_file(made.series()).exists()
+        assert sh(made.root, "git", "worktree", "list").count("\n") == 1
 
 
 def test_a_resolution_the_user_committed_is_the_stages_resolution(two_stages):
@@ -834,7 +862,7 @@ def test_the_work_tree_keeps_its_stage_through_a_rebase_and_abort(two_stages):
 
 
 def test_a_rebase_killed_while_it_starts_leaves_the_tree_where_it_was(tmp_path):
-    """The work tree at stage 0001; a rebase killed at every sixth git call
+    """The work tree at stage 0001; a rebase killed at every eighth git call
     while it starts and runs: after --abort (when there is a rebase to
     abort), the tree is at stage 0001 and clean, as the user left it."""
     from scripts.series import git as git_module
@@ -866,7 +894,7 @@ def test_a_rebase_killed_while_it_starts_leaves_the_tree_where_it_was(tmp_path):
         patched.setattr(git_module.subprocess, "run", killed_at(None, calls))
         rebase.start(made.series(), target)
     assert sh(repo, "git", "rev-parse", "HEAD") == at_0001
-    for step in range(1, len(calls), 6):
+    for step in range(1, len(calls), 8):
         made, repo, at_0001, target = fresh(f"kill-{step}")
         with pytest.MonkeyPatch.context() as patched:
             patched.setattr(git_module.subprocess, "run", killed_at(step, []))

@@ -20,7 +20,14 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, Series, Stage
-from scripts.series.git import TOOL_IDENTITY, Identity, git, git_out
+from scripts.series.git import (
+    TOOL_IDENTITY,
+    Identity,
+    git,
+    git_out,
+    ownership_refusal,
+    status_as_the_user_sees_it,
+)
 from scripts.series.layout import RESOLUTIONS, rebase_branch
 from scripts.series.pin_sites import PIN_FILES, moved_pin_files
 from scripts.series.rebase.series_toml import (
@@ -35,7 +42,7 @@ from scripts.series.rebase.state import (
     target_from,
     work_repo,
 )
-from scripts.series.stages.check import hunk_budget
+from scripts.series.stages.check import edits_of_earlier_lines, hunk_budget
 from scripts.series.stages.overview import with_stage_table
 from scripts.series.stages.patchfile import read_patch
 from scripts.series.stages.refresh import format_stage_patch, overlay_bytes
@@ -65,9 +72,9 @@ def refuse_unless_ready(
     """The project must be a git checkout without ``branch``, and (unless
     ``clean`` is False) without uncommitted changes: the branch is made from
     its last commit, so an uncommitted edit would silently be left out."""
-    listed = git(
-        series.root, "status", "--porcelain=v1", "--untracked-files=all", check=False
-    )
+    listed = status_as_the_user_sees_it(series.root)
+    if refused := ownership_refusal(listed.stderr):
+        raise SeriesError(refused)
     if listed.returncode != 0:
         raise SeriesError(
             f"{series.root} is not a git checkout: a rebase writes its result as "
@@ -114,6 +121,21 @@ def finish(series: Series, state: RebaseState) -> str:
         clean=not state.allow_uncommitted,
         then="`nox -s rebase -- --continue`",
     )
+    moved = git(
+        series.root,
+        "merge-base",
+        "--is-ancestor",
+        state.project_head,
+        "HEAD",
+        check=False,
+    )
+    if state.project_head and moved.returncode != 0:
+        raise SeriesError(
+            f"the project's HEAD no longer contains the commit this rebase "
+            f"started from ({state.project_head[:12]}); the branch is made on "
+            "HEAD: switch back to a branch that contains it, then "
+            "`nox -s rebase -- --continue`"
+        )
     _remove_worktree(series, tree)
     git(series.root, "worktree", "add", "-q", "--detach", str(tree), "HEAD")
     _write_series(series, state, tree)
@@ -171,6 +193,7 @@ def _write_series(series: Series, state: RebaseState, tree: Path) -> None:
         for suite in series.regression
         if (paths := tuple(p for p in suite.paths if p not in state.regression_gone))
     )
+    tree = tree.resolve()
     new = replace(
         series,
         root=tree,
@@ -194,8 +217,9 @@ def _write_series(series: Series, state: RebaseState, tree: Path) -> None:
     for stage in series.stages:
         if stage.id in dropped:
             new.patch_file(stage).unlink(missing_ok=True)
-            for overlay in set(stage.overlays) - set(files):
-                new.overlay_file(overlay).unlink(missing_ok=True)
+            for overlay in stage.overlays:
+                if new.overlay_file(overlay) not in files:
+                    new.overlay_file(overlay).unlink(missing_ok=True)
     series_file = new.patches_dir / "series.toml"
     files[series_file] = updated_series_file(
         series_file.read_text(encoding="utf-8"),
@@ -214,9 +238,15 @@ def _write_series(series: Series, state: RebaseState, tree: Path) -> None:
     report = tree / "docs" / f"rebased_onto_{target.label}.md"
     report.parent.mkdir(exist_ok=True)
     report.write_text(_report(series, state, new, changed_overlays))
+    # The conflicts resolved (a conflict left unresolved has no postimage).
     rr_cache = repo / ".git" / "rr-cache"
-    if rr_cache.is_dir() and any(rr_cache.iterdir()):
-        shutil.copytree(rr_cache, new.patches_dir / RESOLUTIONS, dirs_exist_ok=True)
+    resolved = rr_cache.glob("*/postimage") if rr_cache.is_dir() else ()
+    for postimage in resolved:
+        shutil.copytree(
+            postimage.parent,
+            new.patches_dir / RESOLUTIONS / postimage.parent.name,
+            dirs_exist_ok=True,
+        )
 
 
 def _report(
@@ -241,12 +271,17 @@ def _report(
         else "No overlay changed.\n\n"
     )
     _, problems = hunk_budget(new)
+    repo = work_repo(series, state)
+    problems += edits_of_earlier_lines(
+        repo, [(stage, state.commits[stage.id]) for stage in new.stages]
+    )
     budget = (
-        "CI's check-patches: the glue budget holds; the README's stage table and "
+        "CI's check-patches: the glue budget holds, no stage changes an earlier "
+        "one's lines, and the README's stage table and "
         f"the pin in {', '.join(PIN_FILES)} are written for the new pin.\n"
         if not problems
         else "CI's check-patches will fail on this branch until series.toml "
-        "(large_hunks, with the reason) or the patches fix it:\n\n"
+        "(large_hunks, with the reason) or the stages fix it:\n\n"
         + "".join(f"- {problem}\n" for problem in problems)
     )
     return (

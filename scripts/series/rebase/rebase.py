@@ -135,6 +135,7 @@ def start(
         target_commit=pinned.rev if isinstance(pinned, GitBase) else None,
         regression_gone=gone,
         allow_uncommitted=allow_uncommitted,
+        project_head=git_out(series.root, "rev-parse", "HEAD"),
     )
     save_state(series, state)
     print(f"rebasing {len(series.stages)} stage(s) onto {target.label} in {work}")
@@ -381,6 +382,8 @@ def abort(series: Series) -> None:
     target = target_from(state.target)
     count = _keep_resolutions(series, state)
     shutil.rmtree(rebase_dir(series) / target.label, ignore_errors=True)
+    # A kill while the branch was made can leave its worktree registered.
+    git(series.root, "worktree", "prune", check=False)
     remove_state(series)
     kept = (
         f"; {count} conflict resolution(s) kept in "

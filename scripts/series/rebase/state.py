@@ -53,6 +53,9 @@ class RebaseState:
     regression_gone: list[str] = field(default_factory=list)
     # The rehearsal's rebase may start from a project with uncommitted edits.
     allow_uncommitted: bool = False
+    # The project's HEAD when it started: the branch goes on a commit that
+    # contains it.
+    project_head: str = ""
     # The commit of the rebase's branch, once made (finish() after a kill).
     branch_commit: str | None = None
 

@@ -11,7 +11,9 @@ error too, so the list stays true.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import LargeHunk, Series, Stage
@@ -52,15 +54,24 @@ _REMOVED = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+", re.M)
 def later_stage_edits(series: Series) -> list[str]:
     """A later stage that changes or removes lines an earlier stage adds
     (git blame on the lines each stage commit removes). The test runs rely
-    on there being none: an earlier stage's tests run on its own tree only
-    when a later stage patches its files, and the base tests only on the
-    base and top trees."""
+    on there being none: the base tests and the PR tests run only on the
+    base and top trees, so an earlier stage's lines as its own PR has them
+    would go untested."""
     repo = workdir(series)
-    applied = read_chain(series, repo).applied
+    return edits_of_earlier_lines(repo, read_chain(series, repo).applied)
+
+
+def edits_of_earlier_lines(
+    repo: Path, applied: Sequence[tuple[Stage, str]]
+) -> list[str]:
+    """``later_stage_edits`` for the stage commits ``applied`` in ``repo``."""
     owner = {commit: stage for stage, commit in applied}
     problems = []
     for stage, commit in applied[1:]:
-        for path in git_out(repo, "diff", "--name-only", f"{commit}^", commit).split():
+        listed = git_out(
+            repo, "diff", "-z", "--no-renames", "--name-only", f"{commit}^", commit
+        )
+        for path in filter(None, listed.split("\0")):
             diff = git_out(repo, "diff", "-U0", f"{commit}^", commit, "--", path)
             found: dict[str, int] = {}
             for start, count in _REMOVED.findall(diff):
@@ -82,9 +93,9 @@ def later_stage_edits(series: Series) -> list[str]:
                         found[earlier.id] = found.get(earlier.id, 0) + 1
             problems += [
                 f"stage {stage.id} changes {count} line(s) of {path} that stage "
-                f"{earlier} adds; make that change in stage {earlier} (a stage's "
-                "tests run on its own tree only when a later stage patches its "
-                "files, so such a change would leave them untested there)"
+                f"{earlier} adds; make that change in stage {earlier} (the base "
+                "tests and the PR tests run on the top tree only, so they would "
+                f"not see stage {earlier}'s lines as its own PR has them)"
                 for earlier, count in found.items()
             ]
     return problems
