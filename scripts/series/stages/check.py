@@ -10,17 +10,20 @@ error too, so the list stays true.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import LargeHunk, Series, Stage
-from scripts.series.git import changed_files, git, git_out, rev_parse
+from scripts.series.git import changed_files, rev_parse
 from scripts.series.layout import workdir
 from scripts.series.stages.patchfile import Hunk, read_patch
-from scripts.series.stages.refresh import format_stage_patch, overlay_bytes
+from scripts.series.stages.refresh import (
+    format_stage_patch,
+    lines_added_by,
+    overlay_bytes,
+)
 from scripts.series.stages.state import read_chain
 
 HUNK_BUDGET = 15
@@ -48,9 +51,6 @@ def stale_files(series: Series) -> list[str]:
     return stale
 
 
-_REMOVED = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+", re.M)
-
-
 def later_stage_edits(series: Series) -> list[str]:
     """A later stage that changes or removes lines an earlier stage adds
     (git blame on the lines each stage commit removes). The test runs rely
@@ -65,39 +65,17 @@ def edits_of_earlier_lines(
     repo: Path, applied: Sequence[tuple[Stage, str]]
 ) -> list[str]:
     """``later_stage_edits`` for the stage commits ``applied`` in ``repo``."""
-    owner = {commit: stage for stage, commit in applied}
     problems = []
-    for stage, commit in applied[1:]:
-        listed = git_out(
-            repo, "diff", "-z", "--no-renames", "--name-only", f"{commit}^", commit
-        )
-        for path in filter(None, listed.split("\0")):
-            diff = git_out(repo, "diff", "-U0", f"{commit}^", commit, "--", path)
-            found: dict[str, int] = {}
-            for start, count in _REMOVED.findall(diff):
-                if count == "0":
-                    continue
-                blamed = git(
-                    repo,
-                    "blame",
-                    "--porcelain",
-                    "-L",
-                    f"{start},+{count or 1}",
-                    f"{commit}^",
-                    "--",
-                    path,
-                ).stdout.decode(errors="replace")
-                for line in blamed.splitlines():
-                    earlier = owner.get(line.split(" ", 1)[0])
-                    if earlier is not None and earlier != stage:
-                        found[earlier.id] = found.get(earlier.id, 0) + 1
-            problems += [
-                f"stage {stage.id} changes {count} line(s) of {path} that stage "
-                f"{earlier} adds; make that change in stage {earlier} (the base "
-                "tests and the PR tests run on the top tree only, so they would "
-                f"not see stage {earlier}'s lines as its own PR has them)"
-                for earlier, count in found.items()
-            ]
+    for index, (stage, commit) in enumerate(applied[1:], start=1):
+        earlier = {c: s for s, c in applied[:index]}
+        found = lines_added_by(repo, (f"{commit}^", commit), f"{commit}^", earlier)
+        problems += [
+            f"stage {stage.id} changes {len(lines)} line(s) of {path} that stage "
+            f"{owner} adds; make that change in stage {owner} (the base "
+            "tests and the PR tests run on the top tree only, so they would "
+            f"not see stage {owner}'s lines as its own PR has them)"
+            for (path, owner), lines in sorted(found.items())
+        ]
     return problems
 
 

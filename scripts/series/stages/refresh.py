@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from scripts.series import SeriesError
@@ -124,6 +125,38 @@ def _refuse_cross_stage_overlay_edits(
 _HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? ")
 
 
+def lines_added_by(
+    repo: Path,
+    diff: Sequence[str],
+    rev: str,
+    owner_of: dict[str, Stage],
+    skip: Collection[str] = (),
+) -> dict[tuple[str, str], list[int]]:
+    """The lines that ``git diff -U0 DIFF`` changes or removes and a stage
+    commit in ``owner_of`` added (``git blame`` at ``rev``, the diff's old
+    side): (path, stage id) -> their line numbers at ``rev``. Files in
+    ``skip`` are left out."""
+    text = git(repo, "diff", "-U0", "--no-renames", *diff).stdout.decode()
+    found: dict[tuple[str, str], list[int]] = {}
+    path = None
+    for line in text.splitlines():
+        if line.startswith("--- "):
+            path = line[6:] if line.startswith("--- a/") else None
+        elif path and path not in skip and (match := _HUNK_HEADER.match(line)):
+            start, count = int(match.group(1)), int(match.group(2) or 1)
+            if count == 0:
+                continue  # lines only added
+            blame = git(
+                repo, "blame", "--porcelain", "-L", f"{start},+{count}", rev, "--", path
+            ).stdout.decode()
+            for entry in blame.splitlines():
+                fields = entry.split()
+                if len(fields) >= 3 and len(fields[0]) == 40 and fields[0] in owner_of:
+                    stage = owner_of[fields[0]]
+                    found.setdefault((path, stage.id), []).append(int(fields[2]))
+    return found
+
+
 def _refuse_edits_to_lower_stages(
     series: Series, repo: Path, commits: list[tuple[Stage, str]]
 ) -> None:
@@ -134,31 +167,7 @@ def _refuse_edits_to_lower_stages(
     top = commits[-1][0]
     owner_of = {commit: stage for stage, commit in commits[:-1]}
     overlays = {path for stage in series.stages for path in stage.overlays}
-    diff = git(repo, "diff", "-U0", "--no-renames", "HEAD").stdout.decode()
-    found: dict[tuple[str, str], list[int]] = {}
-    path = None
-    for line in diff.splitlines():
-        if line.startswith("--- "):
-            path = line[6:] if line.startswith("--- a/") else None
-        elif path and path not in overlays and (match := _HUNK_HEADER.match(line)):
-            start, count = int(match.group(1)), int(match.group(2) or 1)
-            if count == 0:
-                continue  # lines only added: the top stage's
-            blame = git(
-                repo,
-                "blame",
-                "--porcelain",
-                "-L",
-                f"{start},+{count}",
-                "HEAD",
-                "--",
-                path,
-            ).stdout.decode()
-            for entry in blame.splitlines():
-                fields = entry.split()
-                if len(fields) >= 3 and len(fields[0]) == 40 and fields[0] in owner_of:
-                    stage = owner_of[fields[0]]
-                    found.setdefault((path, stage.id), []).append(int(fields[2]))
+    found = lines_added_by(repo, ("HEAD",), "HEAD", owner_of, skip=overlays)
     if not found:
         return
     where = "; ".join(
