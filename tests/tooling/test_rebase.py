@@ -417,6 +417,48 @@ def test_a_rebase_needs_a_committed_project(two_stages, capsys):
     assert shown == "a fix the rebase needs\n"
 
 
+def test_files_the_users_global_ignore_file_hides_do_not_block_a_rebase(
+    two_stages, tmp_path, monkeypatch
+):
+    """The clean-project check reads git status as the user does: an
+    editor's folder their global ignore file hides is not an uncommitted
+    change (the tool's other git calls ignore that configuration)."""
+    ignore = tmp_path / "global-ignore"
+    ignore.write_text(".idea/\n")
+    config = tmp_path / "gitconfig"
+    config.write_text(f"[core]\n\texcludesFile = {ignore}\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    (two_stages.root / ".idea").mkdir()
+    (two_stages.root / ".idea" / "workspace.xml").write_text("<x/>\n")
+    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    rebase.start(two_stages.series(), target)
+    assert branch.branch_commit(two_stages.series(), _branch(target))
+
+
+def test_a_rebase_ends_only_on_a_head_that_holds_its_start(two_stages):
+    """Switched, while the rebase is stopped, to a history without the
+    commit it started from: its end refuses, saying what to do, and makes
+    the branch once HEAD holds that commit again."""
+    target = _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
+    started = sh(two_stages.root, "git", "rev-parse", "--abbrev-ref", "HEAD").strip()
+    sh(two_stages.root, "git", "checkout", "-q", "--orphan", "elsewhere")
+    sh(two_stages.root, "git", "commit", "-q", "-m", "another history")
+    with pytest.raises(SeriesError, match="no longer contains the commit"):
+        rebase.resume(two_stages.series())
+    assert branch.branch_commit(two_stages.series(), _branch(target)) is None
+    sh(two_stages.root, "git", "switch", "-q", started)
+    rebase.resume(two_stages.series())
+    assert branch.branch_commit(two_stages.series(), _branch(target))
+
+
 def test_a_rebase_outside_git_is_refused(project):
     project.add_stage(
         "0001", {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = 1\n")}

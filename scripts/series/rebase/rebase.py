@@ -465,7 +465,7 @@ def _run(
     print(
         f"the rebased series is committed on the project's branch {branch} (your "
         f"checkout is as it was): `git switch {branch}`, read "
-        f"docs/rebased_onto_{branch.split('/', 1)[1]}.md, test it with "
+        f"docs/rebased_onto_{pinned_target(state).label}.md, test it with "
         "`nox -s apply-and-test` (or push it for CI), and merge it to adopt "
         "the new pin"
     )
