@@ -33,7 +33,7 @@ from scripts.series.stages.trees import stage_tree
 
 SERIES = load_series(SERIES_FILE)
 STAGES = ["base", *(s.id for s in SERIES.stages)]
-PINNED = SERIES.base.version
+PINNED = getattr(SERIES.base, "version", None)  # None: a git pin (no install)
 
 
 @functools.cache
