@@ -358,7 +358,7 @@ repos:
     types: [python]
   - id: commit-msg-only
     name: Runs on commit messages, not files
-    entry: false
+    entry: "false"
     language: system
     stages: [commit-msg]
 """

@@ -63,26 +63,46 @@ def test_lazy_imports_and_rocm_files_pass(tmp_path):
 
 def test_hook_tools_pinned_by_frozen_commits_take_the_tagged_version(tmp_path):
     """vLLM 0.34.0 pins its hook repositories by commit with a `# frozen:`
-    tag comment (pre-commit autoupdate --freeze); the tool comes from the
-    package index at that tag's version. A bare commit is a clear error."""
+    tag comment (pre-commit autoupdate --freeze); the rewritten config takes
+    the tool from the package index at that tag's version, keeps the
+    target's own settings, and makes a hook whose tool is not on the index
+    one that fails on its files. A bare commit is a clear error."""
     import pytest
 
     from scripts.series import SeriesError
-    from scripts.series.export.vllm_precommit import requirements
+    from scripts.series.export.vllm_precommit import rewritten_config
 
     config = (
+        "exclude: 'vllm/third_party/.*'\n"
         "repos:\n"
         "- repo: https://github.com/astral-sh/ruff-pre-commit\n"
         f"  rev: {'f3' * 20}  # frozen: v0.17.2\n"
-        "  hooks:\n  - id: ruff-check\n"
+        "  hooks:\n  - id: ruff-check\n    args: [--fix]\n"
         "- repo: https://github.com/crate-ci/typos\n"
         "  rev: v1.43.5\n"
         "  hooks:\n  - id: typos\n"
+        "- repo: https://github.com/rhysd/actionlint\n"
+        "  rev: v1.7.12\n"
+        "  hooks:\n  - id: actionlint\n    language_version: 1.2.3\n"
+        "- repo: local\n"
+        "  hooks:\n  - {id: own, entry: python own.py, language: python}\n"
     )
     (tmp_path / ".pre-commit-config.yaml").write_text(config)
-    assert requirements(tmp_path) == ["ruff==0.17.2", "typos==1.43.5"]
+    rewritten = rewritten_config(tmp_path)
+    assert rewritten["exclude"] == "vllm/third_party/.*"
+    [ruff], [typos], [actionlint], [own] = (r["hooks"] for r in rewritten["repos"])
+    assert {r["repo"] for r in rewritten["repos"]} == {"local"}
+    assert ruff["entry"] == "ruff check --force-exclude"
+    assert ruff["name"] == "ruff-check"  # pre-commit requires a local hook's name
+    assert ruff["additional_dependencies"] == ["ruff==0.17.2"]
+    assert ruff["args"] == ["--fix"]
+    assert typos["additional_dependencies"] == ["typos==1.43.5"]
+    assert actionlint["language"] == "fail"
+    assert actionlint["files"] == r"^\.github/workflows/"
+    assert "language_version" not in actionlint
+    assert own == {"id": "own", "entry": "python own.py", "language": "python"}
     (tmp_path / ".pre-commit-config.yaml").write_text(
         config.replace("  # frozen: v0.17.2", "")
     )
     with pytest.raises(SeriesError, match="no `# frozen: vX.Y.Z` comment"):
-        requirements(tmp_path)
+        rewritten_config(tmp_path)

@@ -41,7 +41,7 @@ def maintainer_checks(
 ) -> list[dict]:
     """``maintainer_checks`` (Buildkite wiring, layering) in the hooks'
     virtualenv, which has PyYAML and the target's tools."""
-    py = hook_python(cache, tree, python)
+    py = hook_python(cache, python)
     out = git_out(tree, "rev-parse", "HEAD~1")
     command = [
         str(py),
@@ -183,7 +183,7 @@ def _precommit(
     for hook in hook_results(cache, tree, names, python):
         if hook.status == "skipped":
             continue
-        detail = f"{hook.files} files" if hook.status == "passed" else hook.output
+        detail = "on the PR's files" if hook.status == "passed" else hook.output
         items.append(Item(f"pre-commit `{hook.id}`", hook.status == "passed", detail))
     for check in maintainer_checks(cache, tree, names, python):
         items.append(Item(check["check"], check["ok"], check["detail"]))
