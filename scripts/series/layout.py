@@ -29,15 +29,14 @@ STATE_FILE = "dsa-series-state.json"  # under .git/
 INSTALL_RECORD_DIR = ".dsa-series-install"
 INSTALL_RECORD = "record.json"  # what is installed, with the original hashes
 INSTALL_ORIGINALS = "originals"  # the package files it replaced
-INSTALL_STAGING = "staging.json"  # while an install stages: the files it stages
-INSTALL_JOURNAL = "journal.json"  # while an install runs: its steps
+INSTALL_STAGED = ".dsa-series-new"  # suffix of a new content staged beside its file
 
 
 def install_staged(target: Path) -> Path:
     """The new content of an installed package file while ``install`` runs:
     beside it, so that the rename putting it in place stays in one folder
     (and on one filesystem)."""
-    return target.with_name(f".{target.name}.dsa-series-new")
+    return target.with_name(f".{target.name}{INSTALL_STAGED}")
 
 
 def stage_tag(stage_id: str) -> str:

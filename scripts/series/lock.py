@@ -4,9 +4,7 @@ build/series.lock, which the kernel drops when its holder exits or dies."""
 
 from __future__ import annotations
 
-import fcntl
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +12,7 @@ from typing import TextIO
 
 from scripts.series import SeriesError
 from scripts.series.config import Series
+from scripts.series.files import lock
 from scripts.series.layout import LOCK_FILE, build_dir
 
 
@@ -30,16 +29,10 @@ def project_lock(series: Series, command: str) -> Iterator[None]:
             f"{path.parent} must be a writable folder"
         ) from None
     with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(handle)
-            print(
-                f"waiting for {holder} to finish (it holds {path})...",
-                file=sys.stderr,
-                flush=True,
-            )
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        lock(
+            handle,
+            lambda: f"waiting for {_holder(handle)} to finish (it holds {path})...",
+        )
         handle.seek(0)
         handle.truncate()
         handle.write(f"`python -m scripts.series {command}` (pid {os.getpid()})")

@@ -27,7 +27,7 @@ from scripts.series import SeriesError
 from scripts.series.config import SERIES_FILE, load_series
 from scripts.series.install import install as install_module
 from scripts.series.install.install import install, installed_record, stage_files
-from scripts.series.layout import INSTALL_JOURNAL, INSTALL_RECORD_DIR, workdir
+from scripts.series.layout import INSTALL_RECORD, INSTALL_RECORD_DIR, workdir
 from scripts.series.stages.state import read_chain
 from scripts.series.stages.trees import stage_tree
 
@@ -303,9 +303,42 @@ def test_an_install_stopped_at_any_step_is_finished_or_undone(
             assert state() == {}
             assert not (site / INSTALL_RECORD_DIR).exists()
     assert _not_as_shipped(site, wheel_site) == {}
-    # Stopped after its journal, a run was finished (or undone) from it.
+    # Stopped after its record in flight, a run was finished (or undone) from it.
     finished = [n for n in notes if n.startswith("finished an interrupted install")]
     assert len(finished) >= 4, notes
+
+
+def test_an_install_stopped_before_its_record_lands_leaves_nothing_staged(
+    installed_vllm, wheel_site, wanted, monkeypatch
+):
+    """Stop a move from stage 0001 to 0003 as it writes the record that
+    names the new install (every new content staged beside its file, the
+    originals saved): the next run, an undo or an install, first removes
+    what was staged, so no hidden new content is left in the package."""
+    site = installed_vllm
+    install(site, wanted["0001"])
+    real_replace = os.replace
+    record = site / INSTALL_RECORD_DIR / INSTALL_RECORD
+
+    def stopping(src, dst, *args, **kwargs):
+        if Path(dst) == record:
+            raise _Stop
+        return real_replace(src, dst, *args, **kwargs)
+
+    for final in (None, "0001"):
+        with monkeypatch.context() as patched:
+            patched.setattr(install_module.os, "replace", stopping)
+            with pytest.raises(_Stop):
+                install(site, wanted["0003"])
+        staged = sorted((site / "vllm").rglob(".*.dsa-series-new"))
+        assert len(staged) > len(_tree_package("0001")), "0003 stages more files"
+        outcome = install(site, wanted[final] if final else None)
+        assert not outcome.note.startswith("finished"), outcome.note
+        assert sorted((site / "vllm").rglob(".*.dsa-series-new")) == []
+        assert _not_as_shipped(site, wheel_site) == (
+            _tree_package(final) if final else {}
+        )
+        install(site, wanted["0001"])
 
 
 def _tree_state(folder: Path) -> dict[str, str]:
@@ -593,8 +626,8 @@ def test_an_undo_killed_while_removing_its_record_is_finished(
 
     def rmtree(path, *args, **kwargs):
         if Path(path).name.startswith(INSTALL_RECORD_DIR) and Path(path).exists():
-            # Part of the folder gone (its journal, an original), then the kill.
-            (Path(path) / INSTALL_JOURNAL).unlink(missing_ok=True)
+            # Part of the folder gone (its record, an original), then the kill.
+            (Path(path) / INSTALL_RECORD).unlink(missing_ok=True)
             for original in sorted(Path(path).rglob("*.py"))[:1]:
                 original.unlink()
             raise _Stop

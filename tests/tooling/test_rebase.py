@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import Project, add_two_stages, sh, write_files
 
-from scripts.series import SeriesError
+from scripts.series import SeriesError, files
 from scripts.series.config import GitBase, Series, load_series
 from scripts.series.layout import rebase_branch
 from scripts.series.rebase import branch, rebase
@@ -158,16 +158,16 @@ def test_a_rebase_killed_while_saving_its_state_continues(two_stages, monkeypatc
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
         rebase.start(two_stages.series(), target)
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
-    write_text = Path.write_text
+    write_synced = files.write_synced
 
-    def killed(path, text, *args, **kwargs):
-        if path.name.startswith("state."):
-            write_text(path, text[: len(text) // 2], *args, **kwargs)
+    def killed(path, data, *args, **kwargs):
+        if "state." in path.name:
+            path.write_bytes(data[: len(data) // 2])
             raise KeyboardInterrupt
-        return write_text(path, text, *args, **kwargs)
+        return write_synced(path, data, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(Path, "write_text", killed)
+        patch.setattr(files, "write_synced", killed)
         with pytest.raises(KeyboardInterrupt):
             rebase.resume(two_stages.series())
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
@@ -175,11 +175,11 @@ def test_a_rebase_killed_while_saving_its_state_continues(two_stages, monkeypatc
     # Killed again, then dropped: --abort leaves no state behind.
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
     with monkeypatch.context() as patch:
-        patch.setattr(Path, "write_text", killed)
+        patch.setattr(files, "write_synced", killed)
         with pytest.raises(KeyboardInterrupt):
             rebase.resume(two_stages.series())
     rebase.abort(two_stages.series())
-    assert not list((two_stages.root / "build" / "rebase").glob("state.*"))
+    assert not list((two_stages.root / "build" / "rebase").glob("*state.*"))
 
 
 def test_recorded_resolution_is_replayed(two_stages):

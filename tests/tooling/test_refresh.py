@@ -434,7 +434,7 @@ def _kill_refresh_after_writing_one_file(series, monkeypatch) -> None:
     no clean-up, as an exception here does none either)."""
     import scripts.series.stages.refresh as refresh_module
 
-    real_write = refresh_module._write_whole
+    real_write = refresh_module.write_whole
     written = []
 
     def write_then_die(path, data):
@@ -443,7 +443,7 @@ def _kill_refresh_after_writing_one_file(series, monkeypatch) -> None:
         real_write(path, data)
         written.append(path)
 
-    monkeypatch.setattr(refresh_module, "_write_whole", write_then_die)
+    monkeypatch.setattr(refresh_module, "write_whole", write_then_die)
     with pytest.raises(KeyboardInterrupt):
         refresh(series)
     monkeypatch.undo()

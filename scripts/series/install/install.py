@@ -5,7 +5,6 @@ it for ``--undo``; docs/guarantees.md says what it checks first."""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase, Series
+from scripts.series.files import lock, sha256_of, write_synced, write_whole
 from scripts.series.git import git
 from scripts.series.install.record import (
     FORMAT,
@@ -24,14 +24,12 @@ from scripts.series.install.record import (
     installed_version,
     load,
     recovery,
-    site_version,
 )
 from scripts.series.layout import (
-    INSTALL_JOURNAL,
     INSTALL_ORIGINALS,
     INSTALL_RECORD,
     INSTALL_RECORD_DIR,
-    INSTALL_STAGING,
+    INSTALL_STAGED,
     install_staged,
     workdir,
 )
@@ -147,7 +145,7 @@ def install(site: Path, want: StageFiles | None) -> Outcome:
             what = f"stage {want.stage}" if want else "nothing"
             return Outcome((), record, finished + f"already installed: {what}")
         _check_writable(site, plan, new_record)
-        _stage(site, plan, new_record, recorded)
+        _stage(site, plan, new_record, record)
         changed = _roll_forward(site)
         return Outcome(changed, new_record, finished + _summary(want, changed))
 
@@ -169,11 +167,7 @@ def _site_lock(site: Path) -> Iterator[None]:
     left behind)."""
     fd = os.open(site / PACKAGE, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another install into {site}...", flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        lock(fd, lambda: f"waiting for another install into {site}...")
         yield
     finally:
         os.close(fd)
@@ -184,7 +178,7 @@ def _file_sha(path: Path) -> str | None:
         return None
     if path.is_symlink() or not path.is_file():
         raise SeriesError(f"{path} is not a plain file; install leaves it alone")
-    return sha256(path.read_bytes())
+    return sha256_of(path)
 
 
 def _as_released(site: Path, recorded: dict) -> bool:
@@ -356,35 +350,37 @@ def _record(want: StageFiles, recorded: dict, site: Path) -> dict:
 
 
 def _stage(
-    site: Path, plan: list[dict], new_record: dict | None, recorded: dict
+    site: Path, plan: list[dict], new_record: dict | None, record: dict | None
 ) -> None:
-    """Everything the roll-forward needs, on disk, before the journal (the
-    point from which the install happens) is written: the originals it
-    replaces, and each new content beside its target (a hidden name in the
-    same folder, so that the swap is a rename within the folder). What it
-    stages it lists first, so that a run stopped before its journal, or one
-    that fails here, leaves nothing behind (``_discard_staging``)."""
+    """Everything the roll-forward needs, on disk, before the record that
+    says what is being installed (the point from which the install happens)
+    is written: the originals it replaces, and each new content beside its
+    target (a hidden name in the same folder, so that the swap is a rename
+    within the folder). A run stopped before that record, or one that fails
+    here, leaves nothing behind (``_discard_staging``).
+
+    The record in flight is the new one (an undo's: no files) with the
+    swaps still to make under ``pending``: the record is the journal."""
     root = site / INSTALL_RECORD_DIR
-    staged = [e["path"] for e in plan if e["content"] is not None]
-    listing = {"format": FORMAT, "paths": staged}
-    originals = root / INSTALL_ORIGINALS
-    journal = {
-        "format": FORMAT,
-        "entries": [{k: e[k] for k in ("path", "before", "after")} for e in plan],
-        "record": new_record,
+    recorded = record["files"] if record else {}
+    assert new_record is not None or record is not None
+    in_flight = new_record or {**record, "stage": "base", "files": {}}
+    in_flight = {
+        **in_flight,
+        "pending": [{k: e[k] for k in ("path", "before", "after")} for e in plan],
     }
     try:
-        _write(root / INSTALL_STAGING, json.dumps(listing, indent=1).encode(), 0o644)
-        for path in (new_record or {}).get("files", {}):
+        for path in in_flight["files"]:
             source = site / path
             if path not in recorded and source.exists():
-                _write(originals / path, source.read_bytes(), source.stat().st_mode)
+                saved = root / INSTALL_ORIGINALS / path
+                write_whole(saved, source.read_bytes(), source.stat().st_mode)
         for entry in plan:
             if entry["content"] is not None:
                 target = site / entry["path"]
                 mode = target.stat().st_mode if target.exists() else 0o644
-                _write_synced(install_staged(target), entry["content"], mode)
-        _write(root / INSTALL_JOURNAL, json.dumps(journal, indent=1).encode(), 0o644)
+                write_synced(install_staged(target), entry["content"], mode)
+        write_whole(root / INSTALL_RECORD, json.dumps(in_flight, indent=1).encode())
     except OSError as exc:
         _discard_staging(site)
         raise SeriesError(
@@ -393,15 +389,14 @@ def _stage(
 
 
 def _discard_staging(site: Path) -> None:
-    """Undo a run that stopped, or failed, before its journal: its staged
+    """Undo a run that stopped, or failed, before its record: its staged
     files go, and the originals it saved that the record does not name
     (with no record, the whole record folder)."""
+    for staged in (site / PACKAGE).rglob(f".*{INSTALL_STAGED}"):
+        staged.unlink()
     root = site / INSTALL_RECORD_DIR
     if not root.exists():
         return
-    listing = load(root / INSTALL_STAGING)
-    for path in listing["paths"] if listing else []:
-        install_staged(site / path).unlink(missing_ok=True)
     record = load(root / INSTALL_RECORD)
     if record is None:
         _remove_record_folder(site)
@@ -409,7 +404,6 @@ def _discard_staging(site: Path) -> None:
     _prune_originals(root, record["files"])
     for partial in root.glob(".*.partial"):
         partial.unlink()
-    (root / INSTALL_STAGING).unlink(missing_ok=True)
 
 
 def _remove_record_folder(site: Path) -> None:
@@ -423,27 +417,24 @@ def _remove_record_folder(site: Path) -> None:
 
 
 def _finish_interrupted(site: Path) -> str:
-    root = site / INSTALL_RECORD_DIR
     # What a run killed while removing its record folder left.
     shutil.rmtree(site / f"{INSTALL_RECORD_DIR}.removed", ignore_errors=True)
-    if not (root / INSTALL_JOURNAL).exists():
-        if root.exists() and (
-            not (root / INSTALL_RECORD).exists() or (root / INSTALL_STAGING).exists()
-        ):
-            _discard_staging(site)
+    record = load(site / INSTALL_RECORD_DIR / INSTALL_RECORD)
+    if record is None or "pending" not in record:
+        _discard_staging(site)
         return ""
-    changed = _roll_forward(site)
+    changed = _roll_forward(site, record)
     return f"finished an interrupted install ({len(changed)} files); "
 
 
-def _roll_forward(site: Path) -> tuple[str, ...]:
-    """Carry out the journal; each step is skipped once done, so a run
-    stopped anywhere is finished by the next. Every file still to swap, and
-    the new content staged for it, is checked before the first swap."""
+def _roll_forward(site: Path, record: dict | None = None) -> tuple[str, ...]:
+    """Carry out the record's pending swaps; each is skipped once done, so a
+    run stopped anywhere is finished by the next. Every file still to swap,
+    and the new content staged for it, is checked before the first swap."""
     root = site / INSTALL_RECORD_DIR
-    journal = load(root / INSTALL_JOURNAL)
-    assert journal is not None
-    entries = journal["entries"]
+    record = record or load(root / INSTALL_RECORD)
+    assert record is not None
+    entries = record.pop("pending")
     pending: dict[str, Path | None] = {}  # path: its staged content (None: delete)
     for entry in entries:
         target = site / entry["path"]
@@ -454,7 +445,7 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
             raise SeriesError(
                 f"{target} changed while an install was unfinished (neither its "
                 f"old nor its new content); restore it, then run install again "
-                f"to finish ({root / INSTALL_JOURNAL})"
+                f"to finish ({root / INSTALL_RECORD})"
             )
         source = None
         if entry["after"] is not None:
@@ -464,12 +455,11 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
             except (OSError, SeriesError):
                 intact = False
             if not intact:
-                version = (journal["record"] or {}).get("vllm")
                 raise SeriesError(
                     f"{source}, the new content staged for {target}, is damaged "
                     "or missing, so the interrupted install cannot be finished; "
                     f"nothing more was changed. To recover, "
-                    f"{recovery(site, version or site_version(site))}"
+                    f"{recovery(site, record['vllm'])}"
                 )
         pending[entry["path"]] = source
     swapped = 0
@@ -488,20 +478,17 @@ def _roll_forward(site: Path) -> tuple[str, ...]:
         except OSError as exc:
             raise SeriesError(
                 f"{target}: {exc.strerror or exc}; the install stopped with "
-                f"{swapped} of {len(pending)} files swapped, its journal "
-                f"({root / INSTALL_JOURNAL}) kept: once the cause is fixed, run "
+                f"{swapped} of {len(pending)} files swapped, its record "
+                f"({root / INSTALL_RECORD}) kept: once the cause is fixed, run "
                 "install (or --undo) again, which finishes it first"
             ) from None
     for entry in entries:
         install_staged(site / entry["path"]).unlink(missing_ok=True)
-    record = journal["record"]
-    if record is None:
+    if not record["files"]:
         _remove_record_folder(site)  # undone: the install is as shipped again
         return tuple(e["path"] for e in entries)
-    _write(root / INSTALL_RECORD, json.dumps(record, indent=1).encode(), 0o644)
+    write_whole(root / INSTALL_RECORD, json.dumps(record, indent=1).encode())
     _prune_originals(root, record["files"])
-    (root / INSTALL_STAGING).unlink(missing_ok=True)
-    (root / INSTALL_JOURNAL).unlink()
     return tuple(e["path"] for e in entries)
 
 
@@ -522,23 +509,6 @@ def _drop_bytecode(source: Path) -> None:
     cache = source.parent / "__pycache__"
     for pyc in cache.glob(f"{source.stem}.*.pyc"):
         pyc.unlink(missing_ok=True)
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    """``path`` holds ``data`` or its old content, never a part (a temporary
-    file, flushed to disk, renamed over it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.partial")
-    _write_synced(temp, data, mode)
-    os.replace(temp, path)
-
-
-def _write_synced(path: Path, data: bytes, mode: int) -> None:
-    with path.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(path, mode & 0o7777)
 
 
 def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:

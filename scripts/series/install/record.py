@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The files ``install`` keeps next to the package (``record.json``, the
-journal, the staging list): read whole and checked before anything is
-written, since the paths in them are what install writes and deletes; and
-which vLLM a site holds."""
+"""The record ``install`` keeps next to the package (``record.json``, with
+the swaps still to make while an install runs): read whole and checked
+before anything is written, since the paths in it are what install writes
+and deletes; and which vLLM a site holds."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.layout import INSTALL_JOURNAL, INSTALL_RECORD_DIR, INSTALL_STAGING
+from scripts.series.layout import INSTALL_RECORD_DIR
 
 PACKAGE = "vllm"
-FORMAT = 1  # of record.json, journal.json and staging.json
+FORMAT = 1  # of record.json; a settled record is as earlier versions wrote it
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -61,8 +61,8 @@ def recovery(site: Path, version: str | None) -> str:
 
 
 def load(path: Path) -> dict | None:
-    """A record, journal or staging list (by its name), whole and well formed:
-    the paths in it are what install writes and deletes."""
+    """The record, whole and well formed: the paths in it are what install
+    writes and deletes."""
     if not path.exists():
         return None
     try:
@@ -72,7 +72,7 @@ def load(path: Path) -> dict | None:
     else:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             problem = "is not an install record this tool wrote"
-        elif (problem := _shape_problem(path.name, data)) is None:
+        elif (problem := _record_problem(data)) is None:
             return data
         else:
             problem = f"is damaged: {problem}"
@@ -83,30 +83,17 @@ def load(path: Path) -> dict | None:
     )
 
 
-def _shape_problem(name: str, data: dict) -> str | None:
-    if name == INSTALL_STAGING:
-        paths = data.get("paths")
-        if not isinstance(paths, list):
-            return "no list of paths"
-        return next((_not_a_file(p) for p in paths if not _package_path(p)), None)
-    if name == INSTALL_JOURNAL:
-        entries = data.get("entries")
-        if not isinstance(entries, list) or "record" not in data:
-            return "no entries, or no record"
-        for entry in entries:
-            if not isinstance(entry, dict) or not _package_path(entry.get("path")):
-                return _not_a_file(entry)
-            if not (
-                _is_hash(entry.get("before", "")) and _is_hash(entry.get("after", ""))
-            ):
-                return f"{entry['path']}: no sha256 before and after"
-        return None if data["record"] is None else _record_problem(data["record"])
-    return _record_problem(data)
-
-
-def _record_problem(record: object) -> str | None:
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+def _record_problem(record: dict) -> str | None:
+    if not isinstance(record.get("files"), dict):
         return "no table of files"
+    pending = record.get("pending", [])
+    if not isinstance(pending, list):
+        return "its pending swaps are not a list"
+    for entry in pending:
+        if not isinstance(entry, dict) or not _package_path(entry.get("path")):
+            return _not_a_file(entry)
+        if not (_is_hash(entry.get("before", "")) and _is_hash(entry.get("after", ""))):
+            return f"{entry['path']}: no sha256 before and after"
     for path, hashes in record["files"].items():
         if not _package_path(path):
             return _not_a_file(path)

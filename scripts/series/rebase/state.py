@@ -11,6 +11,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, SdistBase, Series
+from scripts.series.files import write_whole
 from scripts.series.layout import rebase_dir
 
 
@@ -95,16 +96,16 @@ def load_state(series: Series) -> RebaseState:
 def save_state(series: Series, state: RebaseState) -> None:
     """Whole or not at all: a rebase killed while saving keeps the state it
     had, and ``--continue`` goes on from there."""
-    path = state_file(series)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(asdict(state), indent=1) + "\n")
-    temporary.replace(path)
+    write_whole(
+        state_file(series), (json.dumps(asdict(state), indent=1) + "\n").encode()
+    )
 
 
 def remove_state(series: Series) -> None:
     """The rebase is over: its state goes, with a save a kill left half done."""
-    state_file(series).with_suffix(".tmp").unlink(missing_ok=True)
-    state_file(series).unlink()
+    path = state_file(series)
+    path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
+    path.unlink()
 
 
 def work_repo(series: Series, state: RebaseState) -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import SdistBase
+from scripts.series.files import sha256_of
 
 CACHE_ENV = "DSA_SERIES_CACHE_DIR"
 INDEX_ENV = "DSA_SERIES_INDEX_URL"
@@ -42,14 +43,6 @@ def cache_dir() -> Path:
 
 def index_url() -> str:
     return os.environ.get(INDEX_ENV, DEFAULT_INDEX).rstrip("/")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _open(url: str, accept: str | None = None) -> http.client.HTTPResponse:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
+from scripts.series.files import write_whole
 from scripts.series.git import (
     Identity,
     add_blob_to_index,
@@ -287,7 +288,8 @@ def refresh(series: Series, *, into_top: bool = False) -> list[Stage]:
     for stage, files in outputs.items():
         stale = [p for p, d in files.items() if not p.exists() or p.read_bytes() != d]
         for path in stale:
-            _write_whole(path, files[path])
+            # Whole or not at all: a refresh killed here is finished by the next.
+            write_whole(path, files[path])
         if stale:
             changed.append(stage)
         _warn_new_files(stage, series.patch_file(stage))
@@ -400,15 +402,6 @@ def _blob_of(repo: Path, path: str, data: bytes) -> str:
     path's attributes apply, as they do when apply adds the overlay)."""
     blob = git(repo, "hash-object", "-w", f"--path={path}", "--stdin", input=data)
     return blob.stdout.decode().strip()
-
-
-def _write_whole(path: Path, data: bytes) -> None:
-    """Write ``path`` so that it holds its old bytes or the new ones, never
-    a part (a refresh killed here is finished by the next one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".dsa-partial")
-    partial.write_bytes(data)
-    partial.replace(path)
 
 
 def _adopt(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Series, Stage
+from scripts.series.files import write_whole
 from scripts.series.git import git, rev_parse
 from scripts.series.layout import (
     BASE_REF,
@@ -32,10 +33,7 @@ def load_state(repo: Path) -> dict[str, dict[str, str]]:
 
 
 def save_state(repo: Path, state: dict[str, dict[str, str]]) -> None:
-    path = _state_path(repo)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-    tmp.replace(path)
+    write_whole(_state_path(repo), json.dumps(state, indent=1, sort_keys=True).encode())
 
 
 def fingerprint(series: Series, stage: Stage, parent: str) -> str:
