@@ -521,19 +521,6 @@ def test_an_overlay_changed_in_the_rebase_is_on_the_branch(two_stages):
     assert (tree / "vllm/cp_indexer.py").read_text() == adapted
 
 
-def test_a_rebase_without_tomlkit_ends_with_continue(two_stages, monkeypatch):
-    """Without tomlkit (outside nox) the end of the rebase stops with no
-    branch and its state kept; with it, --continue makes the branch."""
-    target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
-    with monkeypatch.context() as patched:
-        patched.setitem(sys.modules, "tomlkit", None)  # import fails
-        with pytest.raises(SeriesError, match="tomlkit"):
-            rebase.start(two_stages.series(), target)
-    assert branch.branch_commit(two_stages.series(), _branch(target)) is None
-    rebase.resume(two_stages.series())
-    assert _rebased(two_stages, target).base == _pinned(target)
-
-
 class _Killed(BaseException):
     """A kill at one step of the rebase's end."""
 
@@ -1158,3 +1145,49 @@ def test_regression_tests_the_target_deleted_leave_the_series(two_stages):
     rebased = _rebased(two_stages, target)
     assert [s.paths for s in rebased.regression] == [("tests/test_kept.py",)]
     assert "# vLLM's own tests\n" in two_stages.series_file.read_text()
+
+
+def test_the_projects_series_file_is_edited_line_for_line():
+    """On the project's own series.toml: a new pin changes only [base]'s
+    lines; a dropped stage takes its lines and nothing else (every comment
+    stays); a changed stage gets its new values; each result reads back as
+    the series it must say."""
+    import dataclasses
+    import tomllib
+
+    from scripts.series.rebase.series_toml import series_toml, updated_series_file
+
+    series = load_series()
+    folder = series.patches_dir
+    text = (folder / "series.toml").read_text()
+    # A comment inside the stage that is dropped below stays.
+    text = text.replace(
+        'upstream = { pr = "vllm-project/', '# a note\nupstream = { pr = "vllm-project/'
+    )
+    assert "# a note" in text
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+
+    def edited(new: Series) -> str:
+        out = updated_series_file(text, series_toml(new, folder))
+        assert [line for line in out.splitlines() if line.startswith("#")] == comments
+        assert tomllib.loads(out) == tomllib.loads(series_toml(new, folder))
+        return out
+
+    assert edited(series) == text
+    target = dataclasses.replace(series.base, version="0.35.0", sha256="ab" * 32)
+    moved = edited(dataclasses.replace(series, base=target))
+    changed = [
+        a for a, b in zip(text.splitlines(), moved.splitlines(), strict=True) if a != b
+    ]
+    assert changed == [
+        f'version = "{series.base.version}"',
+        f'sha256 = "{series.base.sha256}"',
+    ]
+    kept = tuple(s for s in series.stages if s.id != "0003")
+    dropped = edited(dataclasses.replace(series, stages=kept))
+    assert 'id = "0003"' not in dropped and 'id = "0004"' in dropped
+    retitled = tuple(
+        dataclasses.replace(s, title="New title") if s.id == "0003" else s
+        for s in series.stages
+    )
+    assert 'title = "New title"' in edited(dataclasses.replace(series, stages=retitled))

@@ -31,7 +31,6 @@ from scripts.series.git import (
 from scripts.series.layout import RESOLUTIONS, rebase_branch
 from scripts.series.pin_sites import PIN_FILES, moved_pin_files
 from scripts.series.rebase.series_toml import (
-    base_fields,
     series_toml,
     updated_series_file,
 )
@@ -222,9 +221,7 @@ def _write_series(series: Series, state: RebaseState, tree: Path) -> None:
                     new.overlay_file(overlay).unlink(missing_ok=True)
     series_file = new.patches_dir / "series.toml"
     files[series_file] = updated_series_file(
-        series_file.read_text(encoding="utf-8"),
-        series_toml(new, series.patches_dir),
-        base_fields(target, series.patches_dir),
+        series_file.read_text(encoding="utf-8"), series_toml(new, series.patches_dir)
     ).encode()
     readme = tree / "README.md"
     if readme.is_file():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -70,64 +71,82 @@ def series_toml(series: Series, folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def updated_series_file(text: str, new_text: str, base: dict[str, str]) -> str:
+def updated_series_file(text: str, new_text: str) -> str:
     """The series file ``text`` made to say what the series file
-    ``new_text`` says (its regression tests and stages) on the pin ``base``
-    (``[base]``'s fields, a git path relative to ``text``'s folder), with
-    every comment and unchanged value of ``text`` kept where it was."""
-    try:
-        import tomlkit
-    except ImportError:
-        raise SeriesError(
-            "`rebase` edits series.toml with tomlkit, which this Python "
-            "lacks: `pip install tomlkit` (the nox sessions install it)"
-        ) from None
-    doc = tomlkit.parse(text)
-    new = tomllib.loads(new_text)
-    _sync_table(doc["base"], {"name": new["base"]["name"], **base})
-    if "regression" in new:
-        _sync_array(doc, "regression", new["regression"], key=None)
-    elif "regression" in doc:
-        del doc["regression"]
-    _sync_array(doc, "stage", new.get("stage", []), key="id")
-    return tomlkit.dumps(doc)
-
-
-def _sync_table(table, want: dict) -> None:
-    for name in [k for k in table if k not in want]:
-        del table[name]
-    for name, value in want.items():
-        if name not in table or table[name].unwrap() != value:
-            table[name] = value
-
-
-def _sync_array(doc, name: str, want: list[dict], key: str | None) -> None:
-    """An array of tables made equal to ``want``; tables are matched by
-    ``key`` (or by position), so a kept one keeps its comments."""
-    import tomlkit
-
-    have = doc.get(name)
-    if have is None:
-        have = doc[name] = tomlkit.aot()
-    wanted = [w[key] if key else i for i, w in enumerate(want)]
-    for index in reversed(range(len(have))):
-        if (have[index][key] if key else index) not in wanted:
-            del have[index]
-    current = [t[key] if key else i for i, t in enumerate(have)]
-    if current != wanted[: len(current)] or len(have) > len(want):
-        # Reordered: rebuild in the new order (comments of moved
-        # tables go with their values only where tomlkit keeps them).
-        rebuilt = tomlkit.aot()
-        for w in want:
-            table = tomlkit.table()
-            table.update(w)
-            rebuilt.append(table)
-        doc[name] = rebuilt
-        return
-    for index, w in enumerate(want):
-        if index < len(have):
-            _sync_table(have[index], w)
+    ``new_text`` (written by ``series_toml`` for the same folder) says. A
+    table whose values are unchanged keeps its text, a changed one gets the
+    new values, and every comment stays where it was (one inside a changed
+    table's values moves below them)."""
+    wanted = {}
+    for table in _tables(new_text)[1:]:
+        value = tomllib.loads("".join(table))
+        wanted[_table_key(value)] = ([line for line in table if line.strip()], value)
+    old = _tables(text)
+    out = old[0]
+    for table in old[1:]:
+        statements, comments = _statements(table)
+        value = tomllib.loads("".join(statements))
+        new = wanted.pop(_table_key(value), None)
+        if new is None:  # a dropped stage or regression suite: its comments stay
+            out += comments
+        elif new[1] == value:
+            out += table
         else:
-            table = tomlkit.table()
-            table.update(w)
-            have.append(table)
+            out += new[0] + comments
+    for table, _ in wanted.values():
+        out += ["\n", *table, "\n"]
+    edited = re.sub(r"\n{3,}", "\n\n", "".join(out))
+    # Tables in another order than the new file's: written anew.
+    return edited if tomllib.loads(edited) == tomllib.loads(new_text) else new_text
+
+
+_HEADER = re.compile(r"^\[\[?[A-Za-z_]+\]\]?\s*(#.*)?$")
+
+
+def _tables(text: str) -> list[list[str]]:
+    """``text``'s lines cut before each table header: what comes before the
+    first table, then each table with the lines up to the next one."""
+    tables: list[list[str]] = [[]]
+    for line in text.splitlines(keepends=True):
+        if _HEADER.match(line):
+            tables.append([])
+        tables[-1].append(line if line.endswith("\n") else line + "\n")
+    return tables
+
+
+def _statements(table: list[str]) -> tuple[list[str], list[str]]:
+    """A table's header and key/value lines (a value over as many lines as
+    it takes), and its other lines (comments, blank lines)."""
+    statements, others = [table[0]], []
+    start = 1
+    while start < len(table):
+        line = table[start]
+        if not line.strip() or line.lstrip().startswith("#"):
+            others.append(line)
+            start += 1
+            continue
+        end = start + 1
+        while not _parses("".join(table[start:end])):
+            if end == len(table):
+                raise SeriesError(f"series.toml: cannot read {line.strip()!r}")
+            end += 1
+        statements += table[start:end]
+        start = end
+    return statements, others
+
+
+def _parses(text: str) -> bool:
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
+
+
+def _table_key(value: dict) -> tuple[str, str | None]:
+    """Which table: [base], or an entry of [[stage]] (by id) or of
+    [[regression]] (by name)."""
+    ((kind, table),) = value.items()
+    if isinstance(table, list):
+        return kind, table[0].get("id", table[0].get("name"))
+    return kind, None
