@@ -234,6 +234,12 @@ def add_two_stages(project: Project) -> Project:
 PINNED = getattr(load_series(SERIES_FILE).base, "version", None)
 VLLM_WHEEL = f"vllm-{PINNED}-cp38-abi3-manylinux_2_28_x86_64.whl"
 WHEEL_CACHE = REPO_ROOT / "build" / "cache" / f"vllm-{PINNED}-wheel"
+# What only a release pin has (an image, a wheel, a version to move from).
+needs_release_pin = pytest.mark.skipif(
+    PINNED is None,
+    reason="the series is pinned to a git checkout (a rebase's branch); "
+    "this takes a release pin",
+)
 
 
 def _unavailable(reason: str) -> None:
@@ -250,7 +256,7 @@ def wheel_site() -> Path:
     Never written to: tests take ``installed_vllm``, a copy. Its sha256 is
     checked against the one the package index lists."""
     if PINNED is None:
-        pytest.skip("the series is pinned to a git checkout; install takes a release")
+        pytest.skip(needs_release_pin.kwargs["reason"])
     site = WHEEL_CACHE / "site"
     if (site / "vllm" / "__init__.py").is_file():
         return site

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from scripts.series.config import REPO_ROOT, SERIES_FILE, SdistBase, load_series
+from tests.tooling.conftest import needs_release_pin
 from tests.tooling.test_commands import series_error
 
 DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -103,6 +104,7 @@ ARGS = {
 }
 
 
+@needs_release_pin
 def test_it_starts_from_vllms_rocm_image_of_the_pinned_release():
     assert isinstance(PIN, SdistBase), "the image tag follows a release pin"
     bases = [rest for kind, rest in DOCKER if kind == "FROM"]

@@ -29,7 +29,7 @@ from scripts.series.pin_sites import PIN_FILES, moved_pin_files, pin_mismatches
 from scripts.series.rebase import branch
 from scripts.series.rebase.state import RebaseState, target_dict, work_repo
 from scripts.series.stages.apply import apply
-from tests.tooling.conftest import sh
+from tests.tooling.conftest import needs_release_pin, sh
 
 PIN = SdistBase("vllm", "0.9.0", "ab" * 32)
 
@@ -104,6 +104,7 @@ def _citation(version: str) -> re.Pattern[str]:
     return re.compile(rf"(vLLM |vllm-project/vllm v){escaped}(?![\d])")
 
 
+@needs_release_pin
 def test_a_pin_moved_in_a_scratch_copy_leaves_no_stale_mention(tmp_path):
     """The project as it is (uncommitted files included) copied and committed;
     a rebase onto a made-up vLLM 0.35.0 (the same stage commits) ended on its

@@ -1183,6 +1183,14 @@ def test_the_projects_series_file_is_edited_line_for_line():
         f'version = "{series.base.version}"',
         f'sha256 = "{series.base.sha256}"',
     ]
+    checkout = GitBase("vllm", folder.parent / "vllm", "cd" * 20)
+    to_git = edited(dataclasses.replace(series, base=checkout)).splitlines()
+    at = to_git.index("[base]")
+    assert to_git[at + 1 : at + 4] == [
+        'name = "vllm"',
+        'git = "../vllm"',
+        f'rev = "{"cd" * 20}"',
+    ]
     kept = tuple(s for s in series.stages if s.id != "0003")
     dropped = edited(dataclasses.replace(series, stages=kept))
     assert 'id = "0003"' not in dropped and 'id = "0004"' in dropped
