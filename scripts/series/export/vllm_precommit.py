@@ -138,7 +138,8 @@ def parse_run(output: str) -> list[HookResult]:
     """The hooks of a ``pre-commit run --verbose`` output, each with its
     status and what it printed (the ``- hook id:`` lines it adds left out)."""
     results: list[HookResult] = []
-    hook_id, status, lines = "", "", []
+    hook_id, status = "", ""
+    lines: list[str] = []
 
     def close() -> None:
         if status:

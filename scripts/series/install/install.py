@@ -363,10 +363,11 @@ def _stage(
     swaps still to make under ``pending``: the record is the journal."""
     root = site / INSTALL_RECORD_DIR
     recorded = record["files"] if record else {}
-    assert new_record is not None or record is not None
-    in_flight = new_record or {**record, "stage": "base", "files": {}}
+    if new_record is None:
+        assert record is not None  # an undo undoes a record
+        new_record = {**record, "stage": "base", "files": {}}
     in_flight = {
-        **in_flight,
+        **new_record,
         "pending": [{k: e[k] for k in ("path", "before", "after")} for e in plan],
     }
     try:
