@@ -62,6 +62,23 @@ def _rebased(project: Project, target: GitBase) -> Series:
     return project.series()
 
 
+def _conflicting_target(two_stages: Project) -> GitBase:
+    """A target whose change to vllm/envs.py conflicts with both stages."""
+    return _target(
+        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
+    )
+
+
+def _past_the_first_conflict(two_stages: Project) -> GitBase:
+    """A rebase onto ``_conflicting_target`` stopped at stage 0001, with the
+    conflict resolved in its work repo (not yet continued)."""
+    target = _conflicting_target(two_stages)
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    return target
+
+
 def _report(project: Project, target: GitBase) -> str:
     name = f"docs/rebased_onto_{_pinned(target).label}.md"
     return sh(project.root, "git", "show", f"{_branch(target)}:{name}")
@@ -122,9 +139,7 @@ def _envs(cp_indexer: str) -> str:
 
 
 def test_conflict_then_continue(two_stages):
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
         rebase.start(two_stages.series(), target)
     envs = _work_repo(two_stages) / "vllm/envs.py"
@@ -152,12 +167,7 @@ def test_conflict_then_continue(two_stages):
 def test_a_rebase_killed_while_saving_its_state_continues(two_stages, monkeypatch):
     """Killed while writing its state (half the bytes written), a stopped
     rebase still continues from the state it had."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
-    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
-        rebase.start(two_stages.series(), target)
-    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    _past_the_first_conflict(two_stages)
     write_synced = files.write_synced
 
     def killed(path, data, *args, **kwargs):
@@ -201,9 +211,7 @@ def test_abort_keeps_a_hand_resolution_for_the_next_rebase(two_stages, capsys):
     """A conflict resolved in the work repo, then --abort instead of
     --continue: the project is as before, and the next rebase replays that
     resolution rather than asking for it again."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     before = _snapshot(two_stages)
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
         rebase.start(two_stages.series(), target)
@@ -225,9 +233,7 @@ def test_abort_keeps_a_hand_resolution_for_the_next_rebase(two_stages, capsys):
 
 
 def test_abort_restores_everything(two_stages):
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     before = _snapshot(two_stages)
     old_tree = apply(two_stages.series(), quiet=True)
     old_head = sh(old_tree, "git", "rev-parse", "HEAD")
@@ -387,9 +393,7 @@ def test_a_rebase_needs_a_committed_project(two_stages, capsys):
     no work area); so is an existing branch of the same name. Changes made
     while a rebase is stopped are refused at its end, and --continue after
     committing them finishes it."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     notes = two_stages.root / "notes.txt"
     notes.write_text("mine\n")
     with pytest.raises(SeriesError, match="uncommitted changes \\(notes.txt\\)"):
@@ -439,12 +443,7 @@ def test_a_rebase_ends_only_on_a_head_that_holds_its_start(two_stages):
     """Switched, while the rebase is stopped, to a history without the
     commit it started from: its end refuses, saying what to do, and makes
     the branch once HEAD holds that commit again."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
-    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
-        rebase.start(two_stages.series(), target)
-    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    target = _past_the_first_conflict(two_stages)
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
         rebase.resume(two_stages.series())
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("True"))
@@ -499,12 +498,7 @@ def test_a_target_owned_by_another_user_is_named_as_such(two_stages, monkeypatch
 def test_an_overlay_changed_in_the_rebase_is_on_the_branch(two_stages):
     """An overlay edited while resolving is the branch's (the checkout's
     stays as it was), and the report names it."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
-    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
-        rebase.start(two_stages.series(), target)
-    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    target = _past_the_first_conflict(two_stages)
     adapted = "def split():\n    return 'striped v2'\n"
     (_work_repo(two_stages) / "vllm/cp_indexer.py").write_text(adapted)
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
@@ -602,9 +596,7 @@ def test_a_resolution_the_user_committed_is_the_stages_resolution(two_stages):
     """Resolving a conflict, then `git add -A && git commit` in the work repo
     as git habit goes: --continue takes the commit as the resolution (it is
     not read as "nothing changed", and the stage is kept)."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
         rebase.start(two_stages.series(), target)
     work = _work_repo(two_stages)
@@ -638,12 +630,7 @@ def test_a_continue_killed_right_after_committing_the_resolution(
     """Killed after git committed the resolution but before the rebase
     recorded it: the next --continue takes that commit as the resolution
     and keeps the stage."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
-    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
-        rebase.start(two_stages.series(), target)
-    (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
+    _past_the_first_conflict(two_stages)
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
@@ -663,9 +650,7 @@ def test_a_series_edited_while_the_rebase_is_stopped_is_refused(two_stages):
     """Removing a stage from series.toml while a rebase is stopped (here the
     one after the stopped stage): --continue says the series changed and
     changes nothing; put back, it continues; --abort still works."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
         rebase.start(two_stages.series(), target)
     original = two_stages.series_file.read_text()
@@ -855,9 +840,7 @@ def test_continue_without_the_work_repo_says_what_to_run(two_stages, damage):
 
 
 def test_continue_keeps_the_unmerged_state_and_the_options(two_stages):
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
         rebase.start(two_stages.series(), target, test_python=sys.executable)
     repo = _work_repo(two_stages)
@@ -879,9 +862,7 @@ def test_the_work_tree_keeps_its_stage_through_a_rebase_and_abort(two_stages):
     series = two_stages.series()
     repo = apply(series, "0001")
     at_0001 = sh(repo, "git", "rev-parse", "HEAD")
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     with pytest.raises(SeriesError, match="conflicts"):
         rebase.start(series, target)
     assert sh(repo, "git", "rev-parse", "HEAD") == at_0001
@@ -1006,9 +987,7 @@ def test_a_file_deleted_on_the_target_needs_a_decision(two_stages):
 def test_a_resolution_that_does_not_compile_stops_the_rebase(two_stages):
     """A stray '=======' left in a hand resolution: the file is named with
     the line, and --continue after the fix goes on."""
-    target = _target(
-        two_stages, {"vllm/envs.py": ("VAR_3 = 3\nVAR_4", "VAR_3 = 33\nVAR_4")}
-    )
+    target = _conflicting_target(two_stages)
     with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
         rebase.start(two_stages.series(), target)
     envs = _work_repo(two_stages) / "vllm/envs.py"
