@@ -5,6 +5,7 @@ description, the standalone check, determinism, an untouched work tree."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -345,10 +346,21 @@ def test_the_maintainers_check_names_a_message_an_editor_would_change(project):
 
 
 # A target's own hook, as vLLM's local hooks are declared (a Python script
-# of the tree's tools/pre_commit/, run by pre-commit on the matching files).
+# of the tree's tools/pre_commit/, run by pre-commit on the matching files),
+# ruff from its hook repository (run from the package index at the pinned
+# version, as vLLM pins it) and a hook repository whose tool is not on the
+# index.
 PRECOMMIT_CONFIG = """\
 default_stages: [pre-commit, manual]
 repos:
+- repo: https://github.com/astral-sh/ruff-pre-commit
+  rev: v0.17.2
+  hooks:
+  - id: ruff-check
+- repo: https://github.com/example/checker
+  rev: v1.0.0
+  hooks:
+  - id: unknown-checker
 - repo: local
   hooks:
   - id: no-print
@@ -403,7 +415,12 @@ def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(
     sh(project.scratch, "git", "pull", "-q", "--tags", "--force")
     project.add_stage(
         "0001",
-        {"vllm/ops.py": ("    return 20\n", "    print(20)\n    return 20\n")},
+        {
+            "vllm/ops.py": (
+                "    return 20\n",
+                "    import os\n    print(20)\n    return 20\n",
+            )
+        },
         title="[ROCm] Louder op",
     )
     apply(project.series())
@@ -416,6 +433,13 @@ def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(
     assert "\x1b" not in str(failed.value), "the hook's colour codes are dropped"
     review = review_path(prs[0]).read_text()
     assert "| pre-commit `no-print` | FAILED |" in review
+    assert re.search(r"\| pre-commit `ruff-check` \| FAILED \|.*F401", review)
+    assert re.search(
+        r"\| pre-commit `unknown-checker` \| FAILED \| https://github.com/"
+        r"example/checker unknown-checker is not run here; it applies to "
+        r"vllm/ops.py",
+        review,
+    )
     assert "| `git am` | ok |" in review
     assert "commit-msg-only" not in review  # not a hook of a commit's files
 

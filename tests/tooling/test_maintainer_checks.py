@@ -106,3 +106,27 @@ def test_hook_tools_pinned_by_frozen_commits_take_the_tagged_version(tmp_path):
     )
     with pytest.raises(SeriesError, match="no `# frozen: vX.Y.Z` comment"):
         rewritten_config(tmp_path)
+
+
+def test_pre_commits_verbose_report_is_read_hook_by_hook():
+    """pre-commit 4's `run --verbose` report: each hook's status, its id
+    (the name may differ), and what it printed without pre-commit's own
+    `- hook id` lines; nothing read is an error, not a pass."""
+    from scripts.series.export.vllm_precommit import parse_run
+
+    report = (
+        "ruff check...............................................Failed\n"
+        "- hook id: ruff-check\n- duration: 0.1s\n- exit code: 1\n\n"
+        "vllm/ops.py:3:12: F401 `os` imported but unused\n\n"
+        "typos.......................................(no files to check)Skipped\n"
+        "- hook id: typos\n"
+        "Format....................................................Failed\n"
+        "- hook id: ruff-format\n- files were modified by this hook\n"
+    )
+    results = [(r.id, r.status, r.output) for r in parse_run(report)]
+    assert results == [
+        ("ruff-check", "failed", "vllm/ops.py:3:12: F401 `os` imported but unused"),
+        ("typos", "skipped", ""),
+        ("ruff-format", "failed", "files were modified by this hook"),
+    ]
+    assert parse_run("An error has occurred: InvalidConfigError\n") == []

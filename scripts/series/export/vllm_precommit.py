@@ -128,7 +128,11 @@ def hook_results(
     )
     subprocess.run(["git", "checkout", "--", "."], cwd=tree, check=True)
     results = parse_run(done.stdout)
-    if done.returncode and not any(r.status == "failed" for r in results):
+    if (
+        not results
+        or done.returncode
+        and not any(r.status == "failed" for r in results)
+    ):
         tail = (done.stderr or done.stdout).strip()[-2000:]
         raise SeriesError(f"vLLM's pre-commit did not run: {tail}")
     return results
