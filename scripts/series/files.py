@@ -19,9 +19,14 @@ def write_whole(path: Path, data: bytes, mode: int | None = None) -> None:
     file in the same folder, flushed to disk, renamed over it. ``mode``:
     its permission bits (default: a new file's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.partial")
+    temp = partial_of(path)
     write_synced(temp, data, mode)
     os.replace(temp, path)
+
+
+def partial_of(path: Path) -> Path:
+    """Where ``write_whole`` writes ``path`` first (a kill may leave it)."""
+    return path.with_name(f".{path.name}.partial")
 
 
 def write_synced(path: Path, data: bytes, mode: int | None = None) -> None:

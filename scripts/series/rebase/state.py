@@ -11,7 +11,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import Base, GitBase, SdistBase, Series
-from scripts.series.files import write_whole
+from scripts.series.files import partial_of, write_whole
 from scripts.series.layout import rebase_dir
 
 
@@ -103,9 +103,8 @@ def save_state(series: Series, state: RebaseState) -> None:
 
 def remove_state(series: Series) -> None:
     """The rebase is over: its state goes, with a save a kill left half done."""
-    path = state_file(series)
-    path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
-    path.unlink()
+    partial_of(state_file(series)).unlink(missing_ok=True)
+    state_file(series).unlink()
 
 
 def work_repo(series: Series, state: RebaseState) -> Path:
