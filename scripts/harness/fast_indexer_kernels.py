@@ -19,12 +19,19 @@ speed, not for adversarial contracts:
 - ``top_k_per_row_prefill``: ``_C.top_k_per_row_prefill``'s contract
   (indices relative to the row's start, -1 past a short row; csrc/sampler.cu)
   as one Triton program per row that reads only the row's own key range
-  ``[ks, ke)``, as AITER's per-row radix top-k does (ROCm/aiter
-  ``csrc/kernels/topk_per_row_kernels.cu``; docs/aiter_contracts.md): four
-  8-bit radix passes find the k-th largest score, a fifth writes the
-  indices. Its cost is a part per row (the program, k indices written) and
-  a part per key of the row's range (five reads), the shape of AITER's.
-  Indices come in no particular order, as the real kernels' do.
+  ``[ks, ke)``, as AITER's per-row radix top-k does. Radix passes over the
+  row's keys find the k-th largest score, one more pass writes the indices;
+  indices come in no particular order, as the real kernels' do. Its shape
+  (``TOPK_SHAPES``) is AITER's one-block prefill kernel by default: 1,024
+  threads a row and 12-bit digits, so three counting passes and the writing
+  one, each reading the whole row (ROCm/aiter
+  ``csrc/kernels/topk_per_row_kernels.cu`` at e4048607: L2819 and L2903,
+  ``top_k_per_row_prefill`` launches ``dispatch_topk_oneblock`` with a
+  block of 1,024; L2573-2599, 12 bits a digit on a GPU of 128 compute units
+  or more; L2146 and L2241, each pass scans the whole row, compaction being
+  off). The ``narrow`` shape (128 threads, 8-bit digits: four counting
+  passes), which the bench ran first, is kept to compare the one-row floor
+  with both.
 
 On gfx950 vLLM 0.34.0 asks AITER's prefill logits for no -inf fill
 (``clean_logits=False``), so ``mqa_logits`` leaves every position outside a
@@ -137,7 +144,13 @@ def mqa_logits(
     return out
 
 
-TOPK_BLOCK = 1024  # keys per iteration of a top-k program
+# A top-k program's shape: threads (warps of 32 on the H200), bits of the
+# radix digit, and keys read per iteration.
+TOPK_SHAPES = {
+    "aiter": {"num_warps": 32, "bits": 12, "block": 8192},
+    "narrow": {"num_warps": 4, "bits": 8, "block": 1024},
+}
+TOPK_SHAPE = "aiter"  # the bench's --topk-shape sets it
 
 
 @triton.jit
@@ -159,6 +172,7 @@ def _top_k_per_row_kernel(
     out_stride,
     K: tl.constexpr,
     BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
     RELATIVE: tl.constexpr,
 ):
     # Program (row, segment) of (rows, segments): the segment-th equal part
@@ -181,12 +195,15 @@ def _top_k_per_row_kernel(
             at = first + lanes
             tl.store(row_out + at, tl.where(at < length, at + origin, -1), mask=at < K)
     else:
-        bins = tl.arange(0, 256)
+        bins = tl.arange(0, 1 << BITS)
         prefix = tl.zeros((), dtype=tl.uint32)
         remaining = K  # still to take among the keys that match the prefix
-        for digit_pass in tl.static_range(4):
-            shift = 24 - 8 * digit_pass
-            hist = tl.zeros((256,), dtype=tl.int32)
+        # Digits from the top bit down; the last one takes the bits left.
+        for digit_pass in tl.static_range((32 + BITS - 1) // BITS):
+            high = 32 - digit_pass * BITS
+            shift = high - BITS if high > BITS else 0
+            digit_mask = (1 << (high - shift)) - 1
+            hist = tl.zeros((1 << BITS,), dtype=tl.int32)
             for first in range(ks, ke, BLOCK):
                 cols = first + lanes
                 valid = cols < ke
@@ -194,15 +211,15 @@ def _top_k_per_row_kernel(
                 if digit_pass == 0:
                     match = valid
                 else:
-                    match = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-                digit = tl.where(match, (key >> shift) & 255, 0).to(tl.int32)
+                    match = valid & ((key >> high) == (prefix >> high))
+                digit = tl.where(match, (key >> shift) & digit_mask, 0).to(tl.int32)
                 # Non-matching lanes were counted in bin 0: take them out.
                 unmatched = BLOCK - tl.sum(match.to(tl.int32), axis=0)
-                hist += tl.histogram(digit, 256) - tl.where(bins == 0, unmatched, 0)
+                hist += tl.histogram(digit, 1 << BITS) - tl.where(
+                    bins == 0, unmatched, 0
+                )
             # at_or_above[b]: matching keys whose digit is b or more.
-            at_or_above = tl.sum(
-                tl.where(bins[None, :] >= bins[:, None], hist[None, :], 0), axis=1
-            )
+            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
             chosen = tl.max(tl.where(at_or_above >= remaining, bins, -1), axis=0)
             above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
             remaining -= above
@@ -326,6 +343,7 @@ def _top_k(logits, starts, ends, indices, rows, stride0, stride1, k, relative):
 
 
 def _launch(logits, starts, ends, out, rows, segments, stride0, stride1, k, relative):
+    shape = TOPK_SHAPES[TOPK_SHAPE]
     _top_k_per_row_kernel[(rows, segments)](
         logits,
         starts,
@@ -335,6 +353,8 @@ def _launch(logits, starts, ends, out, rows, segments, stride0, stride1, k, rela
         stride1,
         out.stride(0),
         K=k,
-        BLOCK=TOPK_BLOCK,
+        BLOCK=shape["block"],
+        BITS=shape["bits"],
         RELATIVE=relative,
+        num_warps=shape["num_warps"],
     )

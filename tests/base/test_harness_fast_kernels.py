@@ -51,13 +51,16 @@ DEVICES = [
 
 def _rows(seed: int):
     gen = torch.Generator().manual_seed(seed)
-    rows, width = 7, 3000
+    rows, width = 8, 9000
     scores = torch.randn(rows, width, generator=gen)
     # Few distinct values: the k-th largest is tied many times over.
     scores[1] = torch.randint(0, 4, (width,), generator=gen).float()
     scores[2] = 0.5  # every key ties
-    starts = torch.tensor([0, 100, 7, 2400, 10, 1200, 0], dtype=torch.int32)
-    ends = torch.tensor([3000, 2900, 2000, 2600, 250, 3000, 0], dtype=torch.int32)
+    # Scores that differ only in their low bits: the last digit decides.
+    scores[7] = 1.0 + torch.randint(0, 1 << 10, (width,), generator=gen) * 2**-23
+    # Rows longer than the AITER shape's 8,192 keys an iteration, and short.
+    starts = torch.tensor([0, 100, 7, 2400, 10, 1200, 0, 0], dtype=torch.int32)
+    ends = torch.tensor([9000, 8900, 2000, 2600, 250, 9000, 0, 8500], dtype=torch.int32)
     poisoned = scores.clone()
     for r in range(rows):
         poisoned[r, : starts[r]] = float("inf")
@@ -83,14 +86,16 @@ def _aiter_topk(logits, starts, ends, out, k):
 @pytest.mark.parametrize("entry", [_vllm_topk, _aiter_topk], ids=["vllm", "aiter"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("multi_block", [False, True], ids=["one-block", "multi-block"])
+@pytest.mark.parametrize("shape", sorted(fast_indexer_kernels.TOPK_SHAPES))
 def test_fast_topk_picks_the_k_largest_of_each_rows_range(
-    seed, entry, device, multi_block, monkeypatch
+    seed, entry, device, multi_block, shape, monkeypatch
 ):
     """Both paths, the multi-block one forced (AITER takes it only for wide
-    calls of few rows, ``uses_multi_block``)."""
+    calls of few rows, ``uses_multi_block``), in both program shapes."""
     monkeypatch.setattr(
         fast_indexer_kernels, "uses_multi_block", lambda rows, width: multi_block
     )
+    monkeypatch.setattr(fast_indexer_kernels, "TOPK_SHAPE", shape)
     scores, poisoned, starts, ends = _rows(seed)
     rows = scores.shape[0]
     out = torch.full((rows, K + 5), -7, dtype=torch.int32, device=device)
