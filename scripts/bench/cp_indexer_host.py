@@ -2,36 +2,52 @@
 """Stage 0001 on one GPU, host included: the whole indexer prefill op per
 step, replicated vs each TP rank's share of the split, on serving steps.
 
-First it calibrates the planner's costs: the logits and top-k stand-ins
-are timed on chunks of R rows of L keys each. The whole op on chunks of
-256 rows and more is fitted as ``ms = a R L + b R + c`` by least squares:
-``b / a`` is a row's fixed cost in key-rows (``ROW_COST_KEYS``), ``c / a``
-a call's (``CALL_COST_KEYS``). The logits alone, with chunks of a wave's
-worth of rows too, are fitted as ``ms = a max(R, W) L + b R + c`` for a
-few waves W (rows the GPU scores at once): the best W per compute unit is
-the wave (``WAVE_ROWS_PER_CU``), their a over the whole op's the logits'
-share (``LOGITS_SHARE``). Then, for each step
-(requests as (cached tokens, new tokens), from the cost model's workload
-set) and tp 2 and 8, vLLM's
-metadata builder plans the step and the real ``rocm_aiter_sparse_attn_indexer``
-of the applied tree runs it: once replicated (the flag off), then once as
-each rank of a split (the flag on, the rank's id patched in; one GPU has no
-TP group, so the merge's collective is replaced by its local part and not
-timed), for each planner variant: the shipped costs, the shipped costs
-without the wave floor, with half and with twice the wave, the fitted
-costs, and the shipped costs again (the run's noise). Per run:
+The steps (``scripts.bench.serving_steps``): the six named ones the
+planner was tuned on, and a seeded family of at least 30 it was not
+(``--family N --seed S``), each at tp 2, 4 and 8. For each, vLLM's
+metadata builder plans the step and the real
+``rocm_aiter_sparse_attn_indexer`` of the applied tree runs it: once
+replicated (the flag off), then once as each rank of the shipped split
+(the flag on, the rank's id patched in; one GPU has no TP group, so the
+merge's collective is replaced by its local part and not timed), and,
+where the planner leaves the step replicated, split anyway
+(``forced_split``), to show what that leaves. Per step, also:
 
-- GPU ms: CUDA events around the call;
+- ``floor_ms``, F1: the op on one call holding only the step's costliest
+  row (``floor_step``), with each top-k stand-in shape;
+- ``merge_ms``: the merge modelled at H200 NVLink and MI355X xGMI
+  bandwidths (``merge_ms``; the model is ``NVLINK_GB_PER_S``'s comment).
+
+Per call:
+
+- GPU ms: CUDA events around the call, queued behind enough GPU work to
+  cover the host's queueing (so small steps time the GPU, not the host),
+  the worse of two medians of ``--runs`` calls; inputs and buffers are made
+  before, untimed;
 - host ms: wall time until the call returns, without waiting for the GPU
   (with no sync inside, the host runs ahead; a sync makes it wait);
 - syncs: synchronizing CUDA calls counted by
   ``torch.cuda.set_sync_debug_mode("warn")``.
 
+With ``--variants`` it first calibrates the planner's costs: the logits
+and top-k are timed on chunks of R rows of L keys each. The whole op on
+chunks of 256 rows and more is fitted as ``ms = a R L + b R + c`` by least
+squares: ``b / a`` is a row's fixed cost in key-rows (``ROW_COST_KEYS``),
+``c / a`` a call's (``CALL_COST_KEYS``). The logits alone, with chunks of
+a wave's worth of rows too, are fitted as ``ms = a max(R, W) L + b R + c``
+for a few waves W (rows the GPU scores at once): the best W per compute
+unit is the wave (``WAVE_ROWS_PER_CU``), their a over the whole op's the
+logits' share (``LOGITS_SHARE``). The named steps then also run under
+planner variants: the shipped costs without the wave floor, with half and
+with twice the wave, the fitted costs, and the shipped costs again (the
+run's noise).
+
 ROCm is emulated as gfx950, where vLLM 0.34.0 asks AITER's logits for no
 -inf fill. The logits and top-k are the fast stand-ins of
 ``scripts.harness.fast_indexer_kernels`` (a Triton fp8 MQA-logits kernel
-and a Triton radix top-k that reads each row's own key range), so that GPU
-time is not dominated by a reference kernel 10-100x slower than AITER.
+on AITER's grid and a Triton radix top-k in the shape of AITER's one-block
+kernel, or with ``--narrow-topk`` the bench's first, narrow one), so that
+GPU time is not dominated by a reference kernel 10-100x slower than AITER.
 Their times are H200 times, not MI355X times.
 
 With ``--crossover`` it sweeps small steps instead, the split forced on,
@@ -43,8 +59,11 @@ logits and top-k (``VLLM_ROCM_USE_AITER=1``), and the calibration times
 AITER's logits and its prefill top-k, so the fits give MI355X's row, call
 and wave costs.
 
+The JSON is written after every step; ``--resume`` runs only the steps it
+lacks, so a run cut short by a time limit goes on where it stopped.
+
 Usage (on the device, under scripts/gpu_run.sh; see docs/gpu_runs.md):
-    python3 -m scripts.bench.cp_indexer_host --out DIR
+    python3 -m scripts.bench.cp_indexer_host --out DIR [--resume]
     python3 -m scripts.bench.cp_indexer_host --crossover --out DIR
 on an MI355X (docs/serving.md, "Stage 0001's host bench on an MI355X"):
     python -m scripts.bench.cp_indexer_host --aiter --tree TREE --out DIR
@@ -56,6 +75,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -65,50 +85,91 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from scripts.bench.common import command_line, gpu_versions, parse_args
+from scripts.bench.serving_steps import LONG_TURNS, NAMED, Step, family, named
 
 TOPK = 2048
 HEADS = 32
 K = 1024
-STEPS: dict[str, list[tuple[int, int]]] = {
-    "fresh 16K": [(0, 16 * K)],
-    "fresh 64K, last 16K-row step": [(48 * K, 16 * K)],
-    "turn 4096 over 200K": [(200 * K, 4096)],
-    "turn 512 over 100K + fresh 8K": [(100 * K, 512), (0, 8 * K)],
-    "8 turns of 256 over 4K-200K": [
-        (p * K, 256) for p in (4, 8, 16, 32, 64, 100, 150, 200)
-    ],
-    "turn 64 over 15K + fresh 1K": [(15 * K, 64), (0, K)],
-}
-TPS = (2, 8)
+STEPS = NAMED
+TPS = (2, 4, 8)
 # Set by --aiter: AITER's kernels on this machine's ROCm, not the stand-ins.
 ON_AITER = False
+# Set by --variants: the calibration, and planner variants on the named steps.
+VARIANTS = False
+# The top-k stand-in's shape (fast_indexer_kernels.TOPK_SHAPES); --narrow-topk
+# sets the narrow one.
+TOPK_SHAPE = "aiter"
+# Set by --resume: the steps the output's JSON holds already are not run again.
+RESUME = False
+# Where the op runs: a CPU test sets "cpu" to walk the bench's plumbing
+# through Triton's interpreter.
+DEVICE = "cuda"
 # A planner variant's costs: ROW_COST_KEYS, CALL_COST_KEYS, WAVE_ROWS_PER_CU
 # and LOGITS_SHARE.
 Costs = tuple[int, int, float, float]
 
 
-def _timed(fn, ranks: list[int], runs: int) -> list[dict]:
-    """Per rank: median GPU ms, host ms and the syncs of one call of
-    ``fn(rank)``. The ranks take turns call by call, so that a drift of the
-    GPU's clocks over the run weighs on every rank alike."""
+# Each figure is the worse of this many timings (each a median of --runs
+# calls per rank): a slow spell of the GPU's clocks then shows, not hides.
+TIMINGS = 2
+# Cycles of ``torch.cuda._sleep`` per ms, measured once.
+_SLEEP_CYCLES_PER_MS: list[float] = []
+
+
+def _keep_gpu_busy(ms: float) -> None:
+    """Queue ``ms`` of GPU work, so that the call queued after it starts on
+    a busy GPU and its events time the GPU, not the host's launches."""
     import torch
 
-    for rank in ranks:
-        fn(rank)  # warm-up: Triton compiles, workspace grows
+    if not _SLEEP_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        cycles = 50_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        _SLEEP_CYCLES_PER_MS.append(cycles / start.elapsed_time(end))
+    torch.cuda._sleep(int(ms * _SLEEP_CYCLES_PER_MS[0]))
+
+
+def _timed(fn, ranks: list[int], runs: int) -> list[dict]:
+    """Per rank: GPU ms, host ms and the syncs of one call of ``fn(rank)``.
+    GPU ms is CUDA events around the call, queued behind enough GPU work
+    to cover the host's time to queue it; each figure is the worse of
+    ``TIMINGS`` medians of ``runs`` calls (``gpu_ms_timings`` lists them).
+    The ranks take turns call by call, so that a drift of the GPU's clocks
+    over the run weighs on every rank alike. Whatever ``fn`` needs besides
+    the call (inputs, buffers) is made before, untimed."""
+    import torch
+
+    for _ in range(2):  # warm-up: Triton compiles, workspace grows
+        host_lead = 0.0  # the host's time to queue a call, once compiled
+        for rank in ranks:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(rank)
+            host_lead = max(host_lead, (time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
     gpu: dict[int, list[float]] = {rank: [] for rank in ranks}
     host: dict[int, list[float]] = {rank: [] for rank in ranks}
-    for _ in range(runs):
+    for _ in range(TIMINGS):
+        times: dict[int, list[float]] = {rank: [] for rank in ranks}
+        hosts: dict[int, list[float]] = {rank: [] for rank in ranks}
+        for _ in range(runs):
+            for rank in ranks:
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                torch.cuda.synchronize()
+                _keep_gpu_busy(2 * host_lead + 0.2)
+                start.record()
+                t0 = time.perf_counter()
+                fn(rank)
+                hosts[rank].append((time.perf_counter() - t0) * 1e3)
+                end.record()
+                torch.cuda.synchronize()
+                times[rank].append(start.elapsed_time(end))
         for rank in ranks:
-            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-            torch.cuda.synchronize()
-            start.record()
-            t0 = time.perf_counter()
-            fn(rank)
-            host[rank].append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            torch.cuda.synchronize()
-            gpu[rank].append(start.elapsed_time(end))
+            gpu[rank].append(statistics.median(times[rank]))
+            host[rank].append(statistics.median(hosts[rank]))
     timings = []
     for rank in ranks:
         with warnings.catch_warnings(record=True) as caught:
@@ -120,8 +181,9 @@ def _timed(fn, ranks: list[int], runs: int) -> list[dict]:
                 torch.cuda.set_sync_debug_mode("default")
         timings.append(
             {
-                "gpu_ms": statistics.median(gpu[rank]),
-                "host_ms": statistics.median(host[rank]),
+                "gpu_ms": max(gpu[rank]),
+                "gpu_ms_timings": gpu[rank],
+                "host_ms": max(host[rank]),
                 "syncs": sum("synchronizing" in str(w.message) for w in caught),
             }
         )
@@ -134,10 +196,13 @@ def _bench(
     runs: int,
     variants: dict[str, Costs | None],
     force_split: bool = False,
+    replicated: bool = True,
 ) -> dict:
-    """The step replicated, then split under each planner variant (a name
-    and its ``Costs``; None: the shipped planner as it is). The builder is
-    told this GPU's compute units, which the planner's wave is counted in."""
+    """The step replicated (unless not ``replicated``), then split under
+    each planner variant (a name and its ``Costs``; None: the shipped
+    planner as it is), the minimum split size ignored with
+    ``force_split``. The builder is told this GPU's compute units, which
+    the planner's wave is counted in."""
     import pytest
     import torch
 
@@ -147,7 +212,8 @@ def _bench(
     longest = max(c + q for c, q in step)
     rows = sum(q for _, q in step)
     result: dict = {"split": {}}
-    runs_of = [("replicated", None)] + [("split", name) for name in variants]
+    runs_of: list[tuple[str, str | None]] = [("replicated", None)] if replicated else []
+    runs_of += [("split", name) for name in variants]
     for mode, variant in runs_of:
         with contextlib.ExitStack() as stack:
             mp = stack.enter_context(pytest.MonkeyPatch.context())
@@ -164,10 +230,14 @@ def _bench(
             if force_split:
                 mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
             config = indexer_batch.make_vllm_config(
-                tp_size=tp, device="cuda", max_len=longest + 64, max_tokens=rows
+                tp_size=tp,
+                device=DEVICE,
+                max_len=longest + 64,
+                # vLLM's scheduler takes no fewer than its 16 sequences.
+                max_tokens=max(rows, 16),
             )
             builder = indexer_batch.make_builder(
-                config, mp, "cuda", compute_units=compute_units()
+                config, mp, DEVICE, compute_units=compute_units()
             )
             batch = indexer_batch.build_batch(
                 builder, step, heads=HEADS, cache_new_keys=True, torch_context=True
@@ -217,13 +287,29 @@ def _bench(
                 raising=False,
             )
 
-            def call(rank: int, batch=batch, this_rank=this_rank) -> None:
+            # Made once: the op inserts no keys here, and fills the rows
+            # of the buffer it writes.
+            buffer = torch.empty(
+                (batch.hidden_states.shape[0], TOPK), dtype=torch.int32, device=DEVICE
+            )
+
+            def call(rank: int, batch=batch, this_rank=this_rank, buffer=buffer):
                 this_rank[0] = rank
-                indexer_batch.run_indexer(batch, TOPK, skip_k_cache_insert=True)
+                indexer_batch.run_indexer(
+                    batch,
+                    TOPK,
+                    skip_k_cache_insert=True,
+                    kv_cache=batch.kv_cache,
+                    buffer=buffer,
+                )
 
             per_rank = _timed(call, ranks, runs)
-            entry = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+            entry = {
+                key: max(r[key] for r in per_rank)
+                for key in ("gpu_ms", "host_ms", "syncs")
+            }
             entry["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
+            entry["per_rank_gpu_ms_timings"] = [r["gpu_ms_timings"] for r in per_rank]
             if mode == "split":
                 entry["bounds"] = list(split.bounds)
                 result["split"][variant] = entry
@@ -424,6 +510,17 @@ CROSSOVER: dict[str, list[tuple[int, int]]] = {
 # docs/cp_indexer_bench_2gpu.json (8K rows 0.23-0.26 ms, 32K 0.59, 64K
 # 1.13-1.16): 0.10 ms + 15.7 ns a row. At tp 8 it is an assumption.
 MERGE_BASE_MS, MERGE_ROW_MS = 0.10, 15.7e-6
+ROW_BYTES = TOPK * 4
+# The merge modelled per link (``merge_ms``), a model and not a measurement.
+# H200: a rank receives every other rank's rows through NVSwitch, at the
+# fit's rate: at tp 2 half of 8 KiB a row in 15.7 ns, 261 GB/s (58% of
+# NVLink's 450 GB/s one way). MI355X: each pair of GPUs shares one xGMI
+# link, 76.8 GB/s one way (AMD's MI355X figures: 7 links of 153.6 GB/s both
+# ways), so a rank receives each peer's rows over its own link, and the
+# largest rank's rows set the time; at the H200's share of its peak, and
+# with its 0.10 ms latency.
+NVLINK_GB_PER_S = ROW_BYTES / 2 / (MERGE_ROW_MS * 1e6)
+XGMI_LINK_GB_PER_S = 76.8 * NVLINK_GB_PER_S / 450
 
 
 def step_ms(run: dict) -> float:
@@ -588,8 +685,6 @@ def _fit_table(fit: dict) -> list[str]:
 def report(docs: Path) -> str:
     """docs/cp_indexer_host_bench.md from the run's JSON."""
     run = json.loads((docs / "cp_indexer_host_bench.json").read_text())
-    fit, wave = run["calibration"]["fit"], run["calibration"]["wave"]
-    variants = run["variants"]
     on_aiter = run.get("kernels") == "aiter"
     lines = [
         "# CP indexer on one GPU, host included: split vs replicated",
@@ -600,18 +695,7 @@ def report(docs: Path) -> str:
         + "): "
         "replicated (flag off), and each TP rank's share of the split (flag "
         "on; one GPU runs each rank's share in turn, and the merge's "
-        "collective is not timed). max/mean: the ranks' GPU times; speedup: "
-        "replicated GPU ms over the slowest rank's (ideal: tp). Planner "
-        "variants by the costs they plan with (`ROW_COST_KEYS` and "
-        "`CALL_COST_KEYS` in key-rows, `WAVE_ROWS_PER_CU` in rows per compute "
-        "unit, `LOGITS_SHARE`): "
-        + ", ".join(
-            f"*{name}* {row:,}, {call:,}, {wave} and {share}"
-            for name, (row, call, wave, share) in variants.items()
-        )
-        + ". A variant timed again plans the same split as the first with its "
-        "costs: the difference between the two is this run's noise. The ranks "
-        "take turns call by call (each rank's median).",
+        "collective is not timed). The ranks take turns call by call.",
         "",
         (
             "Logits and top-k are AITER's, as vLLM's ROCm op calls them "
@@ -619,16 +703,39 @@ def report(docs: Path) -> str:
             if on_aiter
             else "Logits and top-k are the fast stand-ins of "
             "`scripts/harness/fast_indexer_kernels.py`: a Triton fp8 MQA-logits "
-            "kernel that leaves positions outside a row's range unwritten (vLLM "
-            "vLLM 0.34.0 asks AITER for `clean_logits=False` on gfx950), one program "
-            "per row as AITER's gfx950 kernel, and a Triton radix top-k that "
-            "reads only each row's range, one program per row or, where AITER's "
-            "rule takes its multi-block kernel, several. Their times are H200 "
-            "times, not MI355X times."
+            "kernel that leaves positions outside a row's range unwritten "
+            "(vLLM 0.34.0 asks AITER for `clean_logits=False` on gfx950), one "
+            "program per row as AITER's gfx950 kernel, and a Triton radix top-k "
+            "that reads only each row's range, one program per row or, where "
+            "AITER's rule takes its multi-block kernel, several, in the "
+            f"*{run.get('topk_shape', 'narrow')}* shape (`TOPK_SHAPES`). Their "
+            "times are H200 times, not MI355X times."
         ),
         "",
         f"Hardware and versions: {run['versions']}. Command: `{run['command']}`.",
         "",
+    ]
+    if "family" not in run:
+        lines += [
+            "This run predates the family of steps, F1 and the bench's timing "
+            "hygiene: each figure is one median of the calls, timed from an "
+            "idle GPU with the harness's K-cache copy and top-k buffer fill "
+            "inside the events.",
+            "",
+        ]
+    if run["calibration"]:
+        lines += _calibration_section(run)
+    if any("floor_ms" in result for result in run["results"].values()):
+        lines += _goals_section(run)
+    if run["calibration"]:
+        lines += _variants_section(run)
+    return "\n".join(lines) + "\n"
+
+
+def _calibration_section(run: dict) -> list[str]:
+    fit, wave = run["calibration"]["fit"], run["calibration"]["wave"]
+    on_aiter = run.get("kernels") == "aiter"
+    return [
         "## The costs, calibrated",
         "",
         ("AITER's kernels" if on_aiter else "The stand-ins")
@@ -664,7 +771,148 @@ def report(docs: Path) -> str:
         "The logits' share of a key-row's cost (their a over the whole op's): "
         f"{wave['logits_share']}.",
         "",
-        "## Balance and speedup",
+    ]
+
+
+# The goals the shipped planner is held to on every step and tp.
+# G1: a split step's (slowest rank + merge) / replicated at most this ...
+G1_SPLIT = 0.95
+# ... and a step left replicated would, split, gain less than 10%.
+G1_LEFT = 0.90
+# G2: a split step's slowest rank within this of its bound, per tp.
+G2_BOUND = {2: 1.10, 4: 1.20, 8: 1.20}
+
+
+def step_goals(result: dict, floor_shape: str) -> dict:
+    """G1 and G2 of one step at one tp (``result`` as ``bench_step`` makes
+    it): per link the split's (slowest rank + merge) / replicated, the bound
+    LB = max(replicated / tp, F1) and the slowest rank over it, and whether
+    each goal holds (G2: None for a step left replicated)."""
+    replicated = result["replicated"]["gpu_ms"]
+    shipped = result["split"]["shipped"]
+    split = shipped if shipped is not None else result.get("forced_split")
+    tp = result["tp"]
+    if split is None:  # no split of its rows exists at this tp
+        return {"split": False, "g1": True, "g2": None}
+    slowest = max(split["per_rank_gpu_ms"])
+    ratios = {
+        link: (slowest + ms) / replicated for link, ms in result["merge_ms"].items()
+    }
+    bound = max(replicated / tp, result["floor_ms"][floor_shape])
+    goals = {
+        "split": shipped is not None,
+        "slowest_ms": slowest,
+        "balance": slowest / statistics.mean(split["per_rank_gpu_ms"]),
+        "bound_ms": bound,
+        "over_bound": slowest / bound,
+        "ratios": ratios,
+    }
+    if shipped is not None:
+        goals["g1"] = all(r <= G1_SPLIT for r in ratios.values())
+        goals["g2"] = slowest / bound <= G2_BOUND[tp]
+    else:
+        goals["g1"] = all(r >= G1_LEFT for r in ratios.values())
+        goals["g2"] = None
+    return goals
+
+
+def _mark(holds: bool | None) -> str:
+    return "-" if holds is None else ("yes" if holds else "**no**")
+
+
+def _goals_section(run: dict) -> list[str]:
+    shape = run.get("topk_shape", "aiter")
+    family = run.get("family", {})
+    lines = [
+        "## Never slower (G1) and near its bound (G2)",
+        "",
+        f"The six named steps and a family of {family.get('count')} serving "
+        f"steps drawn with seed {family.get('seed')} "
+        "(`scripts/bench/serving_steps.py`), at each tp. Every GPU figure is "
+        "the worse of two medians. *split*: the shipped planner's plan, or "
+        "for a step it leaves replicated (*left*) the split forced anyway. "
+        "F1: the op on one call holding only the step's costliest row, with "
+        "each top-k shape (this run's first). LB = max(replicated / tp, F1). "
+        "Merge: modelled (H200 NVLink from the 2x H200 all_gather fit, "
+        "MI355X xGMI from its link bandwidth; `NVLINK_GB_PER_S`), not timed. "
+        f"G1: a split step's (slowest + merge) / replicated <= {G1_SPLIT} on "
+        f"both links; a step left replicated >= {G1_LEFT}, split. G2: a split "
+        "step's slowest rank <= "
+        + ", ".join(f"{b} x LB at tp {tp}" for tp, b in G2_BOUND.items())
+        + ". Decodes take their tokens of the step's budget and are not run "
+        "(the same work on every rank, replicated or split).",
+        "",
+        "| step | tp | M key-rows | replicated ms | plan | slowest ms | "
+        "max/mean | F1 ms | LB ms | slowest / LB | merge ms NVLink / xGMI | "
+        "(slowest + merge) / replicated, NVLink / xGMI | G1 | G2 |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    held: dict[str, list[bool]] = {"g1": [], "g2": []}
+    ordered = sorted(run["results"].items(), key=lambda kv: kv[1]["tp"])
+    for key, result in ordered:
+        name = key.split(" | tp ")[0]
+        goals = step_goals(result, shape)
+        held["g1"].append(goals["g1"])
+        if goals["g2"] is not None:
+            held["g2"].append(goals["g2"])
+        floors = " / ".join(f"{ms:.2f}" for ms in result["floor_ms"].values())
+        if "slowest_ms" not in goals:
+            lines.append(
+                f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
+                f"{result['replicated']['gpu_ms']:.2f} | none | - | - | {floors} | "
+                "- | - | - | - | yes | - |"
+            )
+            continue
+        merge = " / ".join(f"{ms:.2f}" for ms in result["merge_ms"].values())
+        ratios = " / ".join(f"{r:.2f}" for r in goals["ratios"].values())
+        lines.append(
+            f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
+            f"{result['replicated']['gpu_ms']:.2f} | "
+            f"{'split' if goals['split'] else 'left'} | "
+            f"{goals['slowest_ms']:.2f} | {goals['balance']:.3f} | {floors} | "
+            f"{goals['bound_ms']:.2f} | {goals['over_bound']:.2f} | {merge} | "
+            f"{ratios} | {_mark(goals['g1'])} | {_mark(goals['g2'])} |"
+        )
+    lines += [
+        "",
+        f"G1 holds on {sum(held['g1'])} of {len(held['g1'])} steps and tps; "
+        f"G2 on {sum(held['g2'])} of {len(held['g2'])} split ones. F1 is "
+        "listed per top-k shape: "
+        + ", ".join(next(iter(run["results"].values()))["floor_ms"])
+        + ".",
+        "",
+    ]
+    long_turns = [
+        f"{name}: " + " / ".join(f"{1 / r:.2f}x" for r in goals["ratios"].values())
+        for name in LONG_TURNS
+        if f"{name} | tp 8" in run["results"]
+        for goals in [step_goals(run["results"][f"{name} | tp 8"], shape)]
+        if "ratios" in goals
+    ]
+    if long_turns:
+        lines += [
+            "The long-turn steps end to end at tp 8, replicated over (slowest "
+            "+ merge), NVLink / xGMI: " + "; ".join(long_turns) + ".",
+            "",
+        ]
+    return lines
+
+
+def _variants_section(run: dict) -> list[str]:
+    variants = run["variants"]
+    lines = [
+        "## Planner variants on the named steps",
+        "",
+        "max/mean: the ranks' GPU times; speedup: replicated GPU ms over the "
+        "slowest rank's (ideal: tp). Planner variants by the costs they plan "
+        "with (`ROW_COST_KEYS` and `CALL_COST_KEYS` in key-rows, "
+        "`WAVE_ROWS_PER_CU` in rows per compute unit, `LOGITS_SHARE`): "
+        + ", ".join(
+            f"*{name}* {row:,}, {call:,}, {wave} and {share}"
+            for name, (row, call, wave, share) in variants.items()
+        )
+        + ". A variant timed again plans the same split as the first with its "
+        "costs: the difference between the two is this run's noise.",
         "",
         "| step | tp | replicated GPU ms | "
         + " | ".join(
@@ -676,6 +924,8 @@ def report(docs: Path) -> str:
     ]
     for key, result in run["results"].items():
         name, tp = key.split(" | tp ")
+        if name not in STEPS:
+            continue
         rep = result["replicated"]
         cells = [
             " / ".join(
@@ -709,7 +959,7 @@ def report(docs: Path) -> str:
         )
         + ".",
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def crossover(runs: int) -> dict:
@@ -731,10 +981,19 @@ def main() -> int:
         if (docs / "cp_indexer_min_split.json").exists():
             (docs / "cp_indexer_min_split.md").write_text(crossover_report(docs))
         return 0
-    global ON_AITER
+    global ON_AITER, VARIANTS, TOPK_SHAPE, RESUME
     if "--aiter" in sys.argv:
         sys.argv.remove("--aiter")
         ON_AITER = True
+    if "--variants" in sys.argv:
+        sys.argv.remove("--variants")
+        VARIANTS = True
+    if "--resume" in sys.argv:
+        sys.argv.remove("--resume")
+        RESUME = True
+    if "--narrow-topk" in sys.argv:
+        sys.argv.remove("--narrow-topk")
+        TOPK_SHAPE = "narrow"
     if "--crossover" in sys.argv:
         sys.argv.remove("--crossover")
         return _run_crossover()
@@ -743,7 +1002,13 @@ def main() -> int:
 
 def _command(*flags: str) -> str:
     """This run's command line, with the flags ``main`` took out of it."""
-    taken = (*flags, "--aiter") if ON_AITER else flags
+    taken = (
+        *flags,
+        *(["--aiter"] if ON_AITER else []),
+        *(["--variants"] if VARIANTS else []),
+        *(["--narrow-topk"] if TOPK_SHAPE == "narrow" else []),
+        *(["--resume"] if RESUME else []),
+    )
     return " ".join([command_line("scripts.bench.cp_indexer_host"), *taken])
 
 
@@ -762,12 +1027,51 @@ def _run_crossover() -> int:
     return 0
 
 
-def _run_steps() -> int:
-    args = parse_args(__doc__, runs=20)
+def floor_step(step: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A step whose one call holds only ``step``'s costliest row: the
+    last two rows of its request with the most keys (a request of one new
+    token would be a decode to vLLM's builder)."""
+    cached, new = max(step, key=lambda request: request[0] + request[1])
+    return [(cached + new - 2, 2)]
+
+
+def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
+    """F1: the op's GPU ms on ``floor_step(step)``, replicated, with each
+    top-k stand-in shape (with --aiter, AITER's own kernel, as "aiter")."""
+    from scripts.harness import fast_indexer_kernels as fast
+
+    shapes = ["aiter"] if ON_AITER else list(fast.TOPK_SHAPES)
+    shipped_shape, floors = fast.TOPK_SHAPE, {}
+    try:
+        for shape in shapes:
+            fast.TOPK_SHAPE = shape
+            run = _bench(floor_step(step), 2, runs, {})
+            floors[shape] = run["replicated"]["gpu_ms"]
+    finally:
+        fast.TOPK_SHAPE = shipped_shape
+    return floors
+
+
+def merge_ms(bounds: list[int]) -> dict[str, float]:
+    """The merge's modelled ms per link for a split with ``bounds``: the
+    slowest rank's receive (``NVLINK_GB_PER_S``' comment)."""
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    nvlink = (sum(sizes) - min(sizes)) * ROW_BYTES / (NVLINK_GB_PER_S * 1e6)
+    xgmi = max(sizes) * ROW_BYTES / (XGMI_LINK_GB_PER_S * 1e6)
+    return {
+        "h200_nvlink": MERGE_BASE_MS + nvlink,
+        "mi355x_xgmi": MERGE_BASE_MS + xgmi,
+    }
+
+
+def _variants(runs: int) -> tuple[dict, dict[str, Costs | None]]:
+    """With --variants: the calibration and the planner variants it sets
+    (``report``'s columns); else none and the shipped planner alone."""
     from vllm.v1.attention.ops import rocm_cp_indexer
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    calibration = calibrate(args.runs)
+    if not VARIANTS:
+        return {}, {"shipped": None}
+    calibration = calibrate(runs)
     fit = calibration["fit"]
     wave = calibration["wave"]
     shipped: Costs = (
@@ -796,22 +1100,90 @@ def _run_steps() -> int:
             variants[name] = value
     # The shipped planner twice: the spread between the two is the noise.
     variants["shipped, timed again"] = variants["shipped"]
+    return calibration, variants
+
+
+def bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict:
+    """One step at each of TPS: the op replicated (timed once: it does not
+    depend on tp), split as the shipped planner (and ``variants``) plans it,
+    and, where the plan stays replicated, split anyway (``forced_split``),
+    to show what it leaves; F1 (``floor_ms``) and the merge modelled per
+    link (``merge_ms``, of the shipped split or else the forced one)."""
+    floors = measure_floor(step.prefills, runs)
+    replicated = None
     results = {}
-    for name, step in STEPS.items():
-        for tp in TPS:
-            results[f"{name} | tp {tp}"] = _bench(step, tp, args.runs, variants)
-            print(name, tp, results[f"{name} | tp {tp}"], flush=True)
-    payload = {
-        "command": _command(),
-        "versions": gpu_versions(),
+    for tp in TPS:
+        result = _bench(
+            step.prefills, tp, runs, variants, replicated=replicated is None
+        )
+        replicated = result.setdefault("replicated", replicated)
+        taken = result["split"]["shipped"]
+        if taken is None:
+            forced = _bench(
+                step.prefills,
+                tp,
+                runs,
+                {"shipped": None},
+                force_split=True,
+                replicated=False,
+            )
+            taken = result["forced_split"] = forced["split"]["shipped"]
+        result |= {
+            "step": step.prefills,
+            "decodes": step.decodes,
+            "tp": tp,
+            "rows": sum(q for _, q in step.prefills),
+            "floor_ms": floors,
+            "merge_ms": None if taken is None else merge_ms(taken["bounds"]),
+        }
+        results[f"{step.name} | tp {tp}"] = result
+        print(step.name, tp, json.dumps(result), flush=True)
+    return results
+
+
+def _run_steps() -> int:
+    args = parse_args(__doc__, runs=10, family=30, seed=0)
+    from scripts.harness import fast_indexer_kernels as fast
+
+    fast.TOPK_SHAPE = TOPK_SHAPE
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / "cp_indexer_host_bench.json"
+    setup = {
         "kernels": "aiter" if ON_AITER else "stand-ins",
-        "calibration": calibration,
-        "variants": variants,
-        "results": results,
+        "topk_shape": "aiter" if ON_AITER else TOPK_SHAPE,
+        "family": {"count": args.family, "seed": args.seed},
     }
-    (args.out / "cp_indexer_host_bench.json").write_text(
-        json.dumps(payload, indent=1) + "\n"
-    )
+    if RESUME and out.exists():
+        payload = json.loads(out.read_text())
+        differs = [key for key, value in setup.items() if payload.get(key) != value]
+        if differs or bool(payload["calibration"]) != VARIANTS:
+            raise SystemExit(
+                f"{out} was run with other settings ({', '.join(differs) or 'variants'}"
+                "): resume it with the same flags, or move it away"
+            )
+        payload.setdefault("resumed_by", []).append(_command())
+    else:
+        calibration, variants = _variants(args.runs)
+        payload = {
+            "command": _command(),
+            "versions": gpu_versions(),
+            **setup,
+            "calibration": calibration,
+            "variants": variants,
+            "results": {},
+        }
+    variants = payload["variants"]
+    for step in [*named(), *family(args.family, args.seed)]:
+        if all(f"{step.name} | tp {tp}" in payload["results"] for tp in TPS):
+            continue  # measured by the run this one resumes
+        # Planner variants on the named steps only: the family is the
+        # shipped planner's test.
+        only_shipped = {"shipped": variants["shipped"]}
+        payload["results"] |= bench_step(
+            step, args.runs, variants if step.name in NAMED else only_shipped
+        )
+        # After every step: a run stopped by a time limit resumes from here.
+        out.write_text(json.dumps(payload, indent=1) + "\n")
     return 0
 
 

@@ -412,10 +412,15 @@ def run_indexer(
     candidate_block_size: int = 0,
     skip_k_cache_insert: bool = False,
     torch_gather: bool = False,
+    kv_cache: torch.Tensor | None = None,
+    buffer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Call the real ``rocm_aiter_sparse_attn_indexer``; return its buffer.
     ``torch_gather`` gathers K with the torch equivalent of vLLM's Triton
-    gather (``indexer_k_cache.gather_paged_k``), for long contexts."""
+    gather (``indexer_k_cache.gather_paged_k``), for long contexts. By
+    default the op writes a copy of the batch's cache and a new buffer;
+    a benchmark passes its own (``kv_cache``, ``buffer``) so that making
+    them is not timed."""
     from vllm.forward_context import create_forward_context, override_forward_context
     from vllm.v1.attention.backends.mla.indexer import get_max_prefill_buffer_size
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
@@ -425,13 +430,16 @@ def run_indexer(
     device = batch.q_fp8.device
     ensure_workspace(device)
     rows = batch.hidden_states.shape[0]
-    buffer = torch.full((rows, topk), 12345, dtype=torch.int32, device=device)
+    if buffer is None:
+        buffer = torch.full((rows, topk), 12345, dtype=torch.int32, device=device)
+    if kv_cache is None:
+        kv_cache = batch.kv_cache.clone()
     context = create_forward_context({LAYER: batch.metadata}, batch.vllm_config)
     with override_forward_context(context), _k_gather(torch_gather):
         rocm_aiter_sparse_attn_indexer(
             batch.hidden_states,
             LAYER,
-            batch.kv_cache.clone(),
+            kv_cache,
             batch.q_fp8,
             None if skip_k_cache_insert else batch.k,
             batch.weights,

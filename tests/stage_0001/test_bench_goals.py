@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stage 0001's host bench judges its goals as the issue states them: its
+family of serving steps is what it says (seeded, within each budget, every
+kind), its merge model reproduces the 2x H200 fit it comes from, and G1 and
+G2 fail where a step misses them. The GPU run itself is checked on a GPU."""
+
+import functools
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from scripts.bench import cp_indexer_host as bench
+from scripts.bench import serving_steps
+from scripts.harness import indexer_batch
+from scripts.harness.tree import applied_tree
+
+TREE = applied_tree("0001")
+
+
+def test_the_family_is_seeded_and_keeps_to_its_budgets():
+    steps = serving_steps.family(30, seed=0)
+    assert [s.name for s in steps] == [s.name for s in serving_steps.family(30, seed=0)]
+    assert [s.prefills for s in steps] != [
+        s.prefills for s in serving_steps.family(30, seed=1)
+    ]
+    kinds = {s.name.split(" ")[1].rstrip(",") for s in steps}
+    assert kinds == {"fresh", "turns", "mix"}
+    for step in steps:
+        budget = int(step.name.split(", ")[1].split("K")[0]) * 1024
+        assert 0 < step.tokens <= budget, step
+        for cached, new in step.prefills:
+            assert new >= 1 and cached >= 0
+            assert cached + new <= serving_steps.TURN_CACHED[1] + 4096
+    # Turns over long cached prefixes next to short ones: the planner's case.
+    assert max(c for s in steps for c, _ in s.prefills) > 200 * 1024
+    assert any(s.decodes for s in steps)
+
+
+def test_the_floor_step_holds_the_costliest_row_in_a_prefill_of_two():
+    step = [(4096, 300), (100 * 1024, 64), (0, 8192)]
+    assert bench.floor_step(step) == [(100 * 1024 + 62, 2)]
+
+
+def test_the_nvlink_merge_is_the_measured_fit_at_tp_2():
+    rows = 8192
+    model = bench.merge_ms([0, rows // 2, rows])
+    fit = bench.MERGE_BASE_MS + bench.MERGE_ROW_MS * rows
+    assert model["h200_nvlink"] == pytest.approx(fit)
+    # One xGMI link carries a rank's whole half at tp 2.
+    assert model["mi355x_xgmi"] > 2 * model["h200_nvlink"]
+    # At tp 8 the xGMI merge waits for the largest rank's rows only.
+    uneven = bench.merge_ms([0, 100, 200, 300, 400, 500, 600, 700, 4000])
+    even = bench.merge_ms([0, 1, 2, 3, 4, 5, 6, 7, 8 * 500])
+    assert uneven["mi355x_xgmi"] < even["mi355x_xgmi"]
+
+
+def _result(tp, replicated, ranks, floor, merge, shipped=True):
+    split = {"per_rank_gpu_ms": ranks}
+    return {
+        "tp": tp,
+        "replicated": {"gpu_ms": replicated},
+        "split": {"shipped": split if shipped else None},
+        "forced_split": None if shipped else split,
+        "floor_ms": {"aiter": floor, "narrow": 10 * floor},
+        "merge_ms": {"h200_nvlink": merge, "mi355x_xgmi": 2 * merge},
+    }
+
+
+@pytest.mark.parametrize(
+    ("result", "g1", "g2"),
+    [
+        # 10 ms replicated over 4 ranks, balanced: both hold.
+        (_result(4, 10.0, [2.6, 2.5, 2.5, 2.4], 0.5, 0.1), True, True),
+        # The xGMI merge takes it past 0.95 of replicated.
+        (_result(2, 10.0, [5.2, 5.0], 0.5, 2.5), False, True),
+        # 1.25 x its bound at tp 4 (1.20 allowed).
+        (_result(4, 10.0, [3.125, 2.4, 2.3, 2.2], 0.5, 0.1), True, False),
+        # F1 sets the bound: a slowest rank at F1 is at its bound.
+        (_result(8, 10.0, [2.0] + [1.0] * 7, 2.0, 0.1), True, True),
+        # Left replicated, and split it would have gained 20%: G1 fails.
+        (_result(2, 10.0, [7.8, 7.5], 0.5, 0.1, shipped=False), False, None),
+        # Left replicated, and split it would have lost: G1 holds.
+        (_result(2, 1.0, [0.6, 0.5], 0.3, 0.4, shipped=False), True, None),
+    ],
+)
+def test_the_goals_fail_where_a_step_misses_them(result, g1, g2):
+    goals = bench.step_goals(result, "aiter")
+    assert (goals["g1"], goals["g2"]) == (g1, g2)
+
+
+class _Event:
+    """A CUDA event's timing calls, on the host clock."""
+
+    def __init__(self, enable_timing: bool = True):
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.at - self.at) * 1e3
+
+
+def _on_this_machine(monkeypatch) -> None:
+    """The bench on the CPU, through Triton's interpreter, where there is no
+    GPU: CUDA's timing calls stood in, so that its plumbing runs whole."""
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the stand-in kernels run on the CPU only in the interpreter")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "compute_units", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(bench, "_SLEEP_CYCLES_PER_MS", [1.0])
+    # vLLM's Triton K gather is slow in the interpreter: its torch twin.
+    run = functools.partial(indexer_batch.run_indexer, torch_gather=True)
+    monkeypatch.setattr(indexer_batch, "run_indexer", run)
+
+
+def test_the_bench_records_what_the_goals_need(monkeypatch):
+    """One small step at tp 2 and 4, as the GPU run makes it: on a GPU, or
+    on the CPU through the interpreter."""
+    _on_this_machine(monkeypatch)
+    monkeypatch.setattr(bench, "TPS", (2, 4))
+    step = serving_steps.Step("24 over 300 + fresh 40", [(300, 24), (0, 40)])
+    results = bench.bench_step(step, runs=1, variants={"shipped": None})
+    replicated = None
+    for tp in (2, 4):
+        result = results[f"{step.name} | tp {tp}"]
+        # Far below the minimum split size: left replicated, split anyway.
+        assert result["split"]["shipped"] is None
+        split = result["forced_split"]
+        assert len(split["per_rank_gpu_ms"]) == tp
+        assert len(split["per_rank_gpu_ms_timings"][0]) == bench.TIMINGS
+        assert split["bounds"][0] == 0 and split["bounds"][-1] == 64
+        assert set(result["floor_ms"]) == {"aiter", "narrow"}
+        assert set(result["merge_ms"]) == {"h200_nvlink", "mi355x_xgmi"}
+        assert result["step"] == step.prefills and result["tp"] == tp
+        # Timed once, for every tp.
+        replicated = replicated or result["replicated"]
+        assert result["replicated"] is replicated
+        assert bench.step_goals(result, "aiter")["g2"] is None
+
+
+def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path):
+    """The JSON is written after each step; --resume runs only the steps it
+    lacks, and refuses a file run with other settings."""
+    _on_this_machine(monkeypatch)
+    monkeypatch.setattr(bench, "TPS", (2,))
+    steps = [
+        serving_steps.Step("fresh 48", [(0, 48)]),
+        serving_steps.Step("16 over 200", [(200, 16)]),
+    ]
+    monkeypatch.setattr(bench, "named", lambda: steps)
+    monkeypatch.setattr(bench, "family", lambda count, seed: [])
+    ran = []
+    measure = bench.bench_step
+
+    def stopped_after_one(step, runs, variants):
+        if ran:
+            raise KeyboardInterrupt  # the time limit, after the first step
+        ran.append(step.name)
+        return measure(step, runs, variants)
+
+    argv = ["cp_indexer_host", "--out", str(tmp_path), "--runs", "1"]
+    monkeypatch.setattr(bench, "bench_step", stopped_after_one)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(KeyboardInterrupt):
+        bench._run_steps()
+    written = json.loads((tmp_path / "cp_indexer_host_bench.json").read_text())
+    assert list(written["results"]) == ["fresh 48 | tp 2"]
+    # What was measured reads as a report, goals and all.
+    report = bench.report(tmp_path)
+    assert "| fresh 48 | 2 |" in report
+    # The interpreter's times decide G1 here; the count is what is checked.
+    assert " of 1 steps and tps; G2 on 0 of 0 split ones" in report
+
+    resumed = []
+    monkeypatch.setattr(
+        bench,
+        "bench_step",
+        lambda step, runs, variants: resumed.append(step.name) or {},
+    )
+    monkeypatch.setattr(bench, "RESUME", True)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    bench._run_steps()
+    assert resumed == ["16 over 200"]
+
+    monkeypatch.setattr(bench, "TOPK_SHAPE", "narrow")
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit, match="topk_shape"):
+        bench._run_steps()
