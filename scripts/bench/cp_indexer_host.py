@@ -803,6 +803,7 @@ def step_goals(result: dict, floor_shape: str) -> dict:
         "split": shipped is not None,
         "slowest_ms": slowest,
         "balance": slowest / statistics.mean(split["per_rank_gpu_ms"]),
+        "bounds": split["bounds"],
         "bound_ms": bound,
         "over_bound": slowest / bound,
         "ratios": ratios,
@@ -842,6 +843,9 @@ def _goals_section(run: dict) -> list[str]:
         + ". Decodes take their tokens of the step's budget and are not run "
         "(the same work on every rank, replicated or split).",
         "",
+        "max/mean: the ranks' GPU times, measured / as the planner modelled "
+        "them (`modelled_balance`, with the costs the run planned with).",
+        "",
         "| step | tp | M key-rows | replicated ms | plan | slowest ms | "
         "max/mean | F1 ms | LB ms | slowest / LB | merge ms NVLink / xGMI | "
         "(slowest + merge) / replicated, NVLink / xGMI | G1 | G2 |",
@@ -864,12 +868,20 @@ def _goals_section(run: dict) -> list[str]:
             )
             continue
         merge = " / ".join(f"{ms:.2f}" for ms in result["merge_ms"].values())
+        modelled = modelled_balance(
+            result["step"],
+            goals["bounds"],
+            tuple(run["planner_costs"]),
+            result["runs"],
+            run["compute_units"],
+        )
         ratios = " / ".join(f"{r:.2f}" for r in goals["ratios"].values())
         lines.append(
             f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
             f"{result['replicated']['gpu_ms']:.2f} | "
             f"{'split' if goals['split'] else 'left'} | "
-            f"{goals['slowest_ms']:.2f} | {goals['balance']:.3f} | {floors} | "
+            f"{goals['slowest_ms']:.2f} | {goals['balance']:.3f} / {modelled:.3f} | "
+            f"{floors} | "
             f"{goals['bound_ms']:.2f} | {goals['over_bound']:.2f} | {merge} | "
             f"{ratios} | {_mark(goals['g1'])} | {_mark(goals['g2'])} |"
         )
@@ -1148,10 +1160,20 @@ def _run_steps() -> int:
     fast.TOPK_SHAPE = TOPK_SHAPE
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "cp_indexer_host_bench.json"
+    from vllm.v1.attention.ops import rocm_cp_indexer
+
     setup = {
         "kernels": "aiter" if ON_AITER else "stand-ins",
         "topk_shape": "aiter" if ON_AITER else TOPK_SHAPE,
         "family": {"count": args.family, "seed": args.seed},
+        # What the shipped planner planned with, for the modelled balance.
+        "planner_costs": [
+            rocm_cp_indexer.ROW_COST_KEYS,
+            rocm_cp_indexer.CALL_COST_KEYS,
+            rocm_cp_indexer.WAVE_ROWS_PER_CU,
+            rocm_cp_indexer.LOGITS_SHARE,
+        ],
+        "compute_units": compute_units(),
     }
     if RESUME and out.exists():
         payload = json.loads(out.read_text())

@@ -59,7 +59,7 @@ def test_the_nvlink_merge_is_the_measured_fit_at_tp_2():
 
 
 def _result(tp, replicated, ranks, floor, merge, shipped=True):
-    split = {"per_rank_gpu_ms": ranks}
+    split = {"per_rank_gpu_ms": ranks, "bounds": list(range(len(ranks) + 1))}
     return {
         "tp": tp,
         "replicated": {"gpu_ms": replicated},

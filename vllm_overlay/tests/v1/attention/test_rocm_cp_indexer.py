@@ -329,7 +329,7 @@ def test_the_search_for_the_cheapest_cuts_ends_on_the_smallest_steps(
     monkeypatch,
 ):
     """A two-row step of rows that cost 1 and 2: the bisection over the
-    costliest rank's cost (here under 256 key-rows, where 1/256 of it
+    costliest rank's cost (here under 4,096 key-rows, where 1/4096 of it
     rounds to 0) still ends, with one row a rank."""
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     seq, query = torch.tensor([2]), torch.tensor([2])
@@ -352,9 +352,10 @@ def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
     and waves of 0 to 300 rows: the plan made with the wave is a valid
     split (contiguous, every row once, at least one row a rank) and its
     costliest rank, scored with the wave from the definition over the op's
-    own calls, costs no more than the plan made without it. The planner
-    keeps only plans that beat the first one by its own count, so this
-    checks that its count agrees with the definition."""
+    own calls, costs no more than the plan made without it, within the
+    precision of the planner's search. The planner keeps only plans that
+    beat the first one by its own count, so this checks that its count
+    agrees with the definition."""
     gen = torch.Generator().manual_seed(1)
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
     for case in range(200):
@@ -384,9 +385,9 @@ def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
         assert bounds[0] == 0 and bounds[-1] == len(costs), f"case {case}"
         assert all(a < b for a, b in zip(bounds, bounds[1:])), f"case {case}"
         scored = max(_scored(monkeypatch, floored, chunks, costs, wave))
-        assert scored <= max(_scored(monkeypatch, plan(0), chunks, costs, wave)), (
-            f"case {case}"
-        )
+        unfloored = max(_scored(monkeypatch, plan(0), chunks, costs, wave))
+        # Both plans are searched to within 1/4096 of their least.
+        assert scored <= unfloored * (1 + 1 / 4096), f"case {case}"
 
 
 def _cheapest(cost, ranks: int, rows: int) -> int:
@@ -402,14 +403,21 @@ def _cheapest(cost, ranks: int, rows: int) -> int:
     return best[rows]
 
 
-def test_with_the_wave_the_costliest_rank_costs_the_least_it_can(monkeypatch):
+@pytest.mark.parametrize(
+    ("call_cost", "waves"),
+    [(3000, (2, 41)), (60000, (0, 1))],
+    ids=["waves", "calls-only"],
+)
+def test_the_costliest_rank_costs_the_least_it_can(monkeypatch, call_cost, waves):
     """On small generated steps (turns and fresh prompts, some sharing a
-    chunk, some sliced; waves of 2 to 40 rows): the planned split's
-    costliest rank, scored from the definition, is within 1% of the
-    cheapest over every contiguous split (found by dynamic programming)."""
+    chunk, some sliced): the planned split's costliest rank, scored from the
+    definition, is within 1% of the cheapest over every contiguous split
+    (found by dynamic programming). With waves of 2 to 40 rows; and with no
+    wave but calls that cost as much as a few rows, where the rank whose
+    rows cross into another chunk pays for a second call."""
     gen = torch.Generator().manual_seed(2)
     monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
-    monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", 3000)
+    monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", call_cost)
     for case in range(60):
         tp = int(torch.randint(2, 5, (1,), generator=gen))
         requests = [
@@ -421,7 +429,7 @@ def test_with_the_wave_the_costliest_rank_costs_the_least_it_can(monkeypatch):
             continue
         chunks = _laid_out(query, case % 3)
         costs = [c + t + 1 + ROW for c, new in requests for t in range(new)]
-        wave = int(torch.randint(2, 41, (1,), generator=gen))
+        wave = int(torch.randint(*waves, (1,), generator=gen))
         split = plan_cp_indexer_split(
             tp,
             0,
@@ -440,7 +448,11 @@ def test_with_the_wave_the_costliest_rank_costs_the_least_it_can(monkeypatch):
             )[0]
         )
         planned = max(cost(a, b) for a, b in zip(split.bounds, split.bounds[1:]))
-        assert planned <= 1.01 * _cheapest(cost, tp, len(costs)), f"case {case}"
+        cheapest = _cheapest(cost, tp, len(costs))
+        # Where every rank is priced alike the cuts fall at the row nearest
+        # each share: off by up to a row, which on steps this small is
+        # more than 1%.
+        assert planned <= max(1.01 * cheapest, cheapest + max(costs)), f"case {case}"
 
 
 @pytest.mark.parametrize(

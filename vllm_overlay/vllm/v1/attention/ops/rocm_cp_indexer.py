@@ -14,13 +14,13 @@ lengths), and a new chat turn over a long cached prefix costs 10-100x a
 fresh prompt's row. A row also costs a fixed part (``ROW_COST_KEYS``: its
 top-k's own work and output), and on gfx942 its chunk's whole key width,
 which the logits kernel fills with -inf (``LOGITS_FILL_DIVISOR``). The cuts
-fall where the cumulative cost crosses each rank's share, then move so that
-a rank whose rows span two runs of chunks, and so pays a second call
-(``CALL_COST_KEYS``), takes less of the rows' cost. A call's logits last
-at least as long as its costliest row (one program per row), so they cost
-at least a wave of that row (``WAVE_ROWS_PER_CU``: the rows the GPU scores
-at once); where the cuts leave a rank a call below that floor, such as a
-sliver of a long turn, they are found again with the floor counted.
+fall where the cumulative cost crosses each rank's share. A rank whose
+rows span two runs of chunks pays a second call (``CALL_COST_KEYS``), and
+a call's logits last at least as long as its costliest row (one program
+per row), so they cost at least a wave of that row (``WAVE_ROWS_PER_CU``:
+the rows the GPU scores at once). Where the cuts leave the ranks' calls
+unlike, or a rank a call below that floor, such as a sliver of a long
+turn, they are found again with calls and floors counted.
 A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
 replicated and does not merge.
 
@@ -49,7 +49,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -411,10 +411,7 @@ def plan_cp_indexer_split(
         rank_cost = RankCost(
             before, costs, query_lens_cpu, runs, call_cost_keys, wave_rows
         )
-        if call_cost_keys:
-            bounds = _weigh_calls(before, bounds, rank_cost)
-        if wave_rows:
-            bounds = _fill_waves(bounds, rank_cost)
+        bounds = _least_costly(bounds, rank_cost)
     return CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
 
 
@@ -467,7 +464,7 @@ class RankCost:
 
     A rank's cost grows with its rows: vLLM's builder slices only a single
     request into a run of several chunks, so adding a row to a run adds to
-    its calls' costs. ``_fill_waves`` relies on it."""
+    its calls' costs. ``_least_costly`` relies on it."""
 
     def __init__(
         self,
@@ -541,49 +538,25 @@ class RankCost:
         return [self(a, b, floors) for a, b in zip(bounds, bounds[1:])]
 
 
-def _weigh_calls(
-    before: torch.Tensor, bounds: list[int], rank_cost: RankCost
-) -> list[int]:
-    """The cuts again, with each rank's calls priced: a rank whose rows
-    cross into another run of chunks pays a second call, so it takes fewer
-    rows' cost. The calls depend on the cuts, so the cuts are made again
-    from the calls a few times; the plan whose costliest rank costs least is
-    kept (the first one among them)."""
-    tp_size = len(bounds) - 1
-    call_cost_keys = rank_cost.call_cost_keys
-    total = rank_cost.before[-1]
-    best, best_cost = bounds, max(rank_cost.of(bounds))
-    for _ in range(3):
-        calls = [len(list(rank_cost.calls(a, b))) for a, b in zip(bounds, bounds[1:])]
-        if len(set(calls)) == 1:
-            break  # priced alike, the cuts stay where they are
-        mean = (total + call_cost_keys * sum(calls)) / tp_size
-        targets = torch.tensor(
-            [mean - call_cost_keys * c for c in calls[:-1]], dtype=torch.float64
-        )
-        shares = torch.cumsum(targets, 0).round().to(torch.int64)
-        bounds = _cut_at(before, shares)
-        cost = max(rank_cost.of(bounds))
-        if cost < best_cost:
-            best, best_cost = bounds, cost
-    return best
-
-
-def _fill_waves(bounds: list[int], rank_cost: RankCost) -> list[int]:
-    """Where a rank's call costs less than its floor (``RankCost``), the
-    least costly plan again, with the floor counted: the smallest cost every
+def _least_costly(bounds: list[int], rank_cost: RankCost) -> list[int]:
+    """The cost-share cuts price every rank alike. Where the ranks' calls
+    differ (a rank whose rows cross into another run of chunks makes a
+    second call) or a call costs less than its floor (``RankCost``), the
+    least costly plan again, with both counted: the smallest cost every
     rank keeps within, found by bisection, each rank taking as many rows as
     fit within it (as a rank's cost grows with its rows, no other plan has a
-    costliest rank cheaper by more than 1/256). Kept only if it beats
+    costliest rank cheaper by more than 1/4096). Kept only if it beats
     ``bounds``."""
     costs = rank_cost.of(bounds)
-    if costs == rank_cost.of(bounds, floors=False):
-        return bounds  # no call below its floor: the cuts stand
+    calls = {len(list(rank_cost.calls(a, b))) for a, b in pairwise(bounds)}
+    if len(calls) == 1 and costs == rank_cost.of(bounds, floors=False):
+        return bounds  # every rank priced alike: the cuts stand
     tp_size, num_rows = len(bounds) - 1, len(rank_cost.before) - 1
     best, high = bounds, max(costs)
     low = rank_cost.before[-1] // tp_size
-    # Within 1/256 of the least; a step of at least 1, so that it ends.
-    while high - low > max(1, high // 256):
+    # Within 1/4096 of the least (finer than a row of the costly steps it
+    # decides); a step of at least 1, so that it ends.
+    while high - low > max(1, high // 4096):
         limit = (low + high) // 2
         plan = _plan_within(limit, tp_size, num_rows, rank_cost)
         if plan is None:
