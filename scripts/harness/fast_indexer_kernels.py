@@ -31,7 +31,7 @@ speed, not for adversarial contracts:
   or more; L2146 and L2241, each pass scans the whole row, compaction being
   off). The ``narrow`` shape (128 threads, 8-bit digits: four counting
   passes), which the bench ran first, is kept to compare the one-row floor
-  with both.
+  with, and ``wide`` has AITER's threads with 8-bit digits.
 
 On gfx950 vLLM 0.34.0 asks AITER's prefill logits for no -inf fill
 (``clean_logits=False``), so ``mqa_logits`` leaves every position outside a
@@ -146,8 +146,12 @@ def mqa_logits(
 
 # A top-k program's shape: threads (warps of 32 on the H200), bits of the
 # radix digit, and keys read per iteration.
+# "wide" has AITER's threads with 8-bit digits: Triton 3.6 counts a histogram
+# with per-lane ballots, so 4,096 bins may cost the H200 more than AITER's
+# shared-memory atomics cost MI355X; the two tell that apart.
 TOPK_SHAPES = {
     "aiter": {"num_warps": 32, "bits": 12, "block": 8192},
+    "wide": {"num_warps": 32, "bits": 8, "block": 8192},
     "narrow": {"num_warps": 4, "bits": 8, "block": 1024},
 }
 TOPK_SHAPE = "aiter"  # the bench's --topk-shape sets it
