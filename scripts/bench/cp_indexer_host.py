@@ -51,7 +51,9 @@ GPU time is not dominated by a reference kernel 10-100x slower than AITER.
 Their times are H200 times, not MI355X times.
 
 With ``--crossover`` it sweeps small steps instead, the split forced on,
-for the minimum split size (cp_indexer_min_split.json).
+for the minimum split size (cp_indexer_min_split.json). With
+``--topk-shapes`` it times only the logits and each top-k stand-in shape on
+a few calls (cp_indexer_topk_shapes.json), to choose the shape first.
 
 With ``--aiter`` (on an MI355X, against a built tree) nothing is emulated
 or stood in: the op runs on the machine's own ROCm platform with AITER's
@@ -143,12 +145,13 @@ def _timed(fn, ranks: list[int], runs: int) -> list[dict]:
     import torch
 
     for _ in range(2):  # warm-up: Triton compiles, workspace grows
-        host_lead = 0.0  # the host's time to queue a call, once compiled
+        queueing = []  # the host's time to queue a call, once compiled
         for rank in ranks:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             fn(rank)
-            host_lead = max(host_lead, (time.perf_counter() - t0) * 1e3)
+            queueing.append((time.perf_counter() - t0) * 1e3)
+    host_lead = statistics.median(queueing)
     torch.cuda.synchronize()
     gpu: dict[int, list[float]] = {rank: [] for rank in ranks}
     host: dict[int, list[float]] = {rank: [] for rank in ranks}
@@ -310,6 +313,7 @@ def _bench(
             }
             entry["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
             entry["per_rank_gpu_ms_timings"] = [r["gpu_ms_timings"] for r in per_rank]
+            entry["per_rank_host_ms"] = [r["host_ms"] for r in per_rank]
             if mode == "split":
                 entry["bounds"] = list(split.bounds)
                 result["split"][variant] = entry
@@ -395,14 +399,14 @@ def _time_chunk(rows: int, keys: int, runs: int) -> dict:
     mqa_logits, top_k = _chunk_kernels()
     # The stand-ins take OCP fp8; on ROCm, the platform's (gfx942: fnuz).
     fp8 = current_platform.fp8_dtype() if ON_AITER else torch.float8_e4m3fn
-    gen = torch.Generator(device="cuda").manual_seed(rows + keys)
-    q = torch.randn(rows, HEADS, 128, device="cuda", generator=gen).to(fp8)
-    k = torch.randn(keys, 128, device="cuda", generator=gen).to(fp8)
-    scale = torch.rand(keys, device="cuda", generator=gen) + 0.5
-    weights = torch.randn(rows, HEADS, device="cuda", generator=gen)
-    starts = torch.zeros(rows, dtype=torch.int32, device="cuda")
-    ends = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
-    indices = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device=DEVICE).manual_seed(rows + keys)
+    q = torch.randn(rows, HEADS, 128, device=DEVICE, generator=gen).to(fp8)
+    k = torch.randn(keys, 128, device=DEVICE, generator=gen).to(fp8)
+    scale = torch.rand(keys, device=DEVICE, generator=gen) + 0.5
+    weights = torch.randn(rows, HEADS, device=DEVICE, generator=gen)
+    starts = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    ends = torch.full((rows,), keys, dtype=torch.int32, device=DEVICE)
+    indices = torch.empty(rows, TOPK, dtype=torch.int32, device=DEVICE)
     logits = mqa_logits(q, (k, scale), weights, starts, ends)
 
     def score() -> None:
@@ -787,14 +791,21 @@ def step_goals(result: dict, floor_shape: str) -> dict:
     """G1 and G2 of one step at one tp (``result`` as ``bench_step`` makes
     it): per link the split's (slowest rank + merge) / replicated, the bound
     LB = max(replicated / tp, F1) and the slowest rank over it, and whether
-    each goal holds (G2: None for a step left replicated)."""
-    replicated = result["replicated"]["gpu_ms"]
+    each goal holds (G2: None for a step left replicated). A call's time is
+    ``step_ms``: the longer of its GPU and host times."""
+    replicated = step_ms(result["replicated"])
     shipped = result["split"]["shipped"]
     split = shipped if shipped is not None else result.get("forced_split")
     tp = result["tp"]
     if split is None:  # no split of its rows exists at this tp
         return {"split": False, "g1": True, "g2": None}
-    slowest = max(split["per_rank_gpu_ms"])
+    ranks = [
+        max(gpu, host)
+        for gpu, host in zip(
+            split["per_rank_gpu_ms"], split["per_rank_host_ms"], strict=True
+        )
+    ]
+    slowest = max(ranks)
     ratios = {
         link: (slowest + ms) / replicated for link, ms in result["merge_ms"].items()
     }
@@ -802,7 +813,7 @@ def step_goals(result: dict, floor_shape: str) -> dict:
     goals = {
         "split": shipped is not None,
         "slowest_ms": slowest,
-        "balance": slowest / statistics.mean(split["per_rank_gpu_ms"]),
+        "balance": slowest / statistics.mean(ranks),
         "bounds": split["bounds"],
         "bound_ms": bound,
         "over_bound": slowest / bound,
@@ -830,7 +841,10 @@ def _goals_section(run: dict) -> list[str]:
         f"The six named steps and a family of {family.get('count')} serving "
         f"steps drawn with seed {family.get('seed')} "
         "(`scripts/bench/serving_steps.py`), at each tp. Every GPU figure is "
-        "the worse of two medians. *split*: the shipped planner's plan, or "
+        "the worse of two medians, and a call's time the longer of its GPU "
+        "and host times (in a forward of 61 indexer layers without syncs the "
+        "host runs ahead, so the longer sets the pace). *split*: the shipped "
+        "planner's plan, or "
         "for a step it leaves replicated (*left*) the split forced anyway. "
         "F1: the op on one call holding only the step's costliest row, with "
         "each top-k shape (this run's first). LB = max(replicated / tp, F1). "
@@ -843,10 +857,10 @@ def _goals_section(run: dict) -> list[str]:
         + ". Decodes take their tokens of the step's budget and are not run "
         "(the same work on every rank, replicated or split).",
         "",
-        "max/mean: the ranks' GPU times, measured / as the planner modelled "
+        "max/mean: the ranks' times, measured / as the planner modelled "
         "them (`modelled_balance`, with the costs the run planned with).",
         "",
-        "| step | tp | M key-rows | replicated ms | plan | slowest ms | "
+        "| step | tp | M key-rows | replicated ms | plan | slowest rank ms | "
         "max/mean | F1 ms | LB ms | slowest / LB | merge ms NVLink / xGMI | "
         "(slowest + merge) / replicated, NVLink / xGMI | G1 | G2 |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
@@ -863,7 +877,7 @@ def _goals_section(run: dict) -> list[str]:
         if "slowest_ms" not in goals:
             lines.append(
                 f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
-                f"{result['replicated']['gpu_ms']:.2f} | none | - | - | {floors} | "
+                f"{step_ms(result['replicated']):.2f} | none | - | - | {floors} | "
                 "- | - | - | - | yes | - |"
             )
             continue
@@ -878,7 +892,7 @@ def _goals_section(run: dict) -> list[str]:
         ratios = " / ".join(f"{r:.2f}" for r in goals["ratios"].values())
         lines.append(
             f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
-            f"{result['replicated']['gpu_ms']:.2f} | "
+            f"{step_ms(result['replicated']):.2f} | "
             f"{'split' if goals['split'] else 'left'} | "
             f"{goals['slowest_ms']:.2f} | {goals['balance']:.3f} / {modelled:.3f} | "
             f"{floors} | "
@@ -974,6 +988,26 @@ def _variants_section(run: dict) -> list[str]:
     return lines
 
 
+# --topk-shapes: one call of R rows of L keys each, per top-k stand-in shape:
+# a long row alone and in twos (AITER's multi-block top-k), a rank's sliver
+# of a long turn, and full calls.
+SHAPE_CHUNKS = ((1, 200 * K), (2, 100 * K), (128, 100 * K), (2048, 16 * K))
+
+
+def topk_shapes(runs: int) -> list[dict]:
+    """Logits and top-k GPU ms (``_time_chunk``) on SHAPE_CHUNKS with each
+    top-k shape: which one the bench's runs should take on this GPU."""
+    from scripts.harness import fast_indexer_kernels as fast
+
+    results = []
+    for rows, keys in SHAPE_CHUNKS:
+        for shape in fast.TOPK_SHAPES:
+            fast.TOPK_SHAPE = shape
+            results.append({"shape": shape, **_time_chunk(rows, keys, runs)})
+            print(results[-1], flush=True)
+    return results
+
+
 def crossover(runs: int) -> dict:
     """The CROSSOVER steps, split forced, at tp 2 and 8."""
     results = {}
@@ -1009,6 +1043,19 @@ def main() -> int:
     if "--crossover" in sys.argv:
         sys.argv.remove("--crossover")
         return _run_crossover()
+    if "--topk-shapes" in sys.argv:
+        sys.argv.remove("--topk-shapes")
+        args = parse_args(__doc__, runs=5)
+        args.out.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "command": _command("--topk-shapes"),
+            "versions": gpu_versions(),
+            "results": topk_shapes(args.runs),
+        }
+        (args.out / "cp_indexer_topk_shapes.json").write_text(
+            json.dumps(payload, indent=1) + "\n"
+        )
+        return 0
     return _run_steps()
 
 
@@ -1048,8 +1095,10 @@ def floor_step(step: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
-    """F1: the op's GPU ms on ``floor_step(step)``, replicated, with each
-    top-k stand-in shape (with --aiter, AITER's own kernel, as "aiter")."""
+    """F1: the op's time (``step_ms``) on ``floor_step(step)``, replicated,
+    with each top-k stand-in shape (with --aiter, AITER's own kernel, as
+    "aiter"). Its call of two rows takes AITER's multi-block top-k for rows
+    of 64K keys and more (``uses_multi_block``), as AITER would."""
     from scripts.harness import fast_indexer_kernels as fast
 
     shapes = ["aiter"] if ON_AITER else list(fast.TOPK_SHAPES)
@@ -1058,7 +1107,7 @@ def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
         for shape in shapes:
             fast.TOPK_SHAPE = shape
             run = _bench(floor_step(step), 2, runs, {})
-            floors[shape] = run["replicated"]["gpu_ms"]
+            floors[shape] = step_ms(run["replicated"])
     finally:
         fast.TOPK_SHAPE = shipped_shape
     return floors
@@ -1154,7 +1203,7 @@ def bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict
 
 
 def _run_steps() -> int:
-    args = parse_args(__doc__, runs=10, family=30, seed=0)
+    args = parse_args(__doc__, runs=5, family=30, seed=0)
     from scripts.harness import fast_indexer_kernels as fast
 
     fast.TOPK_SHAPE = TOPK_SHAPE
@@ -1204,8 +1253,11 @@ def _run_steps() -> int:
         payload["results"] |= bench_step(
             step, args.runs, variants if step.name in NAMED else only_shipped
         )
-        # After every step: a run stopped by a time limit resumes from here.
-        out.write_text(json.dumps(payload, indent=1) + "\n")
+        # After every step, whole (a kill mid-write leaves the last one): a
+        # run stopped by a time limit resumes from here.
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text(json.dumps(payload, indent=1) + "\n")
+        partial.replace(out)
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 
 from scripts.bench import cp_indexer_host as bench
 from scripts.bench import serving_steps
-from scripts.harness import indexer_batch
+from scripts.harness import fast_indexer_kernels, indexer_batch
 from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
@@ -58,11 +58,15 @@ def test_the_nvlink_merge_is_the_measured_fit_at_tp_2():
     assert uneven["mi355x_xgmi"] < even["mi355x_xgmi"]
 
 
-def _result(tp, replicated, ranks, floor, merge, shipped=True):
-    split = {"per_rank_gpu_ms": ranks, "bounds": list(range(len(ranks) + 1))}
+def _result(tp, replicated, ranks, floor, merge, shipped=True, hosts=None):
+    split = {
+        "per_rank_gpu_ms": ranks,
+        "per_rank_host_ms": hosts or [0.1] * len(ranks),
+        "bounds": list(range(len(ranks) + 1)),
+    }
     return {
         "tp": tp,
-        "replicated": {"gpu_ms": replicated},
+        "replicated": {"gpu_ms": replicated, "host_ms": 0.1},
         "split": {"shipped": split if shipped else None},
         "forced_split": None if shipped else split,
         "floor_ms": {"aiter": floor, "narrow": 10 * floor},
@@ -81,6 +85,12 @@ def _result(tp, replicated, ranks, floor, merge, shipped=True):
         (_result(4, 10.0, [3.125, 2.4, 2.3, 2.2], 0.5, 0.1), True, False),
         # F1 sets the bound: a slowest rank at F1 is at its bound.
         (_result(8, 10.0, [2.0] + [1.0] * 7, 2.0, 0.1), True, True),
+        # A rank whose host takes longer than its GPU sets the pace.
+        (
+            _result(4, 10.0, [2.5] * 4, 0.5, 0.1, hosts=[0.5, 0.5, 0.5, 9.6]),
+            False,
+            False,
+        ),
         # Left replicated, and split it would have gained 20%: G1 fails.
         (_result(2, 10.0, [7.8, 7.5], 0.5, 0.1, shipped=False), False, None),
         # Left replicated, and split it would have lost: G1 holds.
@@ -140,7 +150,7 @@ def test_the_bench_records_what_the_goals_need(monkeypatch):
         assert len(split["per_rank_gpu_ms"]) == tp
         assert len(split["per_rank_gpu_ms_timings"][0]) == bench.TIMINGS
         assert split["bounds"][0] == 0 and split["bounds"][-1] == 64
-        assert set(result["floor_ms"]) == {"aiter", "narrow"}
+        assert set(result["floor_ms"]) == set(fast_indexer_kernels.TOPK_SHAPES)
         assert set(result["merge_ms"]) == {"h200_nvlink", "mi355x_xgmi"}
         assert result["step"] == step.prefills and result["tp"] == tp
         # Timed once, for every tp.
@@ -197,3 +207,13 @@ def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", list(argv))
     with pytest.raises(SystemExit, match="topk_shape"):
         bench._run_steps()
+
+
+def test_the_topk_shapes_are_timed_on_each_chunk(monkeypatch):
+    _on_this_machine(monkeypatch)
+    monkeypatch.setattr(bench, "SHAPE_CHUNKS", ((3, 2500),))
+    results = bench.topk_shapes(runs=1)
+    assert [(r["shape"], r["rows"], r["keys"]) for r in results] == [
+        (shape, 3, 2500) for shape in fast_indexer_kernels.TOPK_SHAPES
+    ]
+    assert all(r["topk_ms"] >= 0 and r["logits_ms"] >= 0 for r in results)
