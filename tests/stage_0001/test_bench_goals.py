@@ -140,7 +140,12 @@ def test_the_bench_records_what_the_goals_need(monkeypatch):
     _on_this_machine(monkeypatch)
     monkeypatch.setattr(bench, "TPS", (2, 4))
     step = serving_steps.Step("24 over 300 + fresh 40", [(300, 24), (0, 40)])
+    launched = _shapes_launched(monkeypatch)
+    runs_shape = fast_indexer_kernels.TOPK_SHAPE
     results = bench.bench_step(step, runs=1, variants={"shipped": None})
+    # F1 ran each shape; the rest ran the run's own, restored after F1.
+    assert set(launched) == set(fast_indexer_kernels.TOPK_SHAPES)
+    assert launched[-1] == runs_shape == fast_indexer_kernels.TOPK_SHAPE
     replicated = None
     for tp in (2, 4):
         result = results[f"{step.name} | tp {tp}"]
@@ -209,10 +214,26 @@ def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path):
         bench._run_steps()
 
 
+def _shapes_launched(monkeypatch) -> list[str]:
+    """The top-k shape in effect at each launch of the stand-in's kernel."""
+    shapes: list[str] = []
+    launch = fast_indexer_kernels._launch
+
+    def recorded(*args, **kwargs):
+        shapes.append(fast_indexer_kernels.TOPK_SHAPE)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fast_indexer_kernels, "_launch", recorded)
+    return shapes
+
+
 def test_the_topk_shapes_are_timed_on_each_chunk(monkeypatch):
     _on_this_machine(monkeypatch)
     monkeypatch.setattr(bench, "SHAPE_CHUNKS", ((3, 2500),))
+    launched = _shapes_launched(monkeypatch)
     results = bench.topk_shapes(runs=1)
+    # Each shape's timing ran that shape's kernel.
+    assert set(launched) == set(fast_indexer_kernels.TOPK_SHAPES)
     assert [(r["shape"], r["rows"], r["keys"]) for r in results] == [
         (shape, 3, 2500) for shape in fast_indexer_kernels.TOPK_SHAPES
     ]
