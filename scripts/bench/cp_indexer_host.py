@@ -79,6 +79,7 @@ import ast
 import contextlib
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -86,8 +87,9 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-from scripts.bench.common import command_line, gpu_versions, parse_args
+from scripts.bench.common import command_line, gpu_versions, parse_args, use_tree
 from scripts.bench.serving_steps import LONG_TURNS, NAMED, Step, family, named
+from scripts.series.contract import TREE_ENV
 
 TOPK = 2048
 HEADS = 32
@@ -1023,6 +1025,10 @@ def crossover(runs: int) -> dict:
 def main() -> int:
     if sys.argv[1:2] == ["--report"]:
         docs = Path(sys.argv[2])
+        # The modelled balance is the planner's own RankCost: vLLM's, from
+        # the tree (its absence is a clear exit, not an import traceback).
+        tree = os.environ.get(TREE_ENV)
+        use_tree(Path(tree) if tree else None)
         (docs / "cp_indexer_host_bench.md").write_text(report(docs))
         if (docs / "cp_indexer_min_split.json").exists():
             (docs / "cp_indexer_min_split.md").write_text(crossover_report(docs))

@@ -146,9 +146,9 @@ def mqa_logits(
 
 # A top-k program's shape: threads (warps of 32 on the H200), bits of the
 # radix digit, and keys read per iteration.
-# "wide" has AITER's threads with 8-bit digits: Triton 3.6 counts a histogram
-# with per-lane ballots, so 4,096 bins may cost the H200 more than AITER's
-# shared-memory atomics cost MI355X; the two tell that apart.
+# "wide" has AITER's threads with 8-bit digits: Triton's tl.histogram over
+# 4,096 bins may cost the H200 more than AITER's shared-memory atomics cost
+# MI355X (not measured); the two tell that apart.
 TOPK_SHAPES = {
     "aiter": {"num_warps": 32, "bits": 12, "block": 8192},
     "wide": {"num_warps": 32, "bits": 8, "block": 8192},
