@@ -23,10 +23,10 @@ of 4K-200K; those next to a fresh prompt, and several turns together.
 Decode rows are not split, so decodes in the same step change nothing here.
 
 "shipped" runs the stage's own planner from the applied tree
-(``plan_cp_indexer_split``), first with its
-minimum split size set to 0 (the balance of its cut), then as it ships:
+(``plan_cp_indexer_split``), first splitting every step (the balance of
+its cut), then as it ships:
 "work split" is the share of the workload's cost in steps that split (the
-rest stays replicated, below ``MIN_SPLIT_KEY_ROWS``). The previous
+rest stays replicated, refused by ``split_repays``). The previous
 design (mirrored stripes of 512 dealt by row index) is kept for comparison.
 Run it with ``nox -s cost-model``; it writes docs/cp_indexer_cost_model.{md,png}.
 """
@@ -161,9 +161,9 @@ def shipped(minimum: bool) -> Assign:
 
         from vllm.v1.attention.ops import rocm_cp_indexer
 
-        saved = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
+        saved = rocm_cp_indexer.split_repays
         if not minimum:
-            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS = 0
+            rocm_cp_indexer.split_repays = lambda *_: True
         step_chunks = [
             SimpleNamespace(token_start=a, token_end=b, total_seq_lens=int(w))
             for a, b, w in chunks(seq, query)
@@ -180,7 +180,7 @@ def shipped(minimum: bool) -> Assign:
                 call_cost_keys=0,
             )
         finally:
-            rocm_cp_indexer.MIN_SPLIT_KEY_ROWS = saved
+            rocm_cp_indexer.split_repays = saved
         if split is None:
             return None
         return np.repeat(np.arange(tp), split.sizes)

@@ -16,7 +16,7 @@ where the planner leaves the step replicated, split anyway
 - ``floor_ms``, F1: the op on one call holding only the step's costliest
   row (``floor_step``), with each top-k stand-in shape;
 - ``merge_ms``: the merge modelled at H200 NVLink and MI355X xGMI
-  bandwidths (``merge_ms``; the model is ``NVLINK_GB_PER_S``'s comment).
+  bandwidths (``merge_ms``, with the stage's own ``MergeLink`` model).
 
 Per call:
 
@@ -45,10 +45,10 @@ run's noise).
 ROCm is emulated as gfx950, where vLLM 0.34.0 asks AITER's logits for no
 -inf fill. The logits and top-k are the fast stand-ins of
 ``scripts.harness.fast_indexer_kernels`` (a Triton fp8 MQA-logits kernel
-on AITER's grid and a Triton radix top-k in the shape of AITER's one-block
-kernel, or with ``--narrow-topk`` the bench's first, narrow one), so that
-GPU time is not dominated by a reference kernel 10-100x slower than AITER.
-Their times are H200 times, not MI355X times.
+on AITER's grid and a Triton radix top-k with the threads of AITER's
+one-block kernel, or with ``--narrow-topk`` the bench's first, narrow one),
+so that GPU time is not dominated by a reference kernel 10-100x slower than
+AITER. Their times are NVIDIA times, not MI355X times.
 
 With ``--crossover`` it sweeps small steps instead, the split forced on,
 for the minimum split size (cp_indexer_min_split.json). With
@@ -100,9 +100,11 @@ TPS = (2, 4, 8)
 ON_AITER = False
 # Set by --variants: the calibration, and planner variants on the named steps.
 VARIANTS = False
-# The top-k stand-in's shape (fast_indexer_kernels.TOPK_SHAPES); --narrow-topk
-# sets the narrow one.
-TOPK_SHAPE = "aiter"
+# The top-k stand-in's shape (fast_indexer_kernels.TOPK_SHAPES): "wide",
+# AITER's 1,024 threads a row, since Triton's 12-bit histogram ("aiter")
+# times 9-21x slower on NVIDIA (docs/cp_indexer_topk_shapes.json);
+# --narrow-topk sets the narrow one.
+TOPK_SHAPE = "wide"
 # Set by --resume: the steps the output's JSON holds already are not run again.
 RESUME = False
 # Where the op runs: a CPU test sets "cpu" to walk the bench's plumbing
@@ -233,7 +235,7 @@ def _bench(
                 mp.setattr(rocm_cp_indexer, "WAVE_ROWS_PER_CU", wave)
                 mp.setattr(rocm_cp_indexer, "LOGITS_SHARE", share)
             if force_split:
-                mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+                mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
             config = indexer_batch.make_vllm_config(
                 tp_size=tp,
                 device=DEVICE,
@@ -516,17 +518,6 @@ CROSSOVER: dict[str, list[tuple[int, int]]] = {
 # docs/cp_indexer_bench_2gpu.json (8K rows 0.23-0.26 ms, 32K 0.59, 64K
 # 1.13-1.16): 0.10 ms + 15.7 ns a row. At tp 8 it is an assumption.
 MERGE_BASE_MS, MERGE_ROW_MS = 0.10, 15.7e-6
-ROW_BYTES = TOPK * 4
-# The merge modelled per link (``merge_ms``), a model and not a measurement.
-# H200: a rank receives every other rank's rows through NVSwitch, at the
-# fit's rate: at tp 2 half of 8 KiB a row in 15.7 ns, 261 GB/s (58% of
-# NVLink's 450 GB/s one way). MI355X: each pair of GPUs shares one xGMI
-# link, 76.8 GB/s one way (AMD's MI355X figures: 7 links of 153.6 GB/s both
-# ways), so a rank receives each peer's rows over its own link, and the
-# largest rank's rows set the time; at the H200's share of its peak, and
-# with its 0.10 ms latency.
-NVLINK_GB_PER_S = ROW_BYTES / 2 / (MERGE_ROW_MS * 1e6)
-XGMI_LINK_GB_PER_S = 76.8 * NVLINK_GB_PER_S / 450
 
 
 def step_ms(run: dict) -> float:
@@ -793,8 +784,9 @@ def step_goals(result: dict, floor_shape: str) -> dict:
     """G1 and G2 of one step at one tp (``result`` as ``bench_step`` makes
     it): per link the split's (slowest rank + merge) / replicated, the bound
     LB = max(replicated / tp, F1) and the slowest rank over it, and whether
-    each goal holds (G2: None for a step left replicated). A call's time is
-    ``step_ms``: the longer of its GPU and host times."""
+    each goal holds, on each link with the stage's gate for that link (G2:
+    None for a step left replicated on both). A call's time is ``step_ms``:
+    the longer of its GPU and host times."""
     replicated = step_ms(result["replicated"])
     shipped = result["split"]["shipped"]
     split = shipped if shipped is not None else result.get("forced_split")
@@ -811,23 +803,24 @@ def step_goals(result: dict, floor_shape: str) -> dict:
     ratios = {
         link: (slowest + ms) / replicated for link, ms in result["merge_ms"].items()
     }
+    # Per link, the gate's decision: the timed split is the same plan.
+    splits = splits_on(result, split)
     bound = max(replicated / tp, result["floor_ms"][floor_shape])
-    goals = {
+    return {
         "split": shipped is not None,
+        "splits": splits,
         "slowest_ms": slowest,
         "balance": slowest / statistics.mean(ranks),
         "bounds": split["bounds"],
         "bound_ms": bound,
         "over_bound": slowest / bound,
         "ratios": ratios,
+        "g1": all(
+            ratios[link] <= G1_SPLIT if splits[link] else ratios[link] >= G1_LEFT
+            for link in ratios
+        ),
+        "g2": slowest / bound <= G2_BOUND[tp] if any(splits.values()) else None,
     }
-    if shipped is not None:
-        goals["g1"] = all(r <= G1_SPLIT for r in ratios.values())
-        goals["g2"] = slowest / bound <= G2_BOUND[tp]
-    else:
-        goals["g1"] = all(r >= G1_LEFT for r in ratios.values())
-        goals["g2"] = None
-    return goals
 
 
 def _mark(holds: bool | None) -> str:
@@ -845,16 +838,18 @@ def _goals_section(run: dict) -> list[str]:
         "(`scripts/bench/serving_steps.py`), at each tp. Every GPU figure is "
         "the worse of two medians, and a call's time the longer of its GPU "
         "and host times (in a forward of 61 indexer layers without syncs the "
-        "host runs ahead, so the longer sets the pace). *split*: the shipped "
-        "planner's plan, or "
-        "for a step it leaves replicated (*left*) the split forced anyway. "
+        "host runs ahead, so the longer sets the pace). The split timed is "
+        "the shipped planner's plan, or for a step it leaves replicated the "
+        "same plan forced; *plan* says, per link, whether the stage's gate "
+        "(`split_repays`, with that link's `MergeLink`) splits the step "
+        "(*split*) or leaves it replicated (*left*). "
         "F1: the op on one call holding only the step's costliest row, with "
         "each top-k shape (this run's first). LB = max(replicated / tp, F1). "
         "Merge: modelled (H200 NVLink from the 2x H200 all_gather fit, "
-        "MI355X xGMI from its link bandwidth; `NVLINK_GB_PER_S`), not timed. "
-        f"G1: a split step's (slowest + merge) / replicated <= {G1_SPLIT} on "
-        f"both links; a step left replicated >= {G1_LEFT}, split. G2: a split "
-        "step's slowest rank <= "
+        "MI355X xGMI from its link bandwidth; `MergeLink`), not timed. "
+        f"G1, on each link: a split step's (slowest + merge) / replicated <= "
+        f"{G1_SPLIT}; a step left replicated >= {G1_LEFT}, split. G2: a step "
+        "split on either link: its slowest rank <= "
         + ", ".join(f"{b} x LB at tp {tp}" for tp, b in G2_BOUND.items())
         + ". Decodes take their tokens of the step's budget and are not run "
         "(the same work on every rank, replicated or split).",
@@ -862,7 +857,8 @@ def _goals_section(run: dict) -> list[str]:
         "max/mean: the ranks' times, measured / as the planner modelled "
         "them (`modelled_balance`, with the costs the run planned with).",
         "",
-        "| step | tp | M key-rows | replicated ms | plan | slowest rank ms | "
+        "| step | tp | M key-rows | replicated ms | plan, NVLink / xGMI | "
+        "slowest rank ms | "
         "max/mean | F1 ms | LB ms | slowest / LB | merge ms NVLink / xGMI | "
         "(slowest + merge) / replicated, NVLink / xGMI | G1 | G2 |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
@@ -895,7 +891,8 @@ def _goals_section(run: dict) -> list[str]:
         lines.append(
             f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
             f"{step_ms(result['replicated']):.2f} | "
-            f"{'split' if goals['split'] else 'left'} | "
+            + " / ".join("split" if s else "left" for s in goals["splits"].values())
+            + " | "
             f"{goals['slowest_ms']:.2f} | {goals['balance']:.3f} / {modelled:.3f} | "
             f"{floors} | "
             f"{goals['bound_ms']:.2f} | {goals['over_bound']:.2f} | {merge} | "
@@ -1119,15 +1116,34 @@ def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
     return floors
 
 
+# The links the merge is modelled on, as the stage's planner models them
+# (``rocm_cp_indexer.MergeLink``): NVLink from the all_gather measured on 2x
+# H200, MI355X's xGMI from its link bandwidth.
+LINKS = {"h200_nvlink": "NVLINK", "mi355x_xgmi": "XGMI"}
+
+
 def merge_ms(bounds: list[int]) -> dict[str, float]:
-    """The merge's modelled ms per link for a split with ``bounds``: the
-    slowest rank's receive (``NVLINK_GB_PER_S``' comment)."""
+    """The merge's modelled ms per link for a split with ``bounds``."""
+    from vllm.v1.attention.ops import rocm_cp_indexer
+
     sizes = [b - a for a, b in itertools.pairwise(bounds)]
-    nvlink = (sum(sizes) - min(sizes)) * ROW_BYTES / (NVLINK_GB_PER_S * 1e6)
-    xgmi = max(sizes) * ROW_BYTES / (XGMI_LINK_GB_PER_S * 1e6)
     return {
-        "h200_nvlink": MERGE_BASE_MS + nvlink,
-        "mi355x_xgmi": MERGE_BASE_MS + xgmi,
+        name: getattr(rocm_cp_indexer, link).merge_ms(sizes)
+        for name, link in LINKS.items()
+    }
+
+
+def splits_on(result: dict, split: dict) -> dict[str, bool]:
+    """Per link, whether the stage's gate (``split_repays``) splits the step
+    of ``result`` with ``split``'s bounds."""
+    from vllm.v1.attention.ops import rocm_cp_indexer
+
+    sizes = [b - a for a, b in itertools.pairwise(split["bounds"])]
+    return {
+        name: rocm_cp_indexer.split_repays(
+            result["cost_key_rows"], sizes, getattr(rocm_cp_indexer, link)
+        )
+        for name, link in LINKS.items()
     }
 
 

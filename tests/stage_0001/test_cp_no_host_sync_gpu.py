@@ -38,7 +38,7 @@ REQUESTS = [(6000, 96), (0, 1500)]
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     # 8 MiB of logits per chunk: the turn's rows take several chunks.
     monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "8")
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", fast_indexer_kernels.mqa_logits)

@@ -126,7 +126,7 @@ def test_the_cut_bounds_are_exactly_the_hand_worked_ones(monkeypatch, name):
     # The arithmetic above uses it.
     assert rocm_cp_indexer.LOGITS_FILL_DIVISOR == 8
     # Far below the work that repays a split in serving.
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     seq_lens = torch.tensor([s for s, _ in requests], dtype=torch.int32)
     query_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
     assert (

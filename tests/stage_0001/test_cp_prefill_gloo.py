@@ -31,7 +31,7 @@ from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
 from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerPrefill  # noqa: E402
 
 TOPK = 16
-SERVING_MINIMUM = rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
+SERVING_GATE = rocm_cp_indexer.split_repays
 # Chunk at 4,096 logits so that ~100 tokens make several chunks.
 LOGITS = 4096
 
@@ -76,7 +76,7 @@ def _configure(monkeypatch: pytest.MonkeyPatch, cp: bool, logits: int = LOGITS) 
     # row cost every row would cost about the same (and with its call cost a
     # second chunk would outweigh a rank's rows), and the cuts would not
     # give the ranks the uneven row counts these scenarios are for.
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     monkeypatch.setattr(rocm_cp_indexer, "ROW_COST_KEYS", 0)
     monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", 0)
 
@@ -268,8 +268,8 @@ def _build_no_split(world_size: int) -> dict:
             batches["decode only"] = indexer_batch.build_batch(
                 builder, [(30, 1), (12, 1)], cache_new_keys=True
             )
-            # The stage's own minimum split size: this batch is far below it.
-            monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", SERVING_MINIMUM)
+            # The stage's own gate: this batch is far below its minimum.
+            monkeypatch.setattr(rocm_cp_indexer, "split_repays", SERVING_GATE)
             batches["below the minimum"] = indexer_batch.build_batch(
                 builder, SCENARIOS["packed sequences"][0], cache_new_keys=True
             )

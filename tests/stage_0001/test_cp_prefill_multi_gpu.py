@@ -80,7 +80,7 @@ def _run(tp_size: int, cp: bool, requests, device: str, real_rocm: bool):
         # These prefills are below the work that repays a split in serving.
         from vllm.v1.attention.ops import rocm_cp_indexer
 
-        monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+        monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
         with platform:
             from vllm._aiter_ops import rocm_aiter_ops
 

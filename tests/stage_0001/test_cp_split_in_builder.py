@@ -48,7 +48,7 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     # new tokens over 50 cached ones.
     requests = [(30, 1), (0, 200), (50, 90)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+        mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
         prefill = indexer_batch.build_batch(builder, requests).metadata.prefill
     split, batch_chunks = prefill.cp_split, prefill.chunks
     assert split is not None and split.bounds[0] == 1 and split.bounds[-1] == 291
@@ -91,7 +91,7 @@ def test_mtp_decodes_before_the_prefills_are_left_out_of_the_plan(monkeypatch):
         # tokens over 50 cached ones.
         requests = [(3000, 2), (40, 2), (0, 200), (50, 90)]
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+            mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
             batch = indexer_batch.build_batch(builder, requests)
     assert batch.metadata.num_decode_tokens == 4
     split = batch.metadata.prefill.cp_split

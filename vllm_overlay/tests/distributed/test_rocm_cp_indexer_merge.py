@@ -328,7 +328,7 @@ def _worker(
     os.environ["VLLM_ROCM_USE_AITER"] = "1"
     os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"] = str(STRIPE)
     # This batch is far below the work that repays a split in production.
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     # Chunk prefills at CHUNK_LOGITS fp32 logits (vLLM counts MiB).
     monkeypatch.setattr(
         envs,

@@ -88,15 +88,15 @@ def _one_chunk(requests, first_row: int = 0) -> list[SimpleNamespace]:
                             total_seq_lens=width, skip_kv_gather=False)]  # fmt: skip
 
 
-def _plan(tp: int, requests, first_row: int = 0, minimum=None):
+def _plan(tp: int, requests, first_row: int = 0, force: bool = False):
     """The plan for prefill ``requests`` given as (cached tokens, new tokens),
     all in one chunk."""
     seq = torch.tensor([cached + new for cached, new in requests])
     query = torch.tensor([new for _, new in requests])
     chunks = _one_chunk(requests, first_row)
     with pytest.MonkeyPatch.context() as mp:
-        if minimum is not None:
-            mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", minimum)
+        if force:
+            mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
         return plan_cp_indexer_split(tp, first_row, seq, query, 1, chunks)
 
 
@@ -150,7 +150,7 @@ def test_rows_pay_for_their_chunks_key_width():
     widths = [7] * 2 + [37] * 16 + [300] * 14 + [12] * 4
     assert costs == [k + ROW + w // FILL for k, w in zip(keys, widths, strict=True)]
 
-    split = _plan(8, [(0, 16384)], minimum=0)
+    split = _plan(8, [(0, 16384)], force=True)
     assert split is not None
     cumulative = list(accumulate(_row_costs([(0, 16384)])))
     row = bisect_left(cumulative, cumulative[-1] / 8)  # where 1/8 is reached
@@ -172,7 +172,7 @@ def test_ranks_get_equal_shares_of_the_cost(tp, requests):
     """Each rank's cost is its share of the total to within one row on
     either side of each cut, and so within 5% when no row is dearer than a
     fortieth of a share."""
-    split = _plan(tp, requests, first_row=3, minimum=0)
+    split = _plan(tp, requests, first_row=3, force=True)
     assert split is not None
     costs = _rank_costs(split, requests, first_row=3)
     share, dearest = sum(costs) / tp, max(_row_costs(requests))
@@ -192,7 +192,7 @@ def test_contiguous_ranges_cover_the_prefill_rows_after_the_decodes():
              int(torch.randint(1, 300, (1,), generator=gen)))
             for _ in range(int(torch.randint(1, 5, (1,), generator=gen)))
         ]  # fmt: skip
-        split = _plan(tp, requests, first, minimum=0)
+        split = _plan(tp, requests, first, force=True)
         rows = sum(new for _, new in requests)
         if rows < tp:
             assert split is None
@@ -212,7 +212,7 @@ def test_rows_pay_a_fixed_cost_besides_their_keys():
     costs = rocm_cp_indexer.prefill_row_costs(seq, query, 1, chunks, 0, None)
     assert costs.tolist() == [r + 1 + ROW for r in range(16384)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+        mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
         keys_only = plan_cp_indexer_split(8, 0, seq, query, 1, chunks, None, 0)
         weighed = plan_cp_indexer_split(8, 0, seq, query, 1, chunks, None)
     assert keys_only is not None and weighed is not None
@@ -331,7 +331,7 @@ def test_the_search_for_the_cheapest_cuts_ends_on_the_smallest_steps(
     """A two-row step of rows that cost 1 and 2: the bisection over the
     costliest rank's cost (here under 4,096 key-rows, where 1/4096 of it
     rounds to 0) still ends, with one row a rank."""
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     seq, query = torch.tensor([2]), torch.tensor([2])
     stop = signal.signal(
         signal.SIGALRM, lambda *_: pytest.fail("the search did not end")
@@ -357,7 +357,7 @@ def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
     beat the first one by its own count, so this checks that its count
     agrees with the definition."""
     gen = torch.Generator().manual_seed(1)
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     for case in range(200):
         tp = int(torch.randint(2, 9, (1,), generator=gen))
         count = int(torch.randint(1, 6, (1,), generator=gen))
@@ -416,7 +416,7 @@ def test_the_costliest_rank_costs_the_least_it_can(monkeypatch, call_cost, waves
     wave but calls that cost as much as a few rows, where the rank whose
     rows cross into another chunk pays for a second call."""
     gen = torch.Generator().manual_seed(2)
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", call_cost)
     for case in range(60):
         tp = int(torch.randint(2, 5, (1,), generator=gen))
@@ -459,25 +459,48 @@ def test_the_costliest_rank_costs_the_least_it_can(monkeypatch, call_cost, waves
     ("tp", "requests", "splits"),
     [
         (4, [(10**6, 3)], False),  # fewer prefill rows than ranks
-        (8, [(15 * 1024, 64), (0, 1024)], False),  # too little work
-        (8, [(0, 4096)], False),  # a fresh 4K prompt: 13.0M key-rows
-        (2, [(0, 8192)], True),  # a fresh 8K prompt: 46.9M
+        (8, [(15 * 1024, 64), (0, 1024)], False),  # 4.5M key-rows: too little
         # At the minimum, where each row's fixed cost and its chunk's -inf
-        # fill decide (without either, 4,652 rows cost 13.5M or 14.1M):
-        (2, [(0, 4652)], True),  # 16,782,090 key-rows, just over 2^24
-        (2, [(0, 4651)], False),  # 16,776,157, just under
+        # fill count (without either, 2,833 rows cost 4.0M key-rows):
+        (8, [(0, 2833)], True),  # 7,000,343 key-rows
+        (8, [(0, 2832)], False),  # just under 7,000,000
+        # A fresh 4K prompt (13.4M): at tp 2 one xGMI link carries the 2,638
+        # rows of rank 0's top-k (0.59 ms, more than the split saves); at
+        # tp 8 the largest rank's 980 (0.28 ms).
+        (2, [(0, 4096)], False),
+        (8, [(0, 4096)], True),
+        (2, [(0, 16384)], True),  # a fresh 16K prompt
+        (2, [(150 * 1024, 200), (90 * 1024, 235)], True),  # few rows, long
         (8, [(100 * 1024, 512), (0, 8192)], True),  # a turn and a prompt
         (8, [(200 * 1024, 4096)], True),  # a long turn
     ],
 )
-def test_steps_too_small_to_repay_the_merge_stay_replicated(tp, requests, splits):
+def test_steps_that_would_not_repay_the_merge_stay_replicated(tp, requests, splits):
     seq = torch.tensor([c + n for c, n in requests])
     query = torch.tensor([n for _, n in requests])
     plan = plan_cp_indexer_split(tp, 0, seq, query, 1, _one_chunk(requests))
     assert (plan is not None) is splits
+    big = sum(_row_costs(requests)) >= rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
+    assert not splits or big
+
+
+def test_the_merge_is_priced_per_link():
+    """The merge of a plan's rows: NVLink's switch brings every other rank's
+    rows through one port; xGMI joins each pair of GPUs with its own link,
+    so the largest rank's rows set the time."""
+    nvlink, xgmi = rocm_cp_indexer.NVLINK, rocm_cp_indexer.XGMI
+    row = rocm_cp_indexer.MERGED_ROW_BYTES
+    sizes = [3000, 1000, 500, 500]
+    assert nvlink.merge_ms(sizes) == pytest.approx(0.10 + 4500 * row / (0.58 * 450e6))
+    assert xgmi.merge_ms(sizes) == pytest.approx(0.10 + 3000 * row / (0.58 * 76.8e6))
+    # A fresh 4K prompt's plan at tp 2 (13.4M key-rows): split over NVLink
+    # (0.18 ms), not over xGMI (0.59 ms).
+    requests = [(0, 4096)]
     total = sum(_row_costs(requests))
-    big = total >= rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
-    assert splits is (big and sum(query.tolist()) >= tp)
+    split = _plan(2, requests, force=True)
+    assert split is not None
+    assert rocm_cp_indexer.split_repays(total, split.sizes, nvlink)
+    assert not rocm_cp_indexer.split_repays(total, split.sizes, xgmi)
 
 
 def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[Any]:
@@ -521,7 +544,7 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
     chunk allows (the logits budget), of equal size, with each row's own
     key range."""
     gen = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     for case in range(300):
         tp = int(torch.randint(2, 9, (1,), generator=gen))
         decode = int(torch.randint(0, 5, (1,), generator=gen))
@@ -664,7 +687,7 @@ def test_rows_pay_for_the_logits_fill_only_where_the_kernel_fills(cp_on, gfx942)
     # A fresh 64-row prompt in one 64-key chunk (row r has r + 1 keys). No
     # fill: rows 0-44 hold 1035 of 2080 key-rows, the nearest cut to half.
     # Fill: each row also pays 64 // 8 = 8, and rows 0-42 hold 1290 of 2592.
-    cp_on.setattr(rocm_cp_indexer, "MIN_SPLIT_KEY_ROWS", 0)
+    cp_on.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
     seq, query = torch.tensor([64]), torch.tensor([64])
     chunks = _one_chunk([(0, 64)])
     split = planner.plan(0, seq, query, 1, chunks)

@@ -21,8 +21,8 @@ per row), so they cost at least a wave of that row (``WAVE_ROWS_PER_CU``:
 the rows the GPU scores at once). Where the cuts leave the ranks' calls
 unlike, or a rank a call below that floor, such as a sliver of a long
 turn, they are found again with calls and floors counted.
-A step too small to repay the merge (``MIN_SPLIT_KEY_ROWS``) stays
-replicated and does not merge.
+A step whose split would not repay its merge over the TP group's link
+(``split_repays``) stays replicated and does not merge.
 
 The plan is made once per step by the indexer metadata builder, from host
 integers, identically on every rank; the op only slices (and joins the key
@@ -255,15 +255,69 @@ def cp_indexer_at_startup(
     )
 
 
-# A step whose rows cost less than this in all (in key-rows, as
-# ``prefill_row_costs`` counts them) stays replicated: its op is mostly host
-# work, which the split does not shrink, and the merge would be added. On one
-# H200 with fast logits and top-k stand-ins and the merge modelled from the
-# all_gather measured on 2x H200 (measured outside vLLM's tree), split over
-# replicated at tp 2 / tp 8: median 1.13 / 1.07 for steps below it, 0.73 /
-# 0.44 from it; steps of 8-17M key-rows gain already, within the noise of
-# such short calls. MI355X's kernels and host may move it.
-MIN_SPLIT_KEY_ROWS = 1 << 24
+# Whether a step splits (``split_repays``): the split must save more than
+# the merge costs and MIN_SPLIT_GAIN of the replicated op besides, on the
+# TP group's link, and the step must cost MIN_SPLIT_KEY_ROWS at least. Below
+# that a call is mostly host work, which the split does not shrink. Each
+# rank's share costs 1 + SPLIT_OVERHEAD of an even share of the op (work
+# every rank repeats and imbalance). All in key-rows, as
+# ``prefill_row_costs`` counts them; the merge's milliseconds become
+# key-rows at NS_PER_KEY_ROW, the op's time per key-row. Calibrated with
+# Triton stand-ins of AITER's kernels on one H100 over 36 serving steps
+# (6.5-8.5M key-rows is where a call stops being mostly host work; a share
+# costs 1.00-1.44x an even one, 1.15 at the median; 0.068-0.083 ns a
+# key-row): MI355X's kernels move all three (measure them there).
+MIN_SPLIT_KEY_ROWS = 7_000_000
+MIN_SPLIT_GAIN = 0.075
+SPLIT_OVERHEAD = 0.15
+NS_PER_KEY_ROW = 0.072
+# The merge gathers every row's top-k indices (2,048 int32 for
+# DeepSeek-V3.2 and GLM-5.x) into every rank.
+MERGED_ROW_BYTES = 2048 * 4
+
+
+@dataclass(frozen=True)
+class MergeLink:
+    """The TP group's link, as the merge's all_gatherv uses it: a latency
+    and a rate one way, either through one port per GPU to a switch (a rank
+    receives all other ranks' rows through it) or over one link per pair of
+    GPUs (a rank receives each peer's rows on its own link, at once)."""
+
+    latency_ms: float
+    gb_per_s: float
+    switched: bool
+
+    def merge_ms(self, rank_rows: list[int]) -> float:
+        """The merge of ranks holding ``rank_rows`` rows each: the rank that
+        receives the most through its port, or the link that carries the
+        largest rank's rows."""
+        received = sum(rank_rows) - min(rank_rows) if self.switched else max(rank_rows)
+        return self.latency_ms + received * MERGED_ROW_BYTES / (self.gb_per_s * 1e6)
+
+
+# The all_gather of the merge measured on 2x H200 over NVLink reached 58% of
+# the link's 450 GB/s one way, after 0.10 ms (8K-64K rows). MI355X's GPUs
+# are joined pairwise, one xGMI link of 76.8 GB/s one way each (AMD's
+# figure: 153.6 GB/s both ways); taken at the same share and latency, not
+# measured.
+NVLINK = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 450, switched=True)
+XGMI = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 76.8, switched=False)
+
+
+def split_repays(
+    total_key_rows: int, rank_rows: list[int], link: MergeLink = XGMI
+) -> bool:
+    """Whether a split of a step costing ``total_key_rows`` in all, whose
+    ranks hold ``rank_rows`` prefill rows each, saves more than its merge
+    costs and MIN_SPLIT_GAIN of the replicated op besides (the costliest
+    rank taken as ``1 + SPLIT_OVERHEAD`` times an even share)."""
+    if total_key_rows < MIN_SPLIT_KEY_ROWS:
+        return False
+    rank = total_key_rows * (1 + SPLIT_OVERHEAD) / len(rank_rows)
+    merge = link.merge_ms(rank_rows) * 1e6 / NS_PER_KEY_ROW
+    return rank + merge <= (1 - MIN_SPLIT_GAIN) * total_key_rows
+
+
 # Where the prefill logits kernel fills the chunk's whole [rows, keys] output
 # with -inf (``_logits_fill_their_chunk``: gfx942), each row also costs its
 # chunk's key width, not only its own key range: on a fresh prompt the early
@@ -381,8 +435,8 @@ def plan_cp_indexer_split(
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
-    them), or None to score them replicated, when the step is too small to
-    repay the merge.
+    them), or None to score them replicated, when the split would not repay
+    its merge (``split_repays``).
 
     Called by the indexer metadata builder on every rank with the same host
     inputs, so every rank takes the same decision and the merge matches."""
@@ -402,7 +456,9 @@ def plan_cp_indexer_split(
     before = torch.zeros(num_rows + 1, dtype=torch.int64)
     torch.cumsum(costs, 0, out=before[1:])
     total = int(before[-1])
-    if total < MIN_SPLIT_KEY_ROWS:
+    # No split merges less than an even one: a step that would not repay
+    # that is left before it is planned.
+    if not split_repays(total, [num_rows // tp_size] * tp_size):
         return None
     shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
     bounds = _cut_at(before, shares)
@@ -412,7 +468,8 @@ def plan_cp_indexer_split(
             before, costs, query_lens_cpu, runs, call_cost_keys, wave_rows
         )
         bounds = _least_costly(bounds, rank_cost)
-    return CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
+    split = CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
+    return split if split_repays(total, split.sizes) else None
 
 
 def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
