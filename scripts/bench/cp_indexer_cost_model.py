@@ -298,10 +298,10 @@ def main() -> int:
         "counts both). vLLM's chunked "
         "prefill is walked step by step. Goal: <= 1.05 on every workload, "
         'tp 2-8. "work split" is the share of the workload\'s cost in steps '
-        "the shipped planner splits (the others are below its minimum split "
-        "size and stay replicated). The last column runs vLLM's own indexer "
+        "the shipped planner splits (the others its gate, `split_repays`, "
+        "leaves replicated). The last column runs vLLM's own indexer "
         "metadata builder on each step (ROCm emulated as gfx942, the split on, the "
-        'shipped minimum: steps below it are left out; "replicated": every '
+        'shipped gate: steps it refuses are left out; "replicated": every '
         "step is) and weighs its plan with the builder's own chunks.",
         "",
         f"Command: `nox -s cost-model` (python {platform.python_version()}, "

@@ -207,7 +207,7 @@ def _bench(
 ) -> dict:
     """The step replicated (unless not ``replicated``), then split under
     each planner variant (a name and its ``Costs``; None: the shipped
-    planner as it is), the minimum split size ignored with
+    planner as it is), the stage's gate (``split_repays``) ignored with
     ``force_split``. The builder is told this GPU's compute units, which
     the planner's wave is counted in."""
     import pytest
@@ -970,8 +970,8 @@ def _variants_section(run: dict) -> list[str]:
         )
     lines += [
         "",
-        '"replicated": the step stays replicated (below the minimum split '
-        "size). Syncs per call, replicated and split: "
+        '"replicated": the step stays replicated (the gate, `split_repays`, '
+        "refuses it). Syncs per call, replicated and split: "
         + ", ".join(
             sorted(
                 {

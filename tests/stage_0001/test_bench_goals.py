@@ -171,7 +171,7 @@ def test_the_bench_records_what_the_goals_need(monkeypatch):
     replicated = None
     for tp in (2, 4):
         result = results[f"{step.name} | tp {tp}"]
-        # Far below the minimum split size: left replicated, split anyway.
+        # Far below the gate's minimum: left replicated, split anyway.
         assert result["split"]["shipped"] is None
         split = result["forced_split"]
         assert len(split["per_rank_gpu_ms"]) == tp

@@ -263,10 +263,11 @@ def cp_indexer_at_startup(
 # every rank repeats and imbalance). All in key-rows, as
 # ``prefill_row_costs`` counts them; the merge's milliseconds become
 # key-rows at NS_PER_KEY_ROW, the op's time per key-row. Calibrated with
-# Triton stand-ins of AITER's kernels on one H100 over 36 serving steps
-# (6.5-8.5M key-rows is where a call stops being mostly host work; a share
-# costs 1.00-1.44x an even one, 1.15 at the median; 0.068-0.083 ns a
-# key-row): MI355X's kernels move all three (measure them there).
+# Triton stand-ins of AITER's kernels on one H100 over 36 serving steps at
+# tp 2, 4 and 8 (a step of 5.9M key-rows lost split, one of 7.7M gained on
+# every link and tp; the shares' GPU times sum to a median 1.05x, 1.11x and 1.26x the
+# replicated op's at tp 2, 4 and 8; 0.068-0.085 ns a key-row): MI355X's
+# kernels move all of them (measure them there).
 MIN_SPLIT_KEY_ROWS = 7_000_000
 MIN_SPLIT_GAIN = 0.075
 SPLIT_OVERHEAD = 0.15
