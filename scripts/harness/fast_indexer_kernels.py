@@ -33,7 +33,7 @@ speed, not for adversarial contracts:
   passes), which the bench ran first, is kept to compare the one-row floor
   with, and ``wide`` has AITER's threads with 8-bit digits. ``wide`` is the
   default: Triton lowers a 4,096-bin ``tl.histogram`` far slower than
-  AITER's shared-memory counts (on an H100, 9-21x ``wide``'s time).
+  AITER's shared-memory counts (on an H100, 8-23x ``wide``'s time).
 
 On gfx950 vLLM 0.34.0 asks AITER's prefill logits for no -inf fill
 (``clean_logits=False``), so ``mqa_logits`` leaves every position outside a

@@ -480,8 +480,6 @@ def test_steps_that_would_not_repay_the_merge_stay_replicated(tp, requests, spli
     query = torch.tensor([n for _, n in requests])
     plan = plan_cp_indexer_split(tp, 0, seq, query, 1, _one_chunk(requests))
     assert (plan is not None) is splits
-    big = sum(_row_costs(requests)) >= rocm_cp_indexer.MIN_SPLIT_KEY_ROWS
-    assert not splits or big
 
 
 def test_the_merge_is_priced_per_link():
@@ -489,10 +487,11 @@ def test_the_merge_is_priced_per_link():
     rows through one port; xGMI joins each pair of GPUs with its own link,
     so the largest rank's rows set the time."""
     nvlink, xgmi = rocm_cp_indexer.NVLINK, rocm_cp_indexer.XGMI
-    row = rocm_cp_indexer.MERGED_ROW_BYTES
     sizes = [3000, 1000, 500, 500]
-    assert nvlink.merge_ms(sizes) == pytest.approx(0.10 + 4500 * row / (0.58 * 450e6))
-    assert xgmi.merge_ms(sizes) == pytest.approx(0.10 + 3000 * row / (0.58 * 76.8e6))
+    # 8 KiB a row; NVLink 261 GB/s one way, an xGMI link 44.5, after 0.1 ms:
+    # 4,500 rows through rank 3's port, 3,000 over rank 0's links.
+    assert nvlink.merge_ms(sizes) == pytest.approx(0.241, abs=1e-3)
+    assert xgmi.merge_ms(sizes) == pytest.approx(0.652, abs=1e-3)
     # A fresh 4K prompt's plan at tp 2 (13.4M key-rows): split over NVLink
     # (0.18 ms), not over xGMI (0.59 ms).
     requests = [(0, 4096)]
