@@ -1122,7 +1122,7 @@ def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
 # The links the merge is modelled on, as the stage's planner models them
 # (``rocm_cp_indexer.MergeLink``): NVLink from the all_gather measured on 2x
 # H200, MI355X's xGMI from its link bandwidth.
-LINKS = {"h200_nvlink": "NVLINK", "mi355x_xgmi": "XGMI"}
+LINKS = {"h200_nvlink": "NVLINK", "mi355x_xgmi": "XGMI_GFX950"}
 
 
 def merge_ms(bounds: list[int]) -> dict[str, float]:

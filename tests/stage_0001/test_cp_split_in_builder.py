@@ -38,8 +38,10 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     # stands in MI355X's 256); none where the logits fill their chunk.
     wave = 0 if filled else int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256)
     assert filled or wave > 0
+    # The merge is priced on the GPU's own xGMI link (MI300X's is slower).
+    link = rocm_cp_indexer.XGMI_GFX942 if filled else rocm_cp_indexer.XGMI_GFX950
     assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(
-        4, divisor, rocm_cp_indexer.ROW_COST_KEYS, wave_rows=wave
+        4, divisor, rocm_cp_indexer.ROW_COST_KEYS, wave_rows=wave, link=link
     )
     # So small a step has every call below its wave; the cuts by the rows'
     # costs are checked here, the wave in the planner's own tests.

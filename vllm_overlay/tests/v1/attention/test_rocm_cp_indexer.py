@@ -486,12 +486,21 @@ def test_the_merge_is_priced_per_link():
     """The merge of a plan's rows: NVLink's switch brings every other rank's
     rows through one port; xGMI joins each pair of GPUs with its own link,
     so the largest rank's rows set the time."""
-    nvlink, xgmi = rocm_cp_indexer.NVLINK, rocm_cp_indexer.XGMI
+    nvlink, xgmi = rocm_cp_indexer.NVLINK, rocm_cp_indexer.XGMI_GFX950
     sizes = [3000, 1000, 500, 500]
-    # 8 KiB a row; NVLink 261 GB/s one way, an xGMI link 44.5, after 0.1 ms:
-    # 4,500 rows through rank 3's port, 3,000 over rank 0's links.
+    # 8 KiB a row; NVLink 261 GB/s one way, an xGMI link 44.5 (gfx950) or
+    # 37.1 (gfx942), after 0.1 ms: 4,500 rows through rank 3's port, 3,000
+    # over rank 0's links.
     assert nvlink.merge_ms(sizes) == pytest.approx(0.241, abs=1e-3)
     assert xgmi.merge_ms(sizes) == pytest.approx(0.652, abs=1e-3)
+    assert rocm_cp_indexer.XGMI_GFX942.merge_ms(sizes) == pytest.approx(0.762, abs=1e-3)
+    # 36M key-rows in two ranks of 4,000 rows: a rank 20.7M (1.15x half),
+    # the merge 11.6M key-rows on gfx950 (0.84 ms) and 13.7M on gfx942
+    # (0.98 ms), against 33.3M (0.925 of the op): split on gfx950 only.
+    assert rocm_cp_indexer.split_repays(36_000_000, [4000, 4000], xgmi)
+    assert not rocm_cp_indexer.split_repays(
+        36_000_000, [4000, 4000], rocm_cp_indexer.XGMI_GFX942
+    )
     # A fresh 4K prompt's plan at tp 2 (13.4M key-rows): split over NVLink
     # (0.18 ms), not over xGMI (0.59 ms).
     requests = [(0, 4096)]
@@ -500,6 +509,26 @@ def test_the_merge_is_priced_per_link():
     assert split is not None
     assert rocm_cp_indexer.split_repays(total, split.sizes, nvlink)
     assert not rocm_cp_indexer.split_repays(total, split.sizes, xgmi)
+
+
+def test_the_planner_decides_on_its_own_link():
+    """Sixteen turns of 500 rows over 3,500 cached tokens at tp 2: 35.6M
+    key-rows (each row its keys and 700), cut into 4,000 rows a rank, each
+    rank 20.5M (1.15x half). The merge of 4,000 rows is 11.6M key-rows over
+    gfx950's xGMI and 13.7M over gfx942's, against the 32.9M allowed (0.925
+    of the op): the planner splits on gfx950 only."""
+    requests = [(3500, 500)] * 16
+    seq = torch.tensor([c + n for c, n in requests])
+    query = torch.tensor([n for _, n in requests])
+    chunks = _one_chunk(requests)
+    plans = {
+        link: rocm_cp_indexer.CPIndexerPlanner(2, link=link).plan(
+            0, seq, query, 1, chunks
+        )
+        for link in (rocm_cp_indexer.XGMI_GFX950, rocm_cp_indexer.XGMI_GFX942)
+    }
+    assert plans[rocm_cp_indexer.XGMI_GFX950] == CPIndexerSplit((0, 4000, 8000))
+    assert plans[rocm_cp_indexer.XGMI_GFX942] is None
 
 
 def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[Any]:
@@ -682,6 +711,9 @@ def test_rows_pay_for_the_logits_fill_only_where_the_kernel_fills(cp_on, gfx942)
     assert planner.fill_divisor == (FILL if gfx942 else None)
     # The wave is gfx950's logits grid; FlyDSL's filling kernel has none.
     assert (planner.wave_rows == 0) is gfx942
+    # The merge is priced on the GPU's own xGMI link (MI300X's is slower).
+    link = rocm_cp_indexer.XGMI_GFX942 if gfx942 else rocm_cp_indexer.XGMI_GFX950
+    assert planner.link == link
     planner = dataclasses.replace(planner, wave_rows=0)
     # A fresh 64-row prompt in one 64-key chunk (row r has r + 1 keys). No
     # fill: rows 0-44 hold 1035 of 2080 key-rows, the nearest cut to half.

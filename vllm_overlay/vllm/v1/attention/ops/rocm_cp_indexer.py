@@ -252,6 +252,8 @@ def cp_indexer_at_startup(
         ROW_COST_KEYS,
         CALL_COST_KEYS,
         wave_rows,
+        # gfx942 (MI300X, MI325X), whose logits fill, has the slower xGMI.
+        XGMI_GFX942 if fill else XGMI_GFX950,
     )
 
 
@@ -299,16 +301,18 @@ class MergeLink:
 
 
 # The all_gather of the merge measured on 2x H200 over NVLink reached 58% of
-# the link's 450 GB/s one way, after 0.10 ms (8K-64K rows). MI355X's GPUs
-# are joined pairwise, one xGMI link of 76.8 GB/s one way each (AMD's
-# figure: 153.6 GB/s both ways); taken at the same share and latency, not
-# measured. The planner prices XGMI; NVLINK is the bench's H200 model.
+# the link's 450 GB/s one way, after 0.10 ms (8K-64K rows). AMD's Instinct
+# GPUs are joined pairwise, one xGMI link each: 76.8 GB/s one way on gfx950
+# (MI350X, MI355X; AMD's 153.6 GB/s both ways), 64 on gfx942 (MI300X,
+# MI325X; 128 both ways). Taken at the same share and latency, not measured.
+# The planner prices its GPU's xGMI link; NVLINK is the bench's H200 model.
 NVLINK = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 450, switched=True)
-XGMI = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 76.8, switched=False)
+XGMI_GFX950 = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 76.8, switched=False)
+XGMI_GFX942 = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 64, switched=False)
 
 
 def split_repays(
-    total_key_rows: int, rank_rows: list[int], link: MergeLink = XGMI
+    total_key_rows: int, rank_rows: list[int], link: MergeLink = XGMI_GFX950
 ) -> bool:
     """Whether a split of a step costing ``total_key_rows`` in all, whose
     ranks hold ``rank_rows`` prefill rows each, saves more than its merge
@@ -435,11 +439,12 @@ def plan_cp_indexer_split(
     row_cost_keys: int = ROW_COST_KEYS,
     call_cost_keys: int = CALL_COST_KEYS,
     wave_rows: int = 0,
+    link: MergeLink = XGMI_GFX950,
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
     them), or None to score them replicated, when the split would not repay
-    its merge (``split_repays``).
+    its merge over ``link`` (``split_repays``).
 
     Called by the indexer metadata builder on every rank with the same host
     inputs, so every rank takes the same decision and the merge matches."""
@@ -461,7 +466,7 @@ def plan_cp_indexer_split(
     total = int(before[-1])
     # No split merges less than an even one: a step that would not repay
     # that is left before it is planned.
-    if not split_repays(total, [num_rows // tp_size] * tp_size):
+    if not split_repays(total, [num_rows // tp_size] * tp_size, link):
         return None
     shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
     bounds = _cut_at(before, shares)
@@ -472,7 +477,7 @@ def plan_cp_indexer_split(
         )
         bounds = _least_costly(bounds, rank_cost)
     split = CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
-    return split if split_repays(total, split.sizes) else None
+    return split if split_repays(total, split.sizes, link) else None
 
 
 def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
@@ -664,6 +669,8 @@ class CPIndexerPlanner:
     call_cost_keys: int = CALL_COST_KEYS
     # The rows the GPU scores at once (WAVE_ROWS_PER_CU per compute unit).
     wave_rows: int = 0
+    # The TP group's link, which prices the merge.
+    link: MergeLink = XGMI_GFX950
 
     def plan(
         self,
@@ -685,6 +692,7 @@ class CPIndexerPlanner:
             self.row_cost_keys,
             self.call_cost_keys,
             self.wave_rows,
+            self.link,
         )
 
 
