@@ -494,13 +494,6 @@ def test_the_merge_is_priced_per_link():
     assert nvlink.merge_ms(sizes) == pytest.approx(0.241, abs=1e-3)
     assert xgmi.merge_ms(sizes) == pytest.approx(0.652, abs=1e-3)
     assert rocm_cp_indexer.XGMI_GFX942.merge_ms(sizes) == pytest.approx(0.762, abs=1e-3)
-    # 36M key-rows in two ranks of 4,000 rows: a rank 20.7M (1.15x half),
-    # the merge 11.6M key-rows on gfx950 (0.84 ms) and 13.7M on gfx942
-    # (0.98 ms), against 33.3M (0.925 of the op): split on gfx950 only.
-    assert rocm_cp_indexer.split_repays(36_000_000, [4000, 4000], xgmi)
-    assert not rocm_cp_indexer.split_repays(
-        36_000_000, [4000, 4000], rocm_cp_indexer.XGMI_GFX942
-    )
     # A fresh 4K prompt's plan at tp 2 (13.4M key-rows): split over NVLink
     # (0.18 ms), not over xGMI (0.59 ms).
     requests = [(0, 4096)]
@@ -511,23 +504,36 @@ def test_the_merge_is_priced_per_link():
     assert not rocm_cp_indexer.split_repays(total, split.sizes, xgmi)
 
 
-def test_the_planner_decides_on_its_own_link():
-    """Sixteen turns of 500 rows over 3,500 cached tokens at tp 2: 35.6M
-    key-rows (each row its keys and 700), cut into 4,000 rows a rank, each
-    rank 20.5M (1.15x half). The merge of 4,000 rows is 11.6M key-rows over
-    gfx950's xGMI and 13.7M over gfx942's, against the 32.9M allowed (0.925
-    of the op): the planner splits on gfx950 only."""
-    requests = [(3500, 500)] * 16
+@pytest.mark.parametrize(
+    ("tp", "decodes", "requests", "bounds"),
+    [
+        # 35.6M key-rows (a row: its keys and 700), 4,000 rows a rank; a rank
+        # 20.5M (1.15x half), the merge of 4,000 rows 11.6M key-rows over
+        # gfx950's xGMI and 13.7M over gfx942's, against 32.9M allowed.
+        (2, 0, [(3500, 500)] * 16, (0, 4000, 8000)),
+        # After 3 decode rows, 80 turns of 256 over 300 cached and a request
+        # with no new token among them: 23.1M key-rows, 5,120 rows a rank; a
+        # rank 6.6M (1.15x a quarter), the merge 14.5M on gfx950 and 17.1M on
+        # gfx942, against 21.4M allowed.
+        (4, 3, [(300, 256)] * 40 + [(700, 0)] + [(300, 256)] * 40,
+         (3, 5123, 10243, 15363, 20483)),
+    ],
+)  # fmt: skip
+def test_the_planner_decides_on_its_own_link(tp, decodes, requests, bounds):
+    """A step the planner splits over gfx950's xGMI and leaves replicated
+    over gfx942's slower links. (At tp 8 a row's fixed cost alone outweighs
+    its share of the merge on either link, so there the link decides only
+    where the ranks' rows are unequal.)"""
     seq = torch.tensor([c + n for c, n in requests])
     query = torch.tensor([n for _, n in requests])
-    chunks = _one_chunk(requests)
+    chunks = _one_chunk(requests, decodes)
     plans = {
-        link: rocm_cp_indexer.CPIndexerPlanner(2, link=link).plan(
-            0, seq, query, 1, chunks
+        link: rocm_cp_indexer.CPIndexerPlanner(tp, link=link).plan(
+            decodes, seq, query, 1, chunks
         )
         for link in (rocm_cp_indexer.XGMI_GFX950, rocm_cp_indexer.XGMI_GFX942)
     }
-    assert plans[rocm_cp_indexer.XGMI_GFX950] == CPIndexerSplit((0, 4000, 8000))
+    assert plans[rocm_cp_indexer.XGMI_GFX950] == CPIndexerSplit(bounds)
     assert plans[rocm_cp_indexer.XGMI_GFX942] is None
 
 
