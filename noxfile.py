@@ -85,9 +85,18 @@ def _no_args(session: nox.Session) -> None:
         )
 
 
+def _python(session: nox.Session) -> str:
+    """The session's own interpreter: its virtualenv's, or for a session
+    without one the Python nox runs on (a host may have ``python3`` and no
+    ``python``)."""
+    if session.venv_backend == "none":
+        return sys.executable
+    return str(Path(session.virtualenv.location) / "bin" / "python")
+
+
 def _series(session: nox.Session, *args: str) -> None:
     """Run the series CLI with the session's interpreter (stdlib only)."""
-    session.run("python", "-m", "scripts.series", *args, external=True)
+    session.run(_python(session), "-m", "scripts.series", *args, external=True)
 
 
 def _find_links() -> list[str]:
@@ -143,7 +152,7 @@ def _install_cpu_deps(session: nox.Session) -> None:
 
 def _stage_tree(session: nox.Session, stage_id: str) -> Path:
     tree = session.run(
-        "python",
+        _python(session),
         "-m",
         "scripts.series",
         "tree",
@@ -208,7 +217,15 @@ def apply_and_test(session: nox.Session) -> None:
         session.log(f"apply-and-test took {time.monotonic() - started:.0f} s")
 
 
-@nox.session
+def _only_asks_for_the_hash() -> bool:
+    """Whether this is ``nox -s rebase -- --version V`` without --sha256,
+    which only prints the hash the package index lists: nox then makes no
+    virtualenv for it (a session's backend is chosen before it runs)."""
+    args = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []
+    return "--version" in args and not {"--sha256", "--git", "--rev"} & set(args)
+
+
+@nox.session(venv_backend="none" if _only_asks_for_the_hash() else None)
 def rebase(session: nox.Session) -> None:
     """Rebase the stages onto a newer vLLM release or git checkout.
 
@@ -217,7 +234,7 @@ def rebase(session: nox.Session) -> None:
     or --abort. It ends on a project branch, rebase/<target>: merge it to
     adopt the new pin.
     """
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    python = _python(session)
     parsed = _check_args(session, "rebase", "--test-python", python, *session.posargs)
     if parsed["version"] and not parsed["sha256"]:
         # Only prints the hash and the command to run: nothing to set up.
@@ -241,11 +258,11 @@ def rehearse_rebase(session: nox.Session) -> None:
         session.error(
             f"nox -s {session.name} takes only --keep; got " + " ".join(session.posargs)
         )
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    python = _python(session)
     _series(session, "apply")
     _install_cpu_deps(session)
     session.run(
-        "python",
+        python,
         "-m",
         "scripts.series.rebase.rehearsal",
         "--test-python",
@@ -260,7 +277,7 @@ def roll(session: nox.Session) -> None:
 
     Prints what needs a person; made to run on a schedule.
     """
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    python = _python(session)
     _check_args(session, "roll", "--test-python", python, *session.posargs)
     _series(session, "apply")
     _install_cpu_deps(session)
@@ -287,7 +304,7 @@ def cost_model(session: nox.Session) -> None:
     session.install("matplotlib")
     tree = _stage_tree(session, "0001")
     session.run(
-        "python",
+        _python(session),
         "-m",
         "scripts.bench.cp_indexer_cost_model",
         "--tree",
@@ -316,7 +333,9 @@ def validate(session: nox.Session) -> None:
     On the GPU machine, with the stages' vLLM installed in this Python:
     -- --stage 0001 (or 0001-serving, 0003) [--dry-run].
     """
-    session.run("python", "-m", "scripts.validate", *session.posargs, external=True)
+    session.run(
+        _python(session), "-m", "scripts.validate", *session.posargs, external=True
+    )
 
 
 @nox.session(name="check-patches", venv_backend="none")
@@ -337,7 +356,7 @@ def export(session: nox.Session) -> None:
     -- 0001 exports one stage (and those it needs); -- --signoff 'NAME
     <EMAIL>' signs off as someone other than your git identity.
     """
-    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    python = _python(session)
     _check_args(session, "export", "--test-python", python, *session.posargs)
     _series(session, "apply")
     _install_cpu_deps(session)

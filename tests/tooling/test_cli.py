@@ -156,7 +156,7 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     ops.write_text(ops.read_text().replace("return 5\n", "return 55\n", 1))
     sh(two_stages.upstream, "git", "commit", "-q", "-am", "upstream main")
     missing = _cli(two_stages, "rebase", "--git", str(two_stages.upstream))
-    assert missing.returncode == 1 and "give a target" in missing.stderr
+    assert missing.returncode == 1 and "add --rev REV" in missing.stderr
     done = _cli(
         two_stages, "rebase", "--git", str(two_stages.upstream), "--rev", "main"
     )

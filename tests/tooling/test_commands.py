@@ -115,13 +115,20 @@ class _Session:
 class _NoxSession:
     func: Callable[..., None]
     params: dict[str, str]  # a parametrized session's argument
+    venv_backend: str | None = None  # as the decorator gives it (None: nox's)
+
+    def session(self, name: str, posargs: list[str]) -> _Session:
+        """What this session's function sees when run with ``posargs``."""
+        return _Session(name, posargs, venv_backend=self.venv_backend or "virtualenv")
 
 
-def _load_noxfile() -> tuple[types.ModuleType, dict[str, list[_NoxSession]]]:
+def _load_noxfile(
+    argv: list[str] | None = None,
+) -> tuple[types.ModuleType, dict[str, list[_NoxSession]]]:
     """Import noxfile.py with a stand-in for nox that records the sessions
     under the names nox gives them: name= or the function's name, and
     name(id) for each parameter of a parametrized one (the bare name runs
-    them all)."""
+    them all). ``argv``: nox's command line as the noxfile sees it."""
     sessions: dict[str, list[_NoxSession]] = {}
 
     def session(
@@ -129,12 +136,14 @@ def _load_noxfile() -> tuple[types.ModuleType, dict[str, list[_NoxSession]]]:
     ) -> Callable[..., None] | Callable[[Callable[..., None]], Callable[..., None]]:
         def register(f: Callable[..., None]) -> Callable[..., None]:
             name = str(kwargs.get("name") or f.__name__)
+            backend = kwargs.get("venv_backend")
+            assert backend is None or isinstance(backend, str)
             param = getattr(f, "_nox_param", None)
             if param is None:
-                sessions[name] = [_NoxSession(f, {})]
+                sessions[name] = [_NoxSession(f, {}, backend)]
                 return f
             arg, ids = param
-            every = [_NoxSession(f, {arg: i}) for i in ids]
+            every = [_NoxSession(f, {arg: i}, backend) for i in ids]
             sessions[name] = every
             for i, one in zip(ids, every, strict=True):
                 sessions[f"{name}({i})"] = [one]
@@ -156,6 +165,8 @@ def _load_noxfile() -> tuple[types.ModuleType, dict[str, list[_NoxSession]]]:
     stub.Session = _Session  # type: ignore[attr-defined]
     saved = sys.modules.get("nox")
     sys.modules["nox"] = stub
+    saved_argv = sys.argv
+    sys.argv = argv or ["nox"]
     try:
         spec = importlib.util.spec_from_file_location(
             "noxfile_read_by_tests", REPO_ROOT / "noxfile.py"
@@ -164,6 +175,7 @@ def _load_noxfile() -> tuple[types.ModuleType, dict[str, list[_NoxSession]]]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
+        sys.argv = saved_argv
         if saved is None:
             del sys.modules["nox"]
         else:
@@ -233,7 +245,7 @@ def session_error(name: str, posargs: tuple[str, ...]) -> str | None:
     if name not in SESSIONS:
         return f"no nox session {name!r} (nox -l lists them)"
     for one in SESSIONS[name]:
-        session = _Session(name, list(posargs))
+        session = one.session(name, list(posargs))
         try:
             one.func(session, **one.params)
         except _Refused as exc:
@@ -242,9 +254,11 @@ def session_error(name: str, posargs: tuple[str, ...]) -> str | None:
             pass
         if session.runs:
             first = list(session.runs[0])
-            if first[:3] in SERIES_PREFIXES:
+            # A session runs the tool with its own interpreter's full path.
+            module = ["python", *first[1:3]]
+            if module in SERIES_PREFIXES:
                 problem = series_error(first[3:])
-            elif first[:3] in VALIDATE_PREFIXES:
+            elif module in VALIDATE_PREFIXES:
                 problem = validate_error(first[3:])
             else:
                 problem = None
@@ -383,7 +397,7 @@ Or inline: `nox -s apply -- --upto`.
     assert "unknown stage '0002'" in failures[1]
     assert "no nox session 'test'" in failures[2]
     assert "not allowed with argument" in failures[3]
-    assert "give a target" in failures[4]
+    assert "add --version V" in failures[4]
     assert "unrecognized arguments: --narrow" in failures[5]
     assert "expected one argument" in failures[6]
     good = """
@@ -427,20 +441,36 @@ def test_nox_l_shows_a_whole_sentence_per_session(name: str):
     ],
 )
 def test_a_session_refuses_bad_arguments_before_it_runs_anything(name, posargs):
-    session = _Session(name, posargs)
+    session = SESSIONS[name][0].session(name, posargs)
     with pytest.raises(_Refused, match=rf"nox -s {re.escape(name)}"):
         SESSIONS[name][0].func(session, **SESSIONS[name][0].params)
     assert session.runs == []
 
 
-def test_a_rebase_without_a_hash_only_asks_the_tool_for_it():
+@pytest.mark.parametrize(
+    "posargs, makes_a_venv",
+    [
+        (["--version", "0.35.0"], False),
+        (["--version", "0.35.0", "--sha256", "a" * 64], True),
+        (["--continue"], True),
+        (["--version", "0.35.0", "--git", "/x"], True),  # refused by the tool
+    ],
+)
+def test_a_rebase_without_a_hash_only_asks_the_tool_for_it(posargs, makes_a_venv):
     """nox -s rebase -- --version V: the tool prints the index's sha256 and
-    the command to run; the session applies and installs nothing first."""
-    session = _Session("rebase", ["--version", "0.35.0"])
+    the command to run, in nox's own Python; nox makes no virtualenv for it
+    (the decorator's backend, chosen from nox's command line) and the session
+    applies and installs nothing first."""
+    _, sessions = _load_noxfile(["nox", "-s", "rebase", "--", *posargs])
+    (rebase,) = sessions["rebase"]
+    assert (rebase.venv_backend != "none") is makes_a_venv
+    if makes_a_venv:
+        return
+    session = rebase.session("rebase", posargs)
     with pytest.raises(_Started):
-        SESSIONS["rebase"][0].func(session)
+        rebase.func(session)
     assert session.runs == [
-        ("python", "-m", "scripts.series", "rebase", "--version", "0.35.0")
+        (sys.executable, "-m", "scripts.series", "rebase", "--version", "0.35.0")
     ]
 
 

@@ -73,33 +73,49 @@ def run(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
         rebase.abort(series)
     elif args.resume:
         rebase.resume(series, **options)
+    elif _target_form(args) == "version":
+        print(_release_hash(series, args.version))
     else:
         rebase.start(series, _target(series, args), **options)
 
 
 def _target(series: Series, args: argparse.Namespace) -> Base:
     name = series.base.name
-    form = _target_form(args)
-    if form == "git":
+    if _target_form(args) == "git":
         return GitBase(name, args.git.resolve(), args.rev)
-    if form == "sdist":
-        return SdistBase(name, args.version, args.sha256.lower())
-    sha256 = roll.sdist_sha256(name, args.version)
-    raise SeriesError(
-        f"--version needs the sdist's --sha256 as well; the package "
-        f"index lists {sha256} for {name} {args.version}. Check it "
-        "against the release page, then run "
-        + rebase_command(f"--version {args.version} --sha256 {sha256}")
+    return SdistBase(name, args.version, args.sha256.lower())
+
+
+def _release_hash(series: Series, version: str) -> str:
+    """What ``--version V`` alone answers: the sdist's sha256 as the
+    package index lists it, and the command that rebases onto it."""
+    name = series.base.name
+    sha256 = roll.sdist_sha256(name, version)
+    return (
+        f"the package index lists sha256 {sha256} for {name} {version}'s "
+        "sdist; check it against the release page, then run\n  "
+        + rebase_command(f"--version {version} --sha256 {sha256}")
     )
 
 
 def _target_form(args: argparse.Namespace) -> str:
     """Which target a new rebase names: "git", "sdist", or "version" (a
     release without its hash: the command prints the index's hash)."""
-    if args.git and args.rev and not (args.version or args.sha256):
+    release, checkout = args.version or args.sha256, args.git or args.rev
+    if release and checkout:
+        raise SeriesError(
+            "give one target, a release (--version V --sha256 H) or a git "
+            "checkout (--git PATH --rev REV), not both"
+        )
+    if checkout:
+        if not (args.git and args.rev):
+            missing = (
+                "--rev REV (a branch, tag or commit)" if args.git else "--git PATH"
+            )
+            raise SeriesError(f"--git and --rev go together; add {missing}")
         return "git"
-    if args.version and args.sha256 and not (args.git or args.rev):
-        return "sdist"
-    if args.version and not (args.sha256 or args.git or args.rev):
-        return "version"
+    if args.sha256 and not args.version:
+        raise SeriesError("--sha256 is the hash of --version's sdist; add --version V")
+    if args.version:
+        return "sdist" if args.sha256 else "version"
     raise SeriesError("give a target: --version V --sha256 H, or --git PATH --rev REV")
