@@ -5,6 +5,9 @@
 #   docker build -t dsa-vllm:0.34.0 .
 #   docker build --build-arg INSTALL_ARGS="--upto 0001" -t dsa-vllm:0.34.0-0001 .
 #
+# (--upto 0001 installs stage 0001 alone: the later stages, the fix 0004
+# among them, are left out, and install's output names them.)
+#
 # The tag is the vLLM release the series is pinned to (patches/series.toml;
 # a rebase's branch moves it with the pin); install refuses any other vLLM. The build downloads that release's sdist
 # from PyPI (checked against its sha256) to make the stage commits, so it
@@ -14,11 +17,12 @@ FROM vllm/vllm-openai-rocm:v0.34.0
 # Passed on to install: empty for every stage, "--upto 0001" for fewer.
 ARG INSTALL_ARGS=""
 
-COPY . /opt/dsa-series
-WORKDIR /opt/dsa-series
+# Before the project is copied in: an edit of the project reuses this layer.
 RUN command -v git >/dev/null || (apt-get update \
     && apt-get install -y --no-install-recommends git \
     && rm -rf /var/lib/apt/lists/*)
+COPY . /opt/dsa-series
+WORKDIR /opt/dsa-series
 # Every change the stages make is Python, so the image's compiled vLLM stays.
 # The work repo and the sdist go once the stages are written; the project
 # stays in /opt/dsa-series for install --undo and the gfx950 tests.

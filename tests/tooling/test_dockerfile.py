@@ -136,6 +136,15 @@ def test_its_series_commands_parse_apply_first(build: dict[str, str]):
         assert shlex.split(build["INSTALL_ARGS"]) == commands[1][1:-2]
 
 
+def test_its_apt_step_comes_before_the_project_is_copied():
+    """Docker reruns every step after a changed COPY: an edit to a doc must
+    not run apt again."""
+    kinds = [(kind, rest) for kind, rest in DOCKER if kind in ("RUN", "COPY")]
+    apt = next(i for i, (_, rest) in enumerate(kinds) if "apt-get" in rest)
+    copy = next(i for i, (kind, _) in enumerate(kinds) if kind == "COPY")
+    assert apt < copy
+
+
 def test_it_finds_the_vllm_package_without_importing_it(tmp_path: Path):
     """The --into folder comes from a python3 -c line in the RUN: given a
     folder with a vllm package that cannot be imported, it prints that
