@@ -18,6 +18,7 @@ from scripts.series.config import SdistBase, Series
 from scripts.series.contract import tree_env
 from scripts.series.export.export import export_stages, exporter_identity
 from scripts.series.export.pr_check import check_prs
+from scripts.series.files import write_whole
 from scripts.series.install.install import install, stage_files
 from scripts.series.layout import INSTALL_RECORD_DIR, results_dir, workdir
 from scripts.series.pin_sites import pin_mismatches
@@ -29,12 +30,16 @@ from scripts.series.stages.check import (
     format_hunk_sizes,
     hunk_budget,
     later_stage_edits,
+    pin_problems,
     stale_files,
 )
 from scripts.series.stages.fetch import fetch_sdist
 from scripts.series.stages.overview import (
+    BEGIN,
+    END,
     readme_table_is_current,
     stage_table,
+    with_stage_table,
 )
 from scripts.series.stages.prepare import prepare
 from scripts.series.stages.refresh import refresh
@@ -135,10 +140,6 @@ def _refresh(series: Series, args: argparse.Namespace, extra: list[str]) -> None
     if written and read_chain(series, workdir(series)).current < len(series.stages):
         # A lower stage changed: the stages above it follow, applied on it
         # and written again (a patch names the blobs it applies to).
-        print(
-            "refreshed: " + ", ".join(s.id for s in written) + "; the later "
-            "stages follow"
-        )
         apply(series, quiet=True)
         written += [s for s in refresh(series) if s not in written]
     print("refreshed: " + (", ".join(s.id for s in written) or "no change"))
@@ -157,14 +158,15 @@ def _check(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     readme = series.root / "README.md"
     if readme.exists() and not readme_table_is_current(series, readme):
         problems.append(
-            "README.md's stage table differs from series.toml; paste "
-            "`python -m scripts.series overview` between its markers"
+            "README.md's stage table differs from series.toml; write it "
+            "with `python3 -m scripts.series overview --write`"
         )
     problems += [
         f"{mismatch}; a rebase's branch writes these (scripts/series/pin_sites.py)"
         for mismatch in pin_mismatches(series.root, series.base)
     ]
     problems += later_stage_edits(series)
+    problems += pin_problems(series)
     if problems:
         print("\n".join(f"error: {problem}" for problem in problems))
         return 1
@@ -179,8 +181,31 @@ def _stages(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
     print(" ".join(["base", *(s.id for s in series.stages)]))
 
 
+def _overview_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="write it into README.md, between the table's markers",
+    )
+
+
 def _overview(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
-    print(stage_table(series))
+    if not args.write:
+        print(stage_table(series))
+        return
+    readme = series.root / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    written = with_stage_table(text, series)
+    if written is None:
+        raise SeriesError(
+            f"{readme} has no stage table to write: put the lines {BEGIN} and "
+            f"{END} where it goes"
+        )
+    if written == text:
+        print(f"{readme}'s stage table is current")
+        return
+    write_whole(readme, written.encode("utf-8"), readme.stat().st_mode & 0o777)
+    print(f"wrote the stage table into {readme}")
 
 
 def _tree(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
@@ -252,6 +277,13 @@ def _install(series: Series, args: argparse.Namespace, extra: list[str]) -> None
     want = None if args.undo else stage_files(series, args.upto)
     outcome = install(args.into, want)
     print(outcome.note)
+    if want is not None and (
+        left := series.stages[len(series.stages_upto(want.stage)) :]
+    ):
+        print(
+            f"not installed (after --upto {want.stage}): "
+            + ", ".join(f"{s.id} ({s.title})" for s in left)
+        )
     if want is not None and want.outside and outcome.changed:
         print("not written (outside the installed package): " + ", ".join(want.outside))
 
@@ -330,7 +362,9 @@ COMMANDS = (
     Command(
         "check",
         "fail if patch files differ from a fresh export, a hunk is over "
-        "the glue budget, or the README's stage table is out of date",
+        "the glue budget, a stage changes an earlier one's lines, the README's "
+        "stage table or a file naming the pin is out of date, or main pins "
+        "a git commit",
         _check,
         writes=False,
     ),
@@ -352,9 +386,9 @@ COMMANDS = (
     ),
     Command(
         "overview",
-        "print the README's stage table",
+        "print the README's stage table (--write: into README.md)",
         _overview,
-        writes=False,
+        _overview_args,
     ),
     Command(
         "tree",

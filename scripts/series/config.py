@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import tomllib
@@ -19,6 +20,35 @@ SERIES_FILE = REPO_ROOT / "patches" / "series.toml"
 UPSTREAM_STATUSES = ("not-submitted", "open", "merged", "closed", "upstreamed")
 _STAGE_ID = re.compile(r"^[0-9]{4}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# A URL git fetches from (https://, ssh://, file://, ...) or scp's
+# user@host:path; anything else names a folder on this machine.
+_GIT_URL = re.compile(r"^([a-z][a-z0-9+.-]*://|[\w.-]+@[\w.-]+:)")
+CACHE_ENV = "DSA_SERIES_CACHE_DIR"
+
+
+def is_git_url(where: str) -> bool:
+    return bool(_GIT_URL.match(where))
+
+
+def cache_dir() -> Path:
+    """The download cache: $DSA_SERIES_CACHE_DIR, else the user's cache
+    dir; sdists in it, and the commits fetched for a git URL pin."""
+    if override := os.environ.get(CACHE_ENV):
+        return Path(override).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "dsa-indexer-series" / "sdists"
+
+
+def git_cache_dir() -> Path:
+    return cache_dir() / "git"
+
+
+def _cache_name(url: str) -> str:
+    """A folder name for ``url``'s fetched commits: readable, and apart
+    from any other URL's."""
+    tail = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1])
+    return f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:12]}.git"
 
 
 class SeriesFileError(SeriesError):
@@ -44,11 +74,14 @@ class SdistBase:
 
 @dataclass(frozen=True)
 class GitBase:
-    """A local vLLM git checkout at a revision (how users follow vLLM main)."""
+    """vLLM from git at a revision (how users follow vLLM main): a checkout
+    on this machine (``path``), or a repository any clone can fetch
+    (``url``, at a full commit) kept in the sdist cache (``path``)."""
 
     name: str
     path: Path
     rev: str
+    url: str | None = None
 
     @property
     def label(self) -> str:
@@ -231,10 +264,19 @@ def _parse_base(source: Path, raw: Any) -> Base:
     if "git" in fields.table:
         if "sha256" in fields.table or "version" in fields.table:
             fields.fail("base", "give either version + sha256 or git + rev, not both")
-        path = Path(fields.string("git")).expanduser()
+        where, rev = fields.string("git"), fields.string("rev")
+        if is_git_url(where):
+            if not _COMMIT.match(rev):
+                fields.fail(
+                    "base.rev",
+                    f"a repository URL is pinned by its full commit (40 hex "
+                    f"digits; a branch moves), got {rev!r}",
+                )
+            return GitBase(name, git_cache_dir() / _cache_name(where), rev, where)
+        path = Path(where).expanduser()
         if not path.is_absolute():
             path = (source.parent / path).resolve()
-        return GitBase(name=name, path=path, rev=fields.string("rev"))
+        return GitBase(name=name, path=path, rev=rev)
     version = fields.string("version")
     sha256 = fields.string("sha256").lower()
     if not _SHA256.match(sha256):

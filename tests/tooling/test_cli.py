@@ -44,6 +44,16 @@ def test_apply_status_tree_and_check(two_stages: Project):
     )
 
 
+def test_status_and_check_name_an_edited_overlay_alike(two_stages: Project):
+    assert _cli(two_stages, "apply").returncode == 0
+    overlay = two_stages.root / "vllm_overlay/vllm/cp_indexer.py"
+    overlay.write_text(overlay.read_text() + "# edited\n")
+    assert "0001  stale" in _cli(two_stages, "status").stdout
+    check = _cli(two_stages, "check")
+    assert check.returncode == 1
+    assert check.stderr.startswith("error: stale stage(s) 0001, 0002: their patch")
+
+
 def test_errors_are_one_line_without_a_traceback(two_stages: Project):
     (two_stages.root / "patches" / two_stages.stages[0]["patch"]).write_text("x\n")
     result = _cli(two_stages, "apply")
@@ -396,6 +406,43 @@ def test_adding_a_stage_in_the_readmes_order(project: Project):
     assert again.returncode == 0 and "stage 0003: up to date" in again.stdout
 
 
+def test_marking_a_stage_merged_then_overview_write_keeps_check_green(
+    two_stages: Project,
+):
+    """The drop-a-stage recipe's first step: a status change shows in the
+    README's table; check names it, and `overview --write` writes it (only
+    between the markers, once)."""
+    from scripts.series.stages.overview import BEGIN, END
+
+    readme = two_stages.root / "README.md"
+    assert _cli(two_stages, "overview", "--write").returncode == 1  # no README
+    readme.write_text(f"# Project\n\n{BEGIN}\nold\n{END}\n\nMore.\n")
+    written = _cli(two_stages, "overview", "--write")
+    assert written.returncode == 0 and "wrote the stage table" in written.stdout
+    assert _cli(two_stages, "apply").returncode == 0
+    assert _cli(two_stages, "refresh").returncode == 0
+    text = two_stages.series_file.read_text()
+    two_stages.series_file.write_text(
+        text.replace(
+            'tests = "stage_0001"\n',
+            'tests = "stage_0001"\n'
+            'upstream = { pr = "vllm-project/vllm#1", status = "merged" }\n',
+        )
+    )
+    checked = _cli(two_stages, "check")
+    assert (
+        "stage table differs from series.toml; write it with `python3 -m "
+        "scripts.series overview --write`" in checked.stdout
+    )
+    assert _cli(two_stages, "overview", "--write").returncode == 0
+    table = readme.read_text()
+    assert table.endswith(f"{END}\n\nMore.\n") and "\nold\n" not in table
+    assert "merged: [vllm-project/vllm#1]" in table
+    assert "stage table differs" not in _cli(two_stages, "check").stdout
+    again = _cli(two_stages, "overview", "--write")
+    assert "stage table is current" in again.stdout
+
+
 def test_a_waiter_names_a_holder_that_writes_its_name_late(tmp_path):
     """A holder writes its name just after taking the lock: a waiter that
     reads the file in between still names it."""
@@ -538,6 +585,7 @@ def test_changing_a_lower_stage_is_apply_edit_refresh(two_stages: Project):
     done = _cli(two_stages, "refresh")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("refreshed: 0001, 0002"), done.stdout
+    assert done.stdout.count("refreshed") == 1, "one summary"
     text = ops.read_text()
     assert "return 33" in text and "return 2020" in text
     check = _cli(two_stages, "check")

@@ -149,6 +149,20 @@ def test_install_writes_each_stage_trees_package_and_undo_restores_the_wheel(
     assert not (site / INSTALL_RECORD_DIR).exists()
 
 
+def test_install_upto_names_the_stages_it_leaves_out(installed_vllm):
+    """`--upto` before the last stage says which stages (a fix among them)
+    it does not install; all of them, nothing more."""
+    from tests.tooling.conftest import run_cli
+
+    first = SERIES.stages[0]
+    done = run_cli(["install", "--into", str(installed_vllm), "--upto", first.id])
+    assert done.returncode == 0, done.stderr
+    left = ", ".join(f"{s.id} ({s.title})" for s in SERIES.stages[1:])
+    assert f"not installed (after --upto {first.id}): {left}\n" in done.stdout
+    every = run_cli(["install", "--into", str(installed_vllm)])
+    assert every.returncode == 0 and "not installed" not in every.stdout
+
+
 def test_the_bytecode_of_a_replaced_file_goes_with_it(installed_vllm, wanted):
     """A .pyc that Python does not check against its source (unchecked-hash,
     as some images compile theirs) would keep serving the old code."""
@@ -236,7 +250,7 @@ def test_another_vllm_is_refused(installed_vllm, wheel_site, wanted, tmp_path):
 
 
 def test_a_series_on_a_git_checkout_is_refused(project):
-    with pytest.raises(SeriesError, match="git checkout, not a release"):
+    with pytest.raises(SeriesError, match="pinned to a vLLM git commit"):
         stage_files(project.series(), None)
 
 

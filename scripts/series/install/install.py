@@ -58,8 +58,11 @@ def stage_files(series: Series, upto: str | None) -> StageFiles:
     read from the work repo's stage commits."""
     if not isinstance(series.base, SdistBase):
         raise SeriesError(
-            "install checks the installed vLLM against a release; this "
-            "series' base is a git checkout, not a release"
+            "install writes the stages into a released vLLM, checked against "
+            "that release; this series is pinned to a vLLM git commit (a "
+            "rebase/vllm-git-* branch, for testing against vLLM main). Install "
+            "from a checkout pinned to a release (main), or build vLLM from "
+            "the stage tree (docs/serving.md, 'A build of your own, from source')"
         )
     stage_id = upto or (series.stages[-1].id if series.stages else "base")
     stages = [] if stage_id == "base" else series.stages_upto(stage_id)

@@ -52,6 +52,7 @@ from scripts.series.rebase.hunks import (
 from scripts.series.rebase.hunks import (
     added_lines_present as _added_lines_present,
 )
+from scripts.series.rebase.series_toml import fetchable_url
 from scripts.series.rebase.state import (
     HunkReport,
     RebaseState,
@@ -462,20 +463,37 @@ def _run(
     remove_state(series)
     shutil.rmtree(rebase_dir(series) / target_from(state.target).label)
     print(format_report(state.reports))
+    pinned = pinned_target(state)
     print(
         f"the rebased series is committed on the project's branch {branch} (your "
         f"checkout is as it was): `git switch {branch}`, read "
-        f"docs/rebased_onto_{pinned_target(state).label}.md, test it with "
-        "`nox -s apply-and-test` (or push it for CI), and merge it to adopt "
-        "the new pin"
-    )
-    if isinstance(pinned_target(state), GitBase):
-        print(
-            "note: a git pin has no release, so the image tags and the release "
-            "named in the README, the Dockerfile and the docs stay as they were "
-            "(install and the Dockerfile take a release pin)"
+        f"docs/rebased_onto_{pinned.label}.md, test it with "
+        "`nox -s apply-and-test`"
+        + (
+            " (or push it for CI), and merge it to adopt the new pin"
+            if not isinstance(pinned, GitBase)
+            else _git_pin_note(pinned)
         )
+    )
     return state.reports
+
+
+def _git_pin_note(pinned: GitBase) -> str:
+    """How far a branch pinned to a git commit goes: CI, when it names a URL
+    any clone can fetch; this machine only, when it names a folder."""
+    url = fetchable_url(pinned.path, pinned.rev)
+    keep = (
+        ". It is for testing against vLLM main: install and the Dockerfile "
+        "take a release, so do not merge it into main (check-patches refuses a "
+        "git pin there)"
+    )
+    if url is not None:
+        return f" (or push it for CI: it pins {url} at the commit){keep}"
+    return (
+        f" here: no remote of {pinned.path} has {pinned.rev[:12]}, so it pins "
+        "that folder, which other clones and CI cannot use (`git fetch` the "
+        f"commit from a remote there and rebase again to pin its URL){keep}"
+    )
 
 
 def _old_commit(repo: Path, series: Series, stage: Stage) -> str:

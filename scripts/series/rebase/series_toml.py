@@ -11,15 +11,48 @@ import tomllib
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Base, SdistBase, Series
+from scripts.series.config import Base, SdistBase, Series, is_git_url
+from scripts.series.git import git
 
 
 def base_fields(base: Base, folder: Path) -> dict[str, str]:
-    """The [base] table's pin; a git checkout's path relative to ``folder``
-    (the series file's), so the file works in any clone of the project."""
+    """The [base] table's pin. A git commit is named by a URL any clone can
+    fetch when the checkout has one (``fetchable_url``); otherwise by the
+    checkout's path relative to ``folder`` (the series file's), which works
+    on this machine only (``check`` refuses it)."""
     if isinstance(base, SdistBase):
         return {"version": base.version, "sha256": base.sha256}
+    url = base.url or fetchable_url(base.path, base.rev)
+    if url is not None:
+        return {"git": url, "rev": base.rev}
     return {"git": os.path.relpath(base.path, folder), "rev": base.rev}
+
+
+def fetchable_url(checkout: Path, commit: str) -> str | None:
+    """The URL of a remote of ``checkout`` that has ``commit`` (one of its
+    remote-tracking branches contains it), ``upstream`` and ``origin``
+    first; None when no remote with a URL has it."""
+    found = git(
+        checkout,
+        "for-each-ref",
+        "--contains",
+        commit,
+        "--format=%(refname)",
+        "refs/remotes",
+        check=False,
+    )
+    prefix = "refs/remotes/"
+    remotes = {
+        ref[len(prefix) :].split("/", 1)[0]
+        for ref in found.stdout.decode().split()
+        if ref.startswith(prefix)
+    }
+    for remote in sorted(remotes, key=lambda r: (r != "upstream", r != "origin", r)):
+        url = git(checkout, "remote", "get-url", remote, check=False)
+        where = url.stdout.decode().strip()
+        if url.returncode == 0 and is_git_url(where):
+            return where
+    return None
 
 
 def series_toml(series: Series, folder: Path) -> str:

@@ -58,7 +58,7 @@ def refuse_if_dirty(repo: Path) -> None:
     raise SeriesError(
         f"{repo} has uncommitted edits; refusing to touch it:\n  {shown}\n"
         "To keep them as part of the top stage, run "
-        "`python -m scripts.series refresh` (or `nox -s refresh`); to keep them "
+        "`nox -s refresh`; to keep them "
         f"aside, `git -C {tree} stash --include-untracked`; to drop them, {drop}"
     )
 
@@ -117,7 +117,7 @@ def _refuse_foreign_head(repo: Path, chain: Chain) -> None:
         raise SeriesError(
             f"{repo}: HEAD ({head and head[:12]}) is not a stage commit: it has "
             "commits on top of the series. Turn them into stages with "
-            f"`python -m scripts.series refresh`, or {move}; then run again."
+            f"`nox -s refresh`, or {move}; then run again."
         )
     refuse_foreign_branch(repo, chain)
 

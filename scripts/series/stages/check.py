@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import LargeHunk, Series, Stage
-from scripts.series.git import changed_files, rev_parse
+from scripts.series.config import GitBase, LargeHunk, Series, Stage
+from scripts.series.git import changed_files, git, rev_parse
 from scripts.series.layout import workdir
 from scripts.series.stages.patchfile import Hunk, read_patch
 from scripts.series.stages.refresh import (
@@ -27,14 +27,25 @@ from scripts.series.stages.refresh import (
 from scripts.series.stages.state import read_chain
 
 HUNK_BUDGET = 15
+# The branch users clone, CI tests and the image is built from.
+MAIN_BRANCH = "main"
 
 
 def stale_files(series: Series) -> list[str]:
     """Committed patch/overlay files that differ from a fresh export."""
     repo = workdir(series)
     chain = read_chain(series, repo)
-    if len(chain.applied) < len(series.stages) or chain.current < len(chain.applied):
-        raise SeriesError("the work tree is not at the last stage; run apply first")
+    if chain.current < len(chain.applied):
+        stale = ", ".join(stage.id for stage, _ in chain.applied[chain.current :])
+        raise SeriesError(
+            f"stale stage(s) {stale}: their patch or overlays changed since the "
+            "work tree was applied (`nox -s status` says so too); run "
+            "`nox -s apply` to rebuild them, then check again"
+        )
+    if len(chain.applied) < len(series.stages):
+        raise SeriesError(
+            "the work tree is not at the last stage; run `nox -s apply` first"
+        )
     if changed_files(repo) or rev_parse(repo, "HEAD") != chain.tip:
         raise SeriesError(
             f"{repo} has edits beyond the last stage; run refresh to keep them"
@@ -134,3 +145,23 @@ def format_hunk_sizes(sizes: list[HunkSize]) -> str:
             f"changed (+{hunk.added} -{hunk.removed}{moved}){flag}"
         )
     return "\n".join(lines)
+
+
+def pin_problems(series: Series) -> list[str]:
+    """A git pin on the main branch: users install and build the image from
+    main, and both take a release. A rebase/vllm-git-* branch may pin a git
+    commit (by URL for CI, or by a folder for testing where it was made)."""
+    base = series.base
+    if not isinstance(base, GitBase):
+        return []
+    branch = git(series.root, "symbolic-ref", "--short", "-q", "HEAD", check=False)
+    if branch.stdout.decode().strip() != MAIN_BRANCH:
+        return []
+    where = base.url or f"the folder {base.path}, on this machine only"
+    return [
+        f"{MAIN_BRANCH} pins a vLLM git commit ({where}, at {base.rev[:12]}), "
+        "but install and the Dockerfile take a release: undo the merge "
+        "(`git reset --hard ORIG_HEAD`, or `git revert -m 1 MERGE`), keep the "
+        "rebase/vllm-git-* branch for testing against vLLM main, and adopt a "
+        "release with `nox -s rebase -- --version V --sha256 H`"
+    ]

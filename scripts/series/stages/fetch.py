@@ -21,24 +21,16 @@ import urllib.request
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import SdistBase
+from scripts.series.config import CACHE_ENV, GitBase, SdistBase, cache_dir
 from scripts.series.files import sha256_of
+from scripts.series.git import git
 
-CACHE_ENV = "DSA_SERIES_CACHE_DIR"
 INDEX_ENV = "DSA_SERIES_INDEX_URL"
 DEFAULT_INDEX = "https://pypi.org/simple"
 # JSON (PEP 691) preferred; a mirror that serves only HTML (PEP 503) works too.
 _ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 _CHUNK = 1 << 20
 _TIMEOUT_S = 60
-
-
-def cache_dir() -> Path:
-    """The sdist cache: $DSA_SERIES_CACHE_DIR, else the user's cache dir."""
-    if override := os.environ.get(CACHE_ENV):
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "dsa-indexer-series" / "sdists"
 
 
 def index_url() -> str:
@@ -223,3 +215,37 @@ def fetch_sdist(base: SdistBase, *, offline: bool = False) -> Path:
             f"set {INDEX_ENV}, or put the file in {CACHE_ENV}"
         ) from None
     return dest
+
+
+def fetch_git_commit(base: GitBase) -> None:
+    """Bring a git URL pin's commit into its cache repository (``base.path``),
+    once: only that commit and its files (``--depth 1``), as any clone of the
+    project can. GitHub serves a commit by its id; so does a file:// URL."""
+    assert base.url is not None
+    repo = base.path
+    if (
+        repo.exists()
+        and git(
+            repo, "cat-file", "-e", f"{base.rev}^{{commit}}", check=False
+        ).returncode
+        == 0
+    ):
+        return
+    try:
+        repo.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SeriesError(
+            f"cannot use {repo} for the git pin's commits ({exc.strerror}); set "
+            f"{CACHE_ENV} to a writable folder"
+        ) from None
+    git(repo, "init", "-q", "--bare")
+    print(f"fetching {base.rev[:12]} from {base.url}", file=sys.stderr)
+    fetched = git(repo, "fetch", "-q", "--depth", "1", base.url, base.rev, check=False)
+    if fetched.returncode != 0:
+        said = fetched.stderr.decode(errors="replace").strip().splitlines()
+        raise SeriesError(
+            f"cannot fetch commit {base.rev} from {base.url} "
+            f"({said[-1] if said else 'git fetch failed'}); the pin in "
+            "patches/series.toml names it: connect to the network, or check "
+            "that the repository has that commit"
+        )

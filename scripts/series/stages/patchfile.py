@@ -81,7 +81,7 @@ def parse_patch(data: bytes, name: str = "the patch") -> PatchInfo:
     if missing:
         raise SeriesError(
             f"{name}: no {', '.join(missing)} header; write it with "
-            "`python -m scripts.series refresh` (git format-patch form)"
+            "`nox -s refresh` (git format-patch form)"
         )
     message = headers["Subject"] + ("\n\n" + body if body else "") + "\n"
     author = Identity(headers["Author"], headers["Email"], headers["Date"])

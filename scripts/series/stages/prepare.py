@@ -34,7 +34,7 @@ from scripts.series.layout import (
     staging_dir,
     workdir,
 )
-from scripts.series.stages.fetch import fetch_sdist
+from scripts.series.stages.fetch import fetch_git_commit, fetch_sdist
 
 BASE_DATE = "2000-01-01T00:00:00+00:00"
 
@@ -48,8 +48,15 @@ def base_id(base: Base) -> str:
 
 
 def resolve_git_rev(base: GitBase) -> str:
+    if base.url is not None:
+        fetch_git_commit(base)
     if not is_repo(base.path) and not (base.path / "HEAD").exists():
-        raise SeriesError(f"base.git: {base.path} is not a git repository")
+        raise SeriesError(
+            f"base.git: {base.path} is not a git repository. A pin to a folder "
+            "works only on the machine whose checkout it names (a rebase onto "
+            "a checkout with no remote that has the commit writes one); pin a "
+            "repository URL and a full commit, or a release"
+        )
     result = git(
         base.path,
         "rev-parse",
@@ -139,7 +146,7 @@ def _base_message(base: Base) -> str:
     if isinstance(base, SdistBase):
         title = f"{base.name} {base.version} from {base.filename}"
     else:
-        title = f"{base.name} from {base.path} at {base.rev}"
+        title = f"{base.name} from {base.url or base.path} at {base.rev}"
     return f"{title}\n\n{base_id(base)}\n"
 
 

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A rebase onto a vLLM git checkout, as another clone of the project meets
+its branch: pinned by a URL any clone can fetch when the checkout's remote
+has the commit, by the folder otherwise; merged into main, CI's
+check-patches and the Dockerfile's install refuse it with what to do."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scripts.series.config import GitBase, SeriesFileError, load_series
+from scripts.series.stages.fetch import CACHE_ENV
+from tests.tooling.conftest import Project, run_cli, sh
+
+
+def _cli(series_file: Path, *args: str):
+    return run_cli(["--series", str(series_file), *args])
+
+
+@pytest.fixture
+def on_main(two_stages: Project, tmp_path: Path, monkeypatch) -> Project:
+    """The project on its branch main, committed; upstream has moved on."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    two_stages.commit_all()
+    sh(two_stages.root, "git", "branch", "-M", "main")
+    ops = two_stages.upstream / "vllm/ops.py"
+    ops.write_text(ops.read_text().replace("return 5\n", "return 55\n", 1))
+    sh(two_stages.upstream, "git", "commit", "-q", "-am", "upstream main")
+    return two_stages
+
+
+def _rebase_onto(project: Project, checkout: Path) -> tuple[str, str]:
+    """Rebase onto ``checkout``'s main; (its branch, what the rebase said)."""
+    done = _cli(project.series_file, "rebase", "--git", str(checkout), "--rev", "main")
+    assert done.returncode == 0, done.stderr
+    commit = sh(checkout, "git", "rev-parse", "main").strip()
+    return f"rebase/vllm-git-{commit[:12]}", done.stdout
+
+
+def _clone(project: Project, tmp_path: Path, branch: str, name: str) -> Path:
+    """Another clone of the project, on main with ``branch`` merged."""
+    clone = tmp_path / name
+    sh(tmp_path, "git", "clone", "-q", "-b", "main", str(project.root), str(clone))
+    sh(clone, "git", "merge", "-q", "--ff-only", f"origin/{branch}")
+    return clone
+
+
+def test_a_checkout_whose_remote_has_the_commit_pins_its_url(
+    on_main: Project, tmp_path: Path
+):
+    """The branch names the remote's URL and the full commit; another clone
+    applies it with the user's checkout gone (CI on the branch), and once
+    merged into main, check-patches and install refuse, saying what to do."""
+    checkout = tmp_path / "vllm-checkout"
+    url = on_main.upstream.as_uri()
+    sh(tmp_path, "git", "clone", "-q", url, str(checkout))
+    branch, said = _rebase_onto(on_main, checkout)
+    commit = sh(checkout, "git", "rev-parse", "main").strip()
+    assert f"it pins {url} at the commit" in said
+    assert "do not merge it into main" in said
+    pin = sh(on_main.root, "git", "show", f"{branch}:patches/series.toml")
+    assert f'git = "{url}"\nrev = "{commit}"\n' in pin
+    shutil.rmtree(checkout)
+
+    on_branch = tmp_path / "ci-on-the-branch"
+    sh(tmp_path, "git", "clone", "-q", "-b", branch, str(on_main.root), str(on_branch))
+    series_file = on_branch / "patches/series.toml"
+    applied = _cli(series_file, "apply")
+    assert applied.returncode == 0, applied.stderr
+    tree = on_branch / f"build/vllm-git-{commit[:12]}"
+    assert "return 55" in (tree / "vllm/ops.py").read_text()
+    assert "main pins" not in _cli(series_file, "check").stdout
+
+    merged = _clone(on_main, tmp_path, branch, "main-after-the-merge")
+    series_file = merged / "patches/series.toml"
+    assert _cli(series_file, "apply").returncode == 0
+    check = _cli(series_file, "check")
+    assert check.returncode == 1
+    assert (
+        f"error: main pins a vLLM git commit ({url}, at {commit[:12]}), but "
+        "install and the Dockerfile take a release: undo the merge"
+    ) in check.stdout
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm/__init__.py").write_text("")
+    install = _cli(series_file, "install", "--into", str(site))
+    assert install.returncode == 1
+    assert "this series is pinned to a vLLM git commit" in install.stderr
+    assert "Install from a checkout pinned to a release (main)" in install.stderr
+    assert sorted(p.name for p in site.iterdir()) == ["vllm"]
+
+
+def test_a_checkout_without_the_commit_on_a_remote_pins_the_folder(
+    on_main: Project, tmp_path: Path
+):
+    """Then the branch works where it was made and says so; another clone
+    is told why it cannot apply it, and main refuses it."""
+    branch, said = _rebase_onto(on_main, on_main.upstream)
+    assert f"no remote of {on_main.upstream} has" in said
+    pin = sh(on_main.root, "git", "show", f"{branch}:patches/series.toml")
+    assert 'git = "../../upstream"' in pin
+
+    (tmp_path / "elsewhere").mkdir()
+    merged = _clone(on_main, tmp_path / "elsewhere", branch, "clone")
+    series_file = merged / "patches/series.toml"
+    applied = _cli(series_file, "apply")
+    assert applied.returncode == 1
+    assert "is not a git repository. A pin to a folder works only" in applied.stderr
+    sh(on_main.root, "git", "merge", "-q", "--ff-only", branch)
+    assert _cli(on_main.series_file, "apply").returncode == 0
+    check = _cli(on_main.series_file, "check")
+    assert check.returncode == 1
+    assert f"main pins a vLLM git commit (the folder {on_main.upstream}" in check.stdout
+
+
+def test_a_url_pin_names_a_full_commit(on_main: Project):
+    text = on_main.series_file.read_text()
+    for where in ("https://github.com/vllm-project/vllm", "git@github.com:v/vllm"):
+        pinned = text.replace(
+            f'git = "{on_main.upstream}"\nrev = "v1"', f'git = "{where}"\nrev = "main"'
+        )
+        on_main.series_file.write_text(pinned)
+        with pytest.raises(SeriesFileError, match="pinned by its full commit"):
+            load_series(on_main.series_file)
+        on_main.series_file.write_text(pinned.replace('"main"', f'"{"a" * 40}"'))
+        base = load_series(on_main.series_file).base
+        assert isinstance(base, GitBase) and base.url == where
+
+
+def test_a_url_pin_the_network_cannot_reach_says_so(on_main: Project, tmp_path):
+    text = on_main.series_file.read_text()
+    gone = (tmp_path / "no-such-repo").as_uri()
+    old_pin = f'git = "{on_main.upstream}"\nrev = "v1"'
+    on_main.series_file.write_text(
+        text.replace(old_pin, f'git = "{gone}"\nrev = "{"a" * 40}"')
+    )
+    applied = _cli(on_main.series_file, "apply")
+    assert applied.returncode == 1
+    assert f"\nerror: cannot fetch commit {'a' * 40} from {gone} (" in applied.stderr
+    assert "connect to the network" in applied.stderr
