@@ -36,9 +36,9 @@ def stale_files(series: Series) -> list[str]:
     repo = workdir(series)
     chain = read_chain(series, repo)
     if chain.current < len(chain.applied):
-        stale = ", ".join(stage.id for stage, _ in chain.applied[chain.current :])
+        ids = ", ".join(stage.id for stage, _ in chain.applied[chain.current :])
         raise SeriesError(
-            f"stale stage(s) {stale}: their patch or overlays changed since the "
+            f"stale stage(s) {ids}: their patch or overlays changed since the "
             "work tree was applied (`nox -s status` says so too); run "
             "`nox -s apply` to rebuild them, then check again"
         )
@@ -48,7 +48,7 @@ def stale_files(series: Series) -> list[str]:
         )
     if changed_files(repo) or rev_parse(repo, "HEAD") != chain.tip:
         raise SeriesError(
-            f"{repo} has edits beyond the last stage; run refresh to keep them"
+            f"{repo} has edits beyond the last stage; run `nox -s refresh` to keep them"
         )
     stale = []
     for stage, commit in chain.applied:
