@@ -93,10 +93,12 @@ def test_a_git_pin_moves_the_paths_and_leaves_the_release(tmp_path):
 
 
 # Where the old pin may still be named after a move: the records of what
-# happened (the CHANGELOG, rebase reports, recorded conflict resolutions),
+# happened (the CHANGELOG, the archive, rebase reports, recorded resolutions),
 # and, outside the pin files, a citation of that release ("vLLM X.Y.Z",
 # "vllm-project/vllm vX.Y.Z").
-HISTORY = re.compile(r"^(CHANGELOG\.md|docs/rebase[\w.-]*\.md|patches/resolutions/)")
+HISTORY = re.compile(
+    r"^(CHANGELOG\.md|docs/(archive|rebase[\w.-]*)\.md|patches/resolutions/)"
+)
 
 
 def _citation(version: str) -> re.Pattern[str]:
