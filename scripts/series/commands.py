@@ -148,7 +148,7 @@ def _refresh(series: Series, args: argparse.Namespace, extra: list[str]) -> None
 def _check(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     stale = stale_files(series)
     if stale:
-        print("stale (differ from a fresh export; run refresh):")
+        print("stale (differ from a fresh export; run `nox -s refresh`):")
         print("\n".join(f"  {path}" for path in stale))
         return 1
     print("patch files match a fresh export of the stage commits")

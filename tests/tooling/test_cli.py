@@ -68,7 +68,7 @@ def test_commands_before_any_apply_say_so(two_stages: Project):
         result = _cli(two_stages, *command)
         assert result.returncode == 1, command
         assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
-        assert "not prepared yet; run apply first" in result.stderr
+        assert "not prepared yet; run `nox -s apply` first" in result.stderr
 
 
 def test_unknown_stage_and_bad_series_file(project: Project):

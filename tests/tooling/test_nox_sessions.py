@@ -72,7 +72,7 @@ def test_a_session_without_a_venv_runs_on_a_host_without_python(
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "Program python not found" not in out
-    assert "not prepared (run apply)" in out
+    assert "not prepared (run `nox -s apply`)" in out
 
 
 def test_rebase_with_a_version_alone_answers_and_sets_nothing_up(

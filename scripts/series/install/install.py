@@ -448,8 +448,8 @@ def _roll_forward(site: Path, record: dict | None = None) -> tuple[str, ...]:
         if now != entry["before"]:
             raise SeriesError(
                 f"{target} changed while an install was unfinished (neither its "
-                f"old nor its new content); restore it, then run install again "
-                f"to finish ({root / INSTALL_RECORD})"
+                f"old nor its new content); restore it, then run `nox -s install` "
+                f"again to finish ({root / INSTALL_RECORD})"
             )
         source = None
         if entry["after"] is not None:

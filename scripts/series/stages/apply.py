@@ -191,7 +191,7 @@ def _carry_stage(
     )
     if merged.returncode == 0:
         print(
-            f"stage {stage.id}: carried by a three-way merge; run refresh to "
+            f"stage {stage.id}: carried by a three-way merge; run `nox -s refresh` to "
             "write its patch file"
         )
         return
@@ -274,8 +274,8 @@ def _continue_carry(series: Series, repo: Path) -> str:
     _record_stage(repo, stage, commit, record["inputs"])
     carry_path(repo).unlink()
     print(
-        f"stage {stage.id}: carried as {commit[:12]}; run refresh to write its "
-        "patch file from it"
+        f"stage {stage.id}: carried as {commit[:12]}; run `nox -s refresh` to "
+        "write its patch file from it"
     )
     return commit
 

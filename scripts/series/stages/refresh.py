@@ -343,7 +343,7 @@ def _refuse_overwriting_newer_files(
         shown = ", ".join(str(p.relative_to(series.root)) for p in newer)
         raise SeriesError(
             f"{shown} changed since the tree was applied, so the tree is older "
-            "than them and refresh would overwrite them; run apply to rebuild "
+            "than them and refresh would overwrite them; run `nox -s apply` to rebuild "
             "the tree from them (commit or stash tree edits first)"
         )
 

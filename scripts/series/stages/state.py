@@ -71,7 +71,9 @@ class Chain:
         for stage, commit in self.applied[: self.current]:
             if stage.id == stage_id:
                 return commit
-        raise SeriesError(f"stage {stage_id} is not applied and current; run apply")
+        raise SeriesError(
+            f"stage {stage_id} is not applied and current; run `nox -s apply`"
+        )
 
     def commit_of(self, stage_id: str) -> str | None:
         for stage, commit in self.applied:
@@ -84,7 +86,7 @@ def read_chain(series: Series, repo: Path) -> Chain:
     """Follow the recorded stages from the base while each one's parent links."""
     base = rev_parse(repo, BASE_REF) if (repo / ".git").exists() else None
     if base is None:
-        raise SeriesError(f"{repo} is not prepared yet; run apply first")
+        raise SeriesError(f"{repo} is not prepared yet; run `nox -s apply` first")
     state = load_state(repo)
     applied: list[tuple[Stage, str]] = []
     current = 0

@@ -62,7 +62,7 @@ def tree_status(series: Series) -> TreeStatus:
 def format_status(series: Series, status: TreeStatus) -> str:
     repo = workdir(series)
     if not status.prepared:
-        return f"{repo}: not prepared (run apply)"
+        return f"{repo}: not prepared (run `nox -s apply`)"
     lines = [f"{repo} (base {series.base.label})"]
     for row in status.stages:
         commit = row.commit[:12] if row.commit else "-"
