@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import Project, add_two_stages, sh, write_files
+from conftest import Project, add_two_stages, needs_release_pin, sh, write_files
 
 from scripts.series import SeriesError, files
 from scripts.series.config import GitBase, Series, load_series
@@ -1126,6 +1126,7 @@ def test_regression_tests_the_target_deleted_leave_the_series(two_stages):
     assert "# vLLM's own tests\n" in two_stages.series_file.read_text()
 
 
+@needs_release_pin
 def test_the_projects_series_file_is_edited_line_for_line():
     """On the project's own series.toml: a new pin changes only [base]'s
     lines; a dropped stage takes its lines and nothing else (every comment
