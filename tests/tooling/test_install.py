@@ -440,6 +440,35 @@ def test_a_damaged_record_changes_nothing(
         assert "pip install" not in str(error.value)
         assert _not_as_shipped(site, wheel_site) == package
         assert _tree_state(site / INSTALL_RECORD_DIR) == saved
+    _recover_as_advised(site, str(error.value))
+    assert _not_as_shipped(site, wheel_site) == {}
+    assert install(site, wanted["0003"]).changed
+
+
+def _recover_as_advised(site: Path, advice: str) -> None:
+    """Follow a damaged record's advice word for word: its git command lists
+    the files, the base tree holds the release's copies, the record goes."""
+    import re
+    import shlex
+    import subprocess
+
+    command = re.search(r"`(git -C [^`]+)`", advice)
+    assert command, advice
+    listed = subprocess.run(
+        shlex.split(command[1]),
+        cwd=SERIES.root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    base = stage_tree(SERIES, "base")
+    for line in listed.splitlines():
+        status, path = line.split("\t")
+        if status == "A":
+            (site / path).unlink(missing_ok=True)
+        else:
+            shutil.copyfile(base / path, site / path)
+    shutil.rmtree(site / INSTALL_RECORD_DIR)
 
 
 OPS = "vllm/v1/attention/ops"  # stage 0001 adds a file there, changes one

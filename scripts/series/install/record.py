@@ -46,17 +46,21 @@ def installed_version(site: Path) -> str:
 
 def recovery(site: Path, version: str | None) -> str:
     """How to get the package back as released, without the record, keeping
-    the installed vLLM's own build (the ROCm image's, a source build)."""
+    the installed vLLM's own build (the ROCm image's, a source build): the
+    files it changed put back, and the files it added deleted (the next
+    install refuses them)."""
     version = version or "<version>"
     return (
-        f"put vLLM {version}'s own files back where install changed them (they "
-        "are Python files, the same in the release's sdist as in its builds: "
-        "copy each from the series' base tree, whose path `python -m "
-        "scripts.series tree base` prints), or reinstall vLLM the way it was "
-        "installed (the ROCm image: a new container from it; a source build: "
-        "build it again), not from PyPI over a ROCm build (PyPI's wheel is the "
-        f"CUDA one); then delete {site / INSTALL_RECORD_DIR}, which describes "
-        "the old install"
+        f"put vLLM {version}'s own files back where install changed or deleted "
+        "them, and delete the files it added: in the project, `git -C "
+        f"build/{PACKAGE}-{version} diff --name-status base series -- {PACKAGE}` "
+        "lists them (M changed, D deleted, A added), and the release's copies "
+        "are in the base tree, whose path `python3 -m scripts.series tree base` "
+        "prints (they are Python files, the same in the release's sdist as in "
+        "its builds). Or reinstall vLLM the way it was installed (the ROCm "
+        "image: a new container from it; a source build: build it again), not "
+        "from PyPI over a ROCm build (PyPI's wheel is the CUDA one). Then "
+        f"delete {site / INSTALL_RECORD_DIR}, which describes the old install"
     )
 
 
