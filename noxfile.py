@@ -217,15 +217,18 @@ def apply_and_test(session: nox.Session) -> None:
         session.log(f"apply-and-test took {time.monotonic() - started:.0f} s")
 
 
-def _only_asks_for_the_hash() -> bool:
-    """Whether this is ``nox -s rebase -- --version V`` without --sha256,
-    which only prints the hash the package index lists: nox then makes no
-    virtualenv for it (a session's backend is chosen before it runs)."""
+def _rebase_runs_no_tests() -> bool:
+    """Whether this is ``nox -s rebase -- --version V`` without --sha256
+    (it only prints the hash the package index lists) or ``-- --abort``:
+    nox then makes no virtualenv for it (a session's backend is chosen
+    before it runs)."""
     args = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []
+    if "--abort" in args:
+        return True
     return "--version" in args and not {"--sha256", "--git", "--rev"} & set(args)
 
 
-@nox.session(venv_backend="none" if _only_asks_for_the_hash() else None)
+@nox.session(venv_backend="none" if _rebase_runs_no_tests() else None)
 def rebase(session: nox.Session) -> None:
     """Rebase the stages onto a newer vLLM release or git checkout.
 
@@ -236,11 +239,14 @@ def rebase(session: nox.Session) -> None:
     """
     python = _python(session)
     parsed = _check_args(session, "rebase", "--test-python", python, *session.posargs)
-    if parsed["version"] and not parsed["sha256"]:
-        # Only prints the hash and the command to run: nothing to set up.
+    if parsed["abort"] or (parsed["version"] and not parsed["sha256"]):
+        # An abort, or only the hash and the command to run: nothing to set
+        # up, and the work tree's edits are none of their business.
         _series(session, "rebase", *session.posargs)
         return
-    _series(session, "apply")
+    if not parsed["resume"]:
+        # --continue goes on from the stage commits it recorded.
+        _series(session, "apply")
     _install_cpu_deps(session)
     _series(session, "rebase", "--test-python", python, *session.posargs)
 

@@ -99,9 +99,10 @@ def rebase_dir(series: Series) -> Path:
     return build_dir(series) / "rebase"
 
 
-def rebase_branch(target: Base) -> str:
-    """The project branch a finished rebase onto ``target`` writes."""
-    return f"rebase/{target.label}"
+def rebase_branch(target: Base, rehearsal: bool = False) -> str:
+    """The project branch a finished rebase onto ``target`` writes; the
+    rehearsal's has a namespace of its own, never a user's branch."""
+    return f"{'rehearsal' if rehearsal else 'rebase'}/{target.label}"
 
 
 def kept_resolutions_dir(series: Series, target: Base) -> Path:

@@ -453,6 +453,7 @@ def test_a_session_refuses_bad_arguments_before_it_runs_anything(name, posargs):
         (["--version", "0.35.0"], False),
         (["--version", "0.35.0", "--sha256", "a" * 64], True),
         (["--continue"], True),
+        (["--abort"], False),
         (["--version", "0.35.0", "--git", "/x"], True),  # refused by the tool
     ],
 )
@@ -470,8 +471,22 @@ def test_a_rebase_without_a_hash_only_asks_the_tool_for_it(posargs, makes_a_venv
     with pytest.raises(_Started):
         rebase.func(session)
     assert session.runs == [
-        (sys.executable, "-m", "scripts.series", "rebase", "--version", "0.35.0")
+        (sys.executable, "-m", "scripts.series", "rebase", *posargs)
     ]
+
+
+@pytest.mark.parametrize("posargs", [["--abort"], ["--continue"]])
+def test_an_abort_or_continue_applies_nothing_first(posargs):
+    """Applying would refuse the edits a stopped rebase's user has in the
+    work tree, so an abort (or a --continue) would never run."""
+    noxfile, sessions = _load_noxfile(["nox", "-s", "rebase", "--", *posargs])
+    (rebase,) = sessions["rebase"]
+    session = rebase.session("rebase", posargs)
+    session.stop = False
+    noxfile._install_cpu_deps = lambda session: session.runs.append(("deps",))
+    rebase.func(session)
+    assert not [run for run in session.runs if "apply" in run], session.runs
+    assert session.runs[-1][-1] == posargs[0]
 
 
 def test_help_after_the_double_dash_prints_the_commands_options(capsys):

@@ -17,15 +17,15 @@ from scripts.series.rebase.state import HunkReport, StageReport, state_file
 
 def test_the_rehearsal_merges_a_hunk_and_ends_on_a_branch(two_stages):
     """It runs on a project with uncommitted edits (left as they are), ends
-    on its branch and deletes it; --keep keeps it, and a second rehearsal
-    then refuses to overwrite it."""
+    on its branch, in a namespace of its own, and deletes it; --keep keeps
+    it until the next rehearsal, which deletes it first."""
     two_stages.commit_all()
     (two_stages.root / "notes.txt").write_text("uncommitted\n")
     series = two_stages.series()
     assert run_cli(["--series", str(two_stages.series_file), "apply"]).returncode == 0
     branch = rehearsal.rehearse(series, sys.executable)
-    assert branch.startswith("rebase/vllm-git-")
-    assert sh(two_stages.root, "git", "branch", "--list", "rebase/*") == ""
+    assert branch.startswith("rehearsal/vllm-git-")
+    assert sh(two_stages.root, "git", "branch", "--list", "rehearsal/*") == ""
     assert (two_stages.root / "notes.txt").read_text() == "uncommitted\n"
     target = rehearsal.target_dir(series)
     log = sh(target, "git", "log", "--format=%s").splitlines()
@@ -34,10 +34,9 @@ def test_the_rehearsal_merges_a_hunk_and_ends_on_a_branch(two_stages):
     envs = (target / "vllm" / "envs.py").read_text().splitlines()
     assert envs[2] == rehearsal.UPSTREAM_NOTE.strip()
     assert rehearsal.rehearse(series, sys.executable, keep=True) == branch
-    kept = sh(two_stages.root, "git", "rev-parse", branch)
-    with pytest.raises(SeriesError, match=f"already has a branch {branch}"):
-        rehearsal.rehearse(series, sys.executable)
-    assert sh(two_stages.root, "git", "rev-parse", branch) == kept
+    assert sh(two_stages.root, "git", "branch", "--list", branch).strip()
+    assert rehearsal.rehearse(series, sys.executable) == branch
+    assert sh(two_stages.root, "git", "branch", "--list", "rehearsal/*") == ""
 
 
 def test_every_outcome_but_applied_or_merged_fails_it(two_stages):

@@ -37,6 +37,7 @@ from scripts.series.rebase.series_toml import (
 from scripts.series.rebase.state import (
     RebaseState,
     format_report,
+    rebase_command,
     save_state,
     target_from,
     work_repo,
@@ -108,16 +109,16 @@ def finish(series: Series, state: RebaseState) -> str:
     run killed after the commit and before the state went finds its branch
     and only tidies up."""
     target = pinned_target(state)
-    branch = rebase_branch(target)
+    branch = rebase_branch(target, state.rehearsal)
     tree = work_repo(series, state).with_name("project")
     made = branch_commit(series, branch)
     if made is not None and made == state.branch_commit:
-        _remove_worktree(series, tree)
+        remove_worktree(series, tree)
         return branch
     refuse_unless_ready(
         series,
         branch,
-        clean=not state.allow_uncommitted,
+        clean=not state.rehearsal,
         then="`nox -s rebase -- --continue`",
     )
     moved = git(
@@ -135,7 +136,7 @@ def finish(series: Series, state: RebaseState) -> str:
             "HEAD: switch back to a branch that contains it, then "
             "`nox -s rebase -- --continue`"
         )
-    _remove_worktree(series, tree)
+    remove_worktree(series, tree)
     git(series.root, "worktree", "add", "-q", "--detach", str(tree), "HEAD")
     _write_series(series, state, tree)
     git(tree, "add", "-A")
@@ -155,9 +156,41 @@ def finish(series: Series, state: RebaseState) -> str:
     state.branch_commit = git_out(tree, "rev-parse", "HEAD")
     save_state(series, state)
     # Created only if absent (the empty old value): never moves a branch.
-    git(series.root, "update-ref", f"refs/heads/{branch}", state.branch_commit, "")
-    _remove_worktree(series, tree)
+    created = git(
+        series.root,
+        "update-ref",
+        f"refs/heads/{branch}",
+        state.branch_commit,
+        "",
+        check=False,
+    )
+    if created.returncode != 0:
+        raise SeriesError(_branch_not_made(series, branch, state.branch_commit))
+    remove_worktree(series, tree)
     return branch
+
+
+def _branch_not_made(series: Series, branch: str, commit: str) -> str:
+    """Why git did not create ``branch``, and what to do: another rebase
+    (in another worktree of this repository) made it first, or git's lock
+    on it is held or left by a killed git."""
+    other = branch_commit(series, branch)
+    if other is not None:
+        return (
+            f"the branch {branch} appeared while this rebase made it, at "
+            f"{other[:12]}, not this rebase's commit {commit[:12]} (another "
+            f"rebase onto the same target, in another worktree?): keep one, "
+            f"`git branch -D {branch}` and {rebase_command('--continue')} to "
+            "make this one"
+        )
+    path = git_out(series.root, "rev-parse", "--git-path", f"refs/heads/{branch}")
+    lock = series.root / f"{path}.lock"  # relative to the project, if not absolute
+    return (
+        f"git could not create the branch {branch}: its lock file {lock} is "
+        "held by another git command in this repository, or was left by one "
+        f"that was killed; if none is running, `rm {lock}`, then "
+        f"{rebase_command('--continue')}"
+    )
 
 
 def pinned_target(state: RebaseState) -> Base:
@@ -169,10 +202,13 @@ def pinned_target(state: RebaseState) -> Base:
     return target
 
 
-def _remove_worktree(series: Series, tree: Path) -> None:
-    if tree.exists():
-        git(series.root, "worktree", "remove", "--force", str(tree), check=False)
-        shutil.rmtree(tree, ignore_errors=True)
+def remove_worktree(series: Series, tree: Path) -> None:
+    """Remove the rebase's worktree of the project, and what a kill inside
+    `git worktree add` leaves: a registration git keeps locked
+    ("initializing") even when the folder is gone, which `prune` skips."""
+    git(series.root, "worktree", "unlock", str(tree), check=False)
+    git(series.root, "worktree", "remove", "-f", "-f", str(tree), check=False)
+    shutil.rmtree(tree, ignore_errors=True)
     git(series.root, "worktree", "prune", check=False)
 
 

@@ -40,6 +40,7 @@ from scripts.series.rebase.branch import (
     finish,
     pinned_target,
     refuse_unless_ready,
+    remove_worktree,
     series_digest,
 )
 from scripts.series.rebase.checks import claimed_stages, stage_problem
@@ -80,13 +81,13 @@ def start(
     *,
     test_python: str | None = None,
     drop: Sequence[str] = (),
-    allow_uncommitted: bool = False,
+    rehearsal: bool = False,
 ) -> list[StageReport]:
     """Begin a rebase of ``series`` onto ``target``; run as far as it goes.
     With ``test_python`` a stage whose upstream probe passes on the target
     without it is left out; the stages in ``drop`` are left out on request.
-    The project must be committed unless ``allow_uncommitted`` (the
-    rehearsal, whose branch is deleted)."""
+    The project must be committed, unless this is the ``rehearsal``'s
+    rebase (its branch, rehearsal/<target>, is deleted)."""
     if state_file(series).exists():
         raise SeriesError(
             "a rebase is already in progress; finish it with "
@@ -102,7 +103,7 @@ def start(
         if isinstance(target, GitBase)
         else target
     )
-    refuse_unless_ready(series, rebase_branch(pinned), clean=not allow_uncommitted)
+    refuse_unless_ready(series, rebase_branch(pinned, rehearsal), clean=not rehearsal)
     tester = TreeTester(test_python) if test_python else None
     old_tip = _old_tip(series)
     area = rebase_dir(series)
@@ -135,7 +136,7 @@ def start(
         # A branch moves; the rebased series pins the commit it is onto.
         target_commit=pinned.rev if isinstance(pinned, GitBase) else None,
         regression_gone=gone,
-        allow_uncommitted=allow_uncommitted,
+        rehearsal=rehearsal,
         project_head=git_out(series.root, "rev-parse", "HEAD"),
     )
     save_state(series, state)
@@ -144,9 +145,10 @@ def start(
 
 
 def _old_tip(series: Series) -> str:
-    """The series' last stage commit, built if needed; the work tree is left
-    at the stage it was at (``apply --upto``), and is not moved at all when
-    every stage commit is current (a kill cannot leave it elsewhere)."""
+    """The series' last stage commit, built if needed. The work tree stays
+    at the stage it was at (``apply --upto``), moved at most once, to that
+    stage's new commit when its inputs changed; the stages above it are
+    made without moving it, so a kill cannot leave it at another stage."""
     repo = workdir(series)
     position = None
     if repo.exists():
@@ -154,13 +156,12 @@ def _old_tip(series: Series) -> str:
         if chain.current == len(series.stages):
             return chain.tip
         head = git_out(repo, "rev-parse", "HEAD")
-        commits = {c: s.id for s, c in chain.applied[: chain.current]}
+        commits = {c: s.id for s, c in chain.applied}
         position = "base" if head == chain.base else commits.get(head)
-    apply(series, quiet=True)
-    tip = read_chain(series, repo).tip
     if position is not None:
         apply(series, position, quiet=True)
-    return tip
+    apply(series, quiet=True, move_tree=position is None)
+    return read_chain(series, repo).tip
 
 
 def _offer_recorded_resolutions(series: Series, work: Path) -> None:
@@ -382,9 +383,9 @@ def abort(series: Series) -> None:
     state = load_state(series)
     target = target_from(state.target)
     count = _keep_resolutions(series, state)
-    shutil.rmtree(rebase_dir(series) / target.label, ignore_errors=True)
     # A kill while the branch was made can leave its worktree registered.
-    git(series.root, "worktree", "prune", check=False)
+    remove_worktree(series, work_repo(series, state).with_name("project"))
+    shutil.rmtree(rebase_dir(series) / target.label, ignore_errors=True)
     remove_state(series)
     kept = (
         f"; {count} conflict resolution(s) kept in "

@@ -17,17 +17,19 @@ the sdist ships), tagged as the release, then three upstream commits:
 Every stage must come out applied or merged, with its checks passed (its
 Python compiles, its vLLM modules import, its tests and its PR's tests pass
 on the target), none reported upstream, and the rebase must end on its
-project branch, rebase/<target>, with the rebased series.toml on it. That
-branch is then deleted (--keep keeps it): it names a checkout under build/
-that is not the project's to keep. Unlike a real rebase, the rehearsal runs
-on a project with uncommitted edits (the branch is made from the last
-commit plus the rebased series).
+project branch, rehearsal/<target> (a namespace of its own), with the
+rebased series.toml on it. That branch is then deleted (--keep keeps it
+until the next rehearsal). Unlike a real rebase, the rehearsal runs on a
+project with uncommitted edits (the branch is made from the last commit
+plus the rebased series).
 
 ``python -m scripts.series.rebase.rehearsal --test-python PY`` (``nox -s
 rehearse-rebase`` passes its own); exits 1 with the reason when the
-rehearsal fails. A rebase it stopped (a conflict, a failed check) is
-aborted, so that it blocks no real one, its check logs kept in
-build/rehearsal/logs/; --keep keeps it to look into.
+rehearsal fails. It shares a real rebase's work area, so it refuses to run
+while one is stopped, and never touches it. A rebase it stopped (a
+conflict, a failed check, Ctrl-C) is aborted, its check logs kept in
+build/rehearsal/logs/ (--keep keeps it to look into); what a killed
+rehearsal leaves, the next one clears.
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ from scripts.series.layout import (
 from scripts.series.lock import project_lock
 from scripts.series.rebase import rebase
 from scripts.series.rebase.branch import branch_commit
-from scripts.series.rebase.state import StageReport, rebase_command, state_file
+from scripts.series.rebase.state import (
+    StageReport,
+    load_state,
+    rebase_command,
+    state_file,
+)
 from scripts.series.stages.patchfile import Hunk, read_patch
 from scripts.series.stages.prepare import extract_commit
 
@@ -152,12 +159,36 @@ def problems(reports: list[StageReport], series: Series) -> list[str]:
     return found
 
 
+def _own_stopped_rebase(series: Series) -> bool:
+    """Whether a stopped rebase is there and the rehearsal's own."""
+    return state_file(series).exists() and load_state(series).rehearsal
+
+
+def _clear_leftovers(series: Series, branch: str) -> None:
+    """What an earlier rehearsal, killed, may have left: its stopped rebase
+    (aborted) and its branch (deleted). A user's stopped rebase shares the
+    rehearsal's work area, so the rehearsal refuses to run beside it."""
+    if state_file(series).exists():
+        if not load_state(series).rehearsal:
+            raise SeriesError(
+                "a rebase is stopped in this checkout; the rehearsal shares its "
+                "work area and leaves it alone: go on with "
+                f"{rebase_command('--continue')} or drop it with "
+                f"{rebase_command('--abort')}, then rehearse"
+            )
+        print("a rehearsal stopped earlier left its rebase; dropping it")
+        rebase.abort(series)
+    if branch_commit(series, branch) is not None:
+        print(f"deleting the branch {branch} an earlier rehearsal left")
+        git(series.root, "branch", "-q", "-D", branch)
+
+
 def _stopped(series: Series, target: GitBase, error: str, keep: bool) -> str:
     """The rehearsal's rebase stopped (a conflict or a failed check): what to
     say. Unless ``keep``, the stopped rebase is dropped, so that it blocks no
     later rebase, its check logs kept beside the target."""
     message = f"the rebase rehearsal stopped: {error}"
-    if not state_file(series).exists():
+    if not _own_stopped_rebase(series):
         return message
     if keep:
         return (
@@ -179,22 +210,29 @@ def _stopped(series: Series, target: GitBase, error: str, keep: bool) -> str:
 
 
 def rehearse(series: Series, test_python: str, keep: bool = False) -> str:
-    """Run the rehearsal; return its branch (deleted unless ``keep``)."""
-    repo, changes = make_target(series)
-    target = GitBase(series.base.name, repo, git_out(repo, "rev-parse", "HEAD"))
-    branch = rebase_branch(target)
-    print(
-        f"rehearsal target {repo} ({git_out(repo, 'describe', '--tags', '--always')}):"
-    )
-    for change in changes:
-        print(f"  upstream commit: {change}")
+    """Run the rehearsal; return its branch (deleted unless ``keep``, and by
+    the next rehearsal)."""
     with project_lock(series, "rebase rehearsal"):
+        repo, changes = make_target(series)
+        target = GitBase(series.base.name, repo, git_out(repo, "rev-parse", "HEAD"))
+        branch = rebase_branch(target, rehearsal=True)
+        _clear_leftovers(series, branch)
+        print(
+            f"rehearsal target {repo} "
+            f"({git_out(repo, 'describe', '--tags', '--always')}):"
+        )
+        for change in changes:
+            print(f"  upstream commit: {change}")
         try:
             reports = rebase.start(
-                series, target, test_python=test_python, allow_uncommitted=True
+                series, target, test_python=test_python, rehearsal=True
             )
         except SeriesError as exc:
             raise SeriesError(_stopped(series, target, str(exc), keep)) from None
+        except KeyboardInterrupt:
+            if _own_stopped_rebase(series) and not keep:
+                rebase.abort(series)
+            raise
     found = problems(reports, series)
     if branch_commit(series, branch) is None:
         found.append(f"the rebase made no branch {branch}")
@@ -227,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     except SeriesError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        kept = "kept (--keep)" if args.keep else "dropped"
+        print(
+            f"error: the rebase rehearsal was interrupted; its rebase is {kept}, "
+            "and the next rehearsal clears what is left",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

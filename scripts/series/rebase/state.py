@@ -52,8 +52,9 @@ class RebaseState:
     # [[regression]] test paths the target no longer has (left out of the
     # rebased series.toml, and reported).
     regression_gone: list[str] = field(default_factory=list)
-    # The rehearsal's rebase may start from a project with uncommitted edits.
-    allow_uncommitted: bool = False
+    # The rehearsal's own rebase: it may start from a project with
+    # uncommitted edits, and its branch is rehearsal/<target>.
+    rehearsal: bool = False
     # The project's HEAD when it started: the branch goes on a commit that
     # contains it.
     project_head: str = ""
@@ -86,6 +87,8 @@ def load_state(series: Series) -> RebaseState:
             f"{rebase_command('--git PATH --rev REV')}"
         )
     raw = json.loads(path.read_text())
+    # The name this field had before the rehearsal's branch had its own.
+    raw["rehearsal"] = raw.pop("allow_uncommitted", raw.get("rehearsal", False))
     reports = [
         StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})
         for r in raw.pop("reports")

@@ -302,11 +302,14 @@ def apply(
     carry: bool = False,
     resume: bool = False,
     abort: bool = False,
+    move_tree: bool = True,
 ) -> Path:
     """Bring the work repo to ``upto`` (default: the last stage); return it.
     ``carry``: a stage whose patch no longer applies is carried with a
     three-way merge, stopping on its conflicts; ``resume`` (``--continue``)
-    commits the resolved stage and goes on; ``abort`` drops it."""
+    commits the resolved stage and goes on; ``abort`` drops it. Without
+    ``move_tree`` the stage commits are made and recorded, and the tree
+    stays where it is (at a current stage below them)."""
     target = series.stages_upto(upto)
     repo = prepare(series, offline=offline, quiet=quiet)
     waiting = carry_path(repo).exists()
@@ -351,7 +354,9 @@ def apply(
             if not quiet:
                 print(f"stage {stage.id}: applied ({stage.title}) as {parent[:12]}")
     except StageApplyError:
-        _move_tree(repo, parent)  # the last good stage
+        if move_tree:
+            _move_tree(repo, parent)  # the last good stage
         raise
-    _move_tree(repo, parent)
+    if move_tree:
+        _move_tree(repo, parent)
     return repo
