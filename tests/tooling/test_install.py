@@ -27,7 +27,12 @@ from scripts.series import SeriesError
 from scripts.series.config import SERIES_FILE, load_series
 from scripts.series.install import install as install_module
 from scripts.series.install.install import install, installed_record, stage_files
-from scripts.series.layout import INSTALL_RECORD, INSTALL_RECORD_DIR, workdir
+from scripts.series.layout import (
+    INSTALL_RECORD,
+    INSTALL_RECORD_DIR,
+    INSTALL_STAGED,
+    workdir,
+)
 from scripts.series.stages.state import read_chain
 from scripts.series.stages.trees import stage_tree
 
@@ -313,6 +318,7 @@ def test_an_install_stopped_at_any_step_is_finished_or_undone(
             final = target if stop_at % 2 == 0 else None
             notes.append(install(site, wanted[final] if final else None).note)
             assert state() == expected[final], (start, stop_at, final)
+            assert _record_folder_leftovers(site) == [], (start, stop_at, final)
             install(site, None)
             assert state() == {}
             assert not (site / INSTALL_RECORD_DIR).exists()
@@ -320,6 +326,28 @@ def test_an_install_stopped_at_any_step_is_finished_or_undone(
     # Stopped after its record in flight, a run was finished (or undone) from it.
     finished = [n for n in notes if n.startswith("finished an interrupted install")]
     assert len(finished) >= 4, notes
+
+
+def _record_folder_leftovers(site: Path) -> list[str]:
+    """Files in the record folder that its record does not account for (a
+    temporary name a stopped write left), and staged files in the package."""
+    import json
+
+    root = site / INSTALL_RECORD_DIR
+    staged = [str(p) for p in (site / "vllm").rglob(f".*{INSTALL_STAGED}")]
+    if not root.exists():
+        return staged
+    record = json.loads((root / INSTALL_RECORD).read_text())
+    kept = {INSTALL_RECORD} | {
+        f"originals/{path}"
+        for path, hashes in record["files"].items()
+        if hashes["original"] is not None
+    }
+    return staged + sorted(
+        rel
+        for rel in (p.relative_to(root).as_posix() for p in root.rglob("*"))
+        if (root / rel).is_file() and rel not in kept
+    )
 
 
 def test_an_install_stopped_before_its_record_lands_leaves_nothing_staged(
@@ -471,6 +499,82 @@ def _recover_as_advised(site: Path, advice: str) -> None:
     shutil.rmtree(site / INSTALL_RECORD_DIR)
 
 
+def _rekey(record: dict, old: str, new: str) -> None:
+    record["files"][new] = record["files"].pop(old)
+
+
+def _escape_link(site: Path, outside: Path) -> str:
+    """A folder of the package that is a link to ``outside``."""
+    (site / "vllm" / "escape").symlink_to(outside, target_is_directory=True)
+    return "vllm/escape/envs.py"
+
+
+HOSTILE = {
+    "a hash with a newline after it": lambda r, site, out: r["files"][
+        "vllm/envs.py"
+    ].update(installed=r["files"]["vllm/envs.py"]["installed"] + "\n"),
+    "a hash in capitals": lambda r, site, out: r["files"]["vllm/envs.py"].update(
+        original=r["files"]["vllm/envs.py"]["original"].upper()
+    ),
+    "an absolute path": lambda r, site, out: _rekey(
+        r, "vllm/envs.py", str(out / "envs.py")
+    ),
+    "a path through ..": lambda r, site, out: _rekey(
+        r, "vllm/envs.py", "vllm/../outside/envs.py"
+    ),
+    "a path through a link out of the package": lambda r, site, out: _rekey(
+        r, "vllm/envs.py", _escape_link(site, out)
+    ),
+    "a pending swap through a link": lambda r, site, out: r.update(
+        pending=[
+            {
+                "path": _escape_link(site, out),
+                "before": _sha(out / "envs.py"),
+                "after": None,
+            }
+        ]
+    ),
+    "a pending swap at an absolute path": lambda r, site, out: r.update(
+        pending=[{"path": str(out / "envs.py"), "before": None, "after": None}]
+    ),
+    "the saved originals a link out": lambda r, site, out: (
+        shutil.move(site / INSTALL_RECORD_DIR / "originals", out / "originals"),
+        (site / INSTALL_RECORD_DIR / "originals").symlink_to(out / "originals"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_record_touches_nothing_outside_the_package(
+    installed_vllm, wanted, tmp_path, name
+):
+    """Each field of record.json is untrusted input: a value that is not
+    exactly what install writes, or a path that leads out of the package (or
+    out of the saved originals) by any way, is refused, naming it, before
+    anything is written; an undo or install then changes nothing, inside the
+    package or outside it."""
+    import json
+
+    site = installed_vllm
+    install(site, wanted["0001"])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "envs.py").write_bytes((site / "vllm/envs.py").read_bytes())
+    (outside / "keep.txt").write_text("the user's\n")
+    record_file = site / INSTALL_RECORD_DIR / INSTALL_RECORD
+    record = json.loads(record_file.read_text())
+    HOSTILE[name](record, site, outside)
+    record_file.write_text(json.dumps(record))
+    before_outside = _tree_state(outside)
+    before_package = _tree_state(site / "vllm")
+    for target in (None, wanted["0003"]):
+        with pytest.raises(SeriesError, match="record.json is damaged"):
+            install(site, target)
+        assert _tree_state(outside) == before_outside
+        assert _tree_state(site / "vllm") == before_package
+
+
+OPS = "vllm/v1/attention/ops"  # stage 0001 adds a file there, changes one
 OPS = "vllm/v1/attention/ops"  # stage 0001 adds a file there, changes one
 
 

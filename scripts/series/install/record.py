@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.layout import INSTALL_RECORD_DIR
+from scripts.series.layout import INSTALL_ORIGINALS, INSTALL_RECORD_DIR
 
 PACKAGE = "vllm"
 FORMAT = 1  # of record.json; a settled record is as earlier versions wrote it
@@ -76,7 +76,7 @@ def load(path: Path) -> dict | None:
     else:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             problem = "is not an install record this tool wrote"
-        elif (problem := _record_problem(data)) is None:
+        elif (problem := _record_problem(data) or _escape(path, data)) is None:
             return data
         else:
             problem = f"is damaged: {problem}"
@@ -109,6 +109,22 @@ def _record_problem(record: dict) -> str | None:
         record.get("stage"), str
     ):
         return "no vLLM version, or no stage"
+    return None
+
+
+def _escape(record_file: Path, record: dict) -> str | None:
+    """A path of the record that a symlink on the way leads out of the
+    package, or out of the folder of saved originals: install and undo
+    write both."""
+    site = record_file.parent.parent.resolve()
+    package = (site / PACKAGE).resolve()
+    originals = site / INSTALL_RECORD_DIR / INSTALL_ORIGINALS
+    paths = [*record["files"], *(e["path"] for e in record.get("pending", []))]
+    for path in paths:
+        if not (site / path).resolve().is_relative_to(package):
+            return f"{path!r} leads out of the {PACKAGE} package through a symlink"
+        if not (originals / path).resolve().is_relative_to(originals):
+            return f"its saved {path!r} leads out of {originals} through a symlink"
     return None
 
 
