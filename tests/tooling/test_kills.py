@@ -36,7 +36,8 @@ case " $* " in
   if [ ! -e "$BLOCK_MARKER.seen" ]; then
     : > "$BLOCK_MARKER.seen"
     case "$BLOCK_WHEN" in
-    before) : > "$BLOCK_MARKER"; while [ ! -e "$BLOCK_MARKER.go" ]; do sleep 0.05; done ;;
+    before) : > "$BLOCK_MARKER"
+      while [ ! -e "$BLOCK_MARKER.go" ]; do sleep 0.05; done ;;
     after) "$REAL_GIT" "$@"; rc=$?; : > "$BLOCK_MARKER"; sleep 600; exit $rc ;;
     inside) exec "$REAL_GIT" -c "filter.block.smudge=$BLOCK_FILTER" "$@" ;;
     esac
@@ -183,6 +184,46 @@ def test_the_rehearsal_leaves_a_users_stopped_rebase_as_it_was(two_stages: Proje
     go_on = _cli(two_stages, "rebase", "--continue")
     assert go_on.returncode == 0, go_on.stderr
     assert _branches(two_stages, "rebase/*")
+
+
+def test_a_branch_of_the_same_name_is_not_taken_for_the_tools_own(two_stages: Project):
+    """A branch of the rebase's name made by hand while it is stopped is not
+    its finished branch: --continue refuses and keeps the state. A branch of
+    the rehearsal's name it did not make is not deleted."""
+    two_stages.commit_all()
+    target = _conflicting_target(two_stages)
+    series = two_stages.series()
+    main = sh(target.path, "git", "rev-parse", target.rev).strip()
+    branch = f"rebase/vllm-git-{main[:12]}"
+    done = _cli(two_stages, "rebase", "--git", str(target.path), "--rev", target.rev)
+    assert "stage 0001 has conflicts" in done.stderr
+    work = rebase_dir(series) / target.label / "vllm"
+    envs = work / "vllm/envs.py"
+    envs.write_text(
+        "".join(
+            line
+            for line in envs.read_text().splitlines(keepends=True)
+            if not line.startswith(("<<<<<<<", "=======", ">>>>>>>"))
+        )
+    )
+    sh(two_stages.root, "git", "branch", branch)
+    by_hand = sh(two_stages.root, "git", "rev-parse", branch).strip()
+    refused = _cli(two_stages, "rebase", "--continue")
+    assert refused.returncode == 1
+    assert f"already has a branch {branch}" in refused.stderr
+    assert state_file(series).exists()
+    assert sh(two_stages.root, "git", "rev-parse", branch).strip() == by_hand
+    sh(two_stages.root, "git", "branch", "-D", branch)
+    assert _cli(two_stages, "rebase", "--continue").returncode == 0
+
+    assert _cli(two_stages, "apply").returncode == 0
+    repo, _ = rehearsal.make_target(series)
+    head = sh(repo, "git", "rev-parse", "HEAD").strip()
+    mine = f"rehearsal/vllm-git-{head[:12]}"
+    sh(two_stages.root, "git", "branch", mine)
+    with pytest.raises(SeriesError, match=f"the branch {mine} is not a rehearsal's"):
+        rehearsal.rehearse(series, sys.executable)
+    assert _branches(two_stages, "rehearsal/*") == [mine]
 
 
 # -- 2. git's own leftovers: a worktree git left locked, a ref lock -----------

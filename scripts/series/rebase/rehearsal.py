@@ -164,10 +164,21 @@ def _own_stopped_rebase(series: Series) -> bool:
     return state_file(series).exists() and load_state(series).rehearsal
 
 
-def _clear_leftovers(series: Series, branch: str) -> None:
+def _made_by_a_rehearsal(series: Series, branch: str, target: GitBase) -> bool:
+    """Whether ``branch`` is a rehearsal's: its commit is a rebase's onto
+    this very target (the target's commit is the same every time)."""
+    subject = git_out(series.root, "log", "-1", "--format=%s", branch)
+    pin = git(series.root, "show", f"{branch}:patches/series.toml", check=False)
+    return subject == f"Rebase the series onto {target.label}" and (
+        f'rev = "{target.rev}"' in pin.stdout.decode(errors="replace")
+    )
+
+
+def _clear_leftovers(series: Series, branch: str, target: GitBase) -> None:
     """What an earlier rehearsal, killed, may have left: its stopped rebase
     (aborted) and its branch (deleted). A user's stopped rebase shares the
-    rehearsal's work area, so the rehearsal refuses to run beside it."""
+    rehearsal's work area, so the rehearsal refuses to run beside it; a
+    branch of the same name it did not make is refused too."""
     if state_file(series).exists():
         if not load_state(series).rehearsal:
             raise SeriesError(
@@ -179,6 +190,12 @@ def _clear_leftovers(series: Series, branch: str) -> None:
         print("a rehearsal stopped earlier left its rebase; dropping it")
         rebase.abort(series)
     if branch_commit(series, branch) is not None:
+        if not _made_by_a_rehearsal(series, branch, target):
+            raise SeriesError(
+                f"the branch {branch} is not a rehearsal's (not a rebase onto "
+                f"{target.label}), and the rehearsal writes that name: rename it "
+                f"(`git branch -m {branch} NEW`), then rehearse"
+            )
         print(f"deleting the branch {branch} an earlier rehearsal left")
         git(series.root, "branch", "-q", "-D", branch)
 
@@ -216,7 +233,7 @@ def rehearse(series: Series, test_python: str, keep: bool = False) -> str:
         repo, changes = make_target(series)
         target = GitBase(series.base.name, repo, git_out(repo, "rev-parse", "HEAD"))
         branch = rebase_branch(target, rehearsal=True)
-        _clear_leftovers(series, branch)
+        _clear_leftovers(series, branch, target)
         print(
             f"rehearsal target {repo} "
             f"({git_out(repo, 'describe', '--tags', '--always')}):"
