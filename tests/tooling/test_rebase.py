@@ -1179,3 +1179,43 @@ def test_the_projects_series_file_is_edited_line_for_line():
         for s in series.stages
     )
     assert 'title = "New title"' in edited(dataclasses.replace(series, stages=retitled))
+
+
+@needs_release_pin
+@pytest.mark.parametrize(
+    "form",
+    [
+        ("[base]", "[ base ]"),
+        ("[base]", '["base"]'),
+        ("[base]", "  [base]  # the pin"),
+        ("[[stage]]", "[[ stage ]]  # one stage"),
+        ('id = "0001"', "id = '0001'"),
+        ("\n", "\r\n"),
+    ],
+    ids=["spaced", "quoted", "indented, a comment", "array spaced", "literal", "CRLF"],
+)
+def test_a_series_file_in_any_valid_toml_form_is_edited_in_place(form):
+    """TOML a user may write (headers spaced, quoted or commented, literal
+    strings, CRLF line ends): a pin move edits [base]'s values and keeps
+    every other line as it was, comments on header lines included."""
+    import dataclasses
+    import tomllib
+
+    from scripts.series.rebase.series_toml import series_toml, updated_series_file
+
+    series = load_series()
+    folder = series.patches_dir
+    text = (folder / "series.toml").read_text().replace(*form)
+    target = dataclasses.replace(series.base, version="0.35.0", sha256="ab" * 32)
+    new = series_toml(dataclasses.replace(series, base=target), folder)
+    out = updated_series_file(text, new)
+    assert tomllib.loads(out) == tomllib.loads(new)
+    changed = [
+        (a, b)
+        for a, b in zip(text.splitlines(), out.splitlines(), strict=True)
+        if a != b
+    ]
+    assert [b for _, b in changed] == [
+        'version = "0.35.0"',
+        f'sha256 = "{"ab" * 32}"',
+    ]

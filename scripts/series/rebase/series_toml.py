@@ -125,7 +125,8 @@ def updated_series_file(text: str, new_text: str) -> str:
         elif new[1] == value:
             out += table
         else:
-            out += new[0] + comments
+            # The header line as the user wrote it (its spacing, a comment).
+            out += [table[0], *new[0][1:], *comments]
     for table, _ in wanted.values():
         out += ["\n", *table, "\n"]
     edited = re.sub(r"\n{3,}", "\n\n", "".join(out))
@@ -133,7 +134,11 @@ def updated_series_file(text: str, new_text: str) -> str:
     return edited if tomllib.loads(edited) == tomllib.loads(new_text) else new_text
 
 
-_HEADER = re.compile(r"^\[\[?[A-Za-z_]+\]\]?\s*(#.*)?$")
+# A table header as TOML allows it: [base], [ base ], ["base"],
+# [[stage]] or [[ stage ]], a comment after it. A line of a multi-line
+# array ([1, 2],) is none: its parts are not a key.
+_KEY = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""
+_HEADER = re.compile(rf"^\s*\[\[?\s*{_KEY}(?:\s*\.\s*{_KEY})*\s*\]\]?\s*(#.*)?$")
 
 
 def _tables(text: str) -> list[list[str]]:
