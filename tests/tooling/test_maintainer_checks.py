@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from scripts.series import SeriesError
 from scripts.series.export.maintainer_checks import layering
 from tests.tooling.conftest import sh, write_files
 
@@ -130,3 +133,52 @@ def test_pre_commits_verbose_report_is_read_hook_by_hook():
         ("ruff-format", "failed", "files were modified by this hook"),
     ]
     assert parse_run("An error has occurred: InvalidConfigError\n") == []
+
+
+# `pre-commit run --verbose --color never` (4.x) on three local hooks, the
+# second of which interrupts pre-commit (kill -INT $PPID): exit 130.
+_PASSED_THEN_STOPPED = (
+    "first....................................................................Passed\n"
+    "- hook id: first\n- duration: 0.01s\n"
+    "second...................................................................Interrupted"
+    " (^C): KeyboardInterrupt: \n"
+    "Check the log at /root/.cache/pre-commit/pre-commit.log\n"
+)
+_FAILED_THEN_STOPPED = (
+    "first....................................................................Failed\n"
+    "- hook id: first\n- duration: 0s\n- exit code: 1\n\nfirst failed\n\n"
+    "second...................................................................Interrupted"
+    " (^C): KeyboardInterrupt: \n"
+    "Check the log at /root/.cache/pre-commit/pre-commit.log\n"
+)
+
+
+@pytest.mark.parametrize(
+    "returncode, stdout",
+    [
+        (130, _PASSED_THEN_STOPPED),
+        (130, _FAILED_THEN_STOPPED),
+        # A failed hook, then an error of pre-commit's own (exit 1 for both).
+        (1, _FAILED_THEN_STOPPED.split("second")[0]
+         + "An error has occurred: FatalError: git failed. Is it installed?\n"),
+        (3, "An unexpected error has occurred: CalledProcessError: git diff\n"),
+    ],
+    ids=["passed, then Ctrl-C", "failed, then Ctrl-C", "failed, then an error",
+         "an error before any hook"],
+)  # fmt: skip
+def test_a_pre_commit_that_stopped_part_way_is_no_review(returncode, stdout):
+    """Hooks that ran before pre-commit stopped are not the review: the
+    hooks after them never ran. The error says so, with pre-commit's line."""
+    from scripts.series.export.vllm_precommit import checked_results
+
+    with pytest.raises(SeriesError, match=r"did not run to its end \(exit "):
+        checked_results(returncode, stdout, "")
+
+
+def test_a_pre_commit_that_ran_to_its_end_is_the_review():
+    from scripts.series.export.vllm_precommit import checked_results
+
+    failed = _FAILED_THEN_STOPPED.split("second")[0]
+    assert [r.status for r in checked_results(1, failed, "")] == ["failed"]
+    passed = _PASSED_THEN_STOPPED.split("second")[0]
+    assert [r.status for r in checked_results(0, passed, "")] == ["passed"]

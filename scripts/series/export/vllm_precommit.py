@@ -127,14 +127,40 @@ def hook_results(
         command, cwd=tree, env=env, capture_output=True, text=True, check=False
     )
     subprocess.run(["git", "checkout", "--", "."], cwd=tree, check=True)
-    results = parse_run(done.stdout)
+    return checked_results(done.returncode, done.stdout, done.stderr)
+
+
+# pre-commit's own exits: 0 every hook passed, 1 a hook failed (or pre-commit
+# stopped on an error of its own, which it says in a line of these).
+_STOPPED = (
+    "An error has occurred:",
+    "An unexpected error has occurred:",
+    "Interrupted",
+)
+
+
+def checked_results(returncode: int, stdout: str, stderr: str) -> list[HookResult]:
+    """The hooks' results of a ``pre-commit run``, once it is certain that
+    pre-commit ran every hook to its end: a run it stopped itself (an error
+    of its own, Ctrl-C), after some hooks had run, is not a review."""
+    results = parse_run(stdout)
+    stopped = [
+        line
+        for line in _ANSI_COLOUR.sub("", stdout + stderr).splitlines()
+        if any(mark in line for mark in _STOPPED)
+    ]
+    failed = any(r.status == "failed" for r in results)
     if (
-        not results
-        or done.returncode
-        and not any(r.status == "failed" for r in results)
+        stopped
+        or returncode not in (0, 1)
+        or not results
+        or (returncode and not failed)
     ):
-        tail = (done.stderr or done.stdout).strip()[-2000:]
-        raise SeriesError(f"vLLM's pre-commit did not run: {tail}")
+        why = stopped[0].strip() if stopped else (stderr or stdout).strip()[-2000:]
+        raise SeriesError(
+            f"vLLM's pre-commit did not run to its end (exit {returncode}, after "
+            f"{len(results)} hook(s)): {why}"
+        )
     return results
 
 
