@@ -11,6 +11,7 @@ rebase at stage 0003 and blames the stage."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,12 +34,18 @@ def _git(repo: Path, *args: str) -> str:
 
 
 @pytest.fixture
-def top_stage_repo(tmp_path: Path) -> Path:
-    """A clone of the work repo at the top stage, to commit into."""
+def top_stage_repo(request, tmp_path: Path):
+    """A clone of the work repo at the top stage, to commit into: outside
+    the project, or under its build/ as a real rebase's work repo is (the
+    blame rule must tell vLLM's frames there from the project's harness)."""
     work = workdir(SERIES)
     if not (work / ".git").exists():
         pytest.skip(f"needs the applied series in {work}: run `nox -s apply`")
-    clone = tmp_path / "vllm"
+    where = tmp_path
+    if getattr(request, "param", None) == "under build/":
+        where = REPO_ROOT / "build" / "import-check-tests" / tmp_path.name
+        request.addfinalizer(lambda: shutil.rmtree(where, ignore_errors=True))
+    clone = where / "vllm"
     subprocess.run(
         ["git", "clone", "-q", "--shared", str(work), str(clone)], check=True
     )
@@ -56,6 +63,9 @@ def test_every_stage_module_passes_the_rebase_import_check(top_stage_repo):
     assert tester.imports(SERIES, top_stage_repo, STAGES, modules) is None
 
 
+@pytest.mark.parametrize(
+    "top_stage_repo", ["outside the project", "under build/"], indirect=True
+)
 def test_a_broken_platform_module_fails_with_its_own_error(top_stage_repo):
     rocm = top_stage_repo / "vllm" / "platforms" / "rocm.py"
     rocm.write_text(rocm.read_text() + "\nraise RuntimeError('planted by the test')\n")

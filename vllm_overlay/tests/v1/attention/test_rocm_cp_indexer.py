@@ -482,6 +482,19 @@ def test_steps_that_would_not_repay_the_merge_stay_replicated(tp, requests, spli
     assert (plan is not None) is splits
 
 
+@pytest.mark.parametrize(("rows", "splits"), [(7400, False), (7450, True)])
+def test_the_plans_own_rows_decide_where_even_shares_would_repay(rows, splits):
+    """A fresh prompt at tp 2: even shares of its rows would repay their
+    merge, but the cuts by cost give rank 0 about two thirds of the rows
+    (the early rows are cheap), and one xGMI link carries them. From 7,450
+    rows that still repays, at 7,400 it does not: only the gate on the
+    plan's own rows tells the two apart."""
+    requests = [(0, rows)]
+    total = sum(_row_costs(requests))
+    assert rocm_cp_indexer.split_repays(total, [rows // 2, rows - rows // 2])
+    assert (_plan(2, requests) is not None) is splits
+
+
 def test_the_merge_is_priced_per_link():
     """The merge of a plan's rows: NVLink's switch brings every other rank's
     rows through one port; xGMI joins each pair of GPUs with its own link,
