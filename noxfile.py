@@ -384,3 +384,22 @@ def status(session: nox.Session) -> None:
     """Show which stages the work tree holds, and edits beyond them."""
     _no_args(session)
     _series(session, "status")
+
+
+@nox.session
+def mutate(session: nox.Session) -> None:
+    """Mutation-test a module with cosmic-ray and print its score (not CI).
+
+    -- MODULE [--since REV | --lines A-B ...] -- PYTEST-ARGS: the tests that
+    should kill its mutants; a module under vllm_overlay/ is mutated in the
+    top stage's test tree (scripts/mutate.py).
+    """
+    if not session.posargs:
+        session.error(
+            "nox -s mutate -- MODULE [--since REV] -- PYTEST-ARGS (the tests that "
+            "should kill its mutants)"
+        )
+    _series(session, "apply")
+    _install_cpu_deps(session)
+    session.install("cosmic-ray==8.7.0")
+    session.run(_python(session), "-m", "scripts.mutate", *session.posargs)
