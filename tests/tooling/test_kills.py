@@ -83,6 +83,9 @@ class Blocked:
             cwd=REPO_ROOT,
             env=self.env,
             start_new_session=True,
+            # As in a terminal: a test run started in the background (`&`)
+            # ignores SIGINT, and its children would inherit that.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
