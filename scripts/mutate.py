@@ -64,15 +64,16 @@ def _changed_lines(module: str, since: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.mutate")
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.mutate", usage="%(prog)s MODULE [options] -- PYTEST"
+    )
     parser.add_argument("module")
     parser.add_argument("--since", help="only the lines changed since this commit")
     parser.add_argument("--lines", nargs="+", default=[], help="only these A-B ranges")
-    parser.add_argument("pytest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    tests = [a for a in args.pytest if a != "--"]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, tests = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not tests:
-        parser.error("give the pytest arguments that should kill its mutants")
+        parser.error("give the pytest arguments that should kill its mutants after --")
     cwd, target, env = _where(args.module)
     edited = subprocess.run(["git", "diff", "--quiet", "--", target], cwd=cwd)
     if edited.returncode:
@@ -110,9 +111,14 @@ def main(argv: list[str]) -> int:
     print(f"mutating {target} ({', '.join(lines) or 'every line'}); tests: {command}")
     print(f"if this run is stopped, `git -C {cwd} checkout -- {target}` undoes it")
     for step in steps:
-        subprocess.run([str(bin_dir / step[0]), *step[1:]], cwd=cwd, env=env, check=True)
+        subprocess.run(
+            [str(bin_dir / step[0]), *step[1:]], cwd=cwd, env=env, check=True
+        )
     rate = subprocess.run(
-        [str(bin_dir / "cr-rate"), str(session)], capture_output=True, text=True, check=True
+        [str(bin_dir / "cr-rate"), str(session)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     print(f"mutation score of {args.module}: {100 - float(rate):.1f}% killed "
           f"(survival rate {rate}%; session: {session})")  # fmt: skip
