@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -114,14 +115,22 @@ def main(argv: list[str]) -> int:
         subprocess.run(
             [str(bin_dir / step[0]), *step[1:]], cwd=cwd, env=env, check=True
         )
-    rate = subprocess.run(
-        [str(bin_dir / "cr-rate"), str(session)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    print(f"mutation score of {args.module}: {100 - float(rate):.1f}% killed "
-          f"(survival rate {rate}%; session: {session})")  # fmt: skip
+    # cosmic-ray 8's session: one result per mutant run (the line filter's
+    # skipped ones have none); cr-rate would count those as not surviving.
+    with sqlite3.connect(session) as db:
+        outcomes = dict(
+            db.execute(
+                "SELECT test_outcome, COUNT(*) FROM work_results "
+                "WHERE test_outcome IS NOT NULL GROUP BY test_outcome"
+            ).fetchall()
+        )
+    killed, survived = outcomes.get("KILLED", 0), outcomes.get("SURVIVED", 0)
+    score = 100 * killed / max(killed + survived, 1)
+    print(
+        f"mutation score of {args.module}: {score:.1f}% ({killed} of "
+        f"{killed + survived} mutants killed; {survived} survived, listed above; "
+        f"session: {session})"
+    )
     return 0
 
 
