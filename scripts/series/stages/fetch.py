@@ -158,6 +158,16 @@ def _download(url: str, size: int | None, dest: Path, base: SdistBase) -> None:
     partial.replace(dest)
 
 
+def _make_cache_folder(folder: Path, use: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SeriesError(
+            f"cannot use {folder} {use} ({exc.strerror}); set {CACHE_ENV} to a "
+            "writable folder"
+        ) from None
+
+
 def fetch_sdist(base: SdistBase, *, offline: bool = False) -> Path:
     """Return the path of the verified sdist, downloading it if needed.
 
@@ -178,13 +188,7 @@ def fetch_sdist(base: SdistBase, *, offline: bool = False) -> Path:
             else f"it is not in the cache ({cache})"
         )
         raise SeriesError(f"{base.filename}: {found}, and --offline was given")
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SeriesError(
-            f"cannot use {cache} as the sdist cache ({exc.strerror}); set "
-            f"{CACHE_ENV} to a writable folder"
-        ) from None
+    _make_cache_folder(cache, "as the sdist cache")
     try:
         url, listed, size = _find_file_url(base)
         if listed and listed != base.sha256:
@@ -231,13 +235,7 @@ def fetch_git_commit(base: GitBase) -> None:
         == 0
     ):
         return
-    try:
-        repo.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SeriesError(
-            f"cannot use {repo} for the git pin's commits ({exc.strerror}); set "
-            f"{CACHE_ENV} to a writable folder"
-        ) from None
+    _make_cache_folder(repo, "for the git pin's commits")
     git(repo, "init", "-q", "--bare")
     print(f"fetching {base.rev[:12]} from {base.url}", file=sys.stderr)
     fetched = git(repo, "fetch", "-q", "--depth", "1", base.url, base.rev, check=False)
