@@ -120,9 +120,9 @@ def chunks(seq: np.ndarray, query: np.ndarray) -> list[tuple[int, int, int]]:
 def row_costs(seq: np.ndarray, query: np.ndarray) -> np.ndarray:
     """Each row's key count, its fixed cost (the stage's ``ROW_COST_KEYS``)
     and its share of its chunk's -inf fill."""
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
-    costs = key_counts(seq, query) + rocm_cp_indexer.ROW_COST_KEYS
+    costs = key_counts(seq, query) + rocm_cp_indexer_plan.ROW_COST_KEYS
     for first, end, width in chunks(seq, query):
         costs[first:end] += width // FILL_DIVISOR
     return costs
@@ -159,17 +159,17 @@ def shipped(minimum: bool) -> Assign:
     def assign(seq: np.ndarray, query: np.ndarray, tp: int) -> np.ndarray | None:
         import torch
 
-        from vllm.v1.attention.ops import rocm_cp_indexer
+        from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
-        saved = rocm_cp_indexer.split_repays
+        saved = rocm_cp_indexer_plan.split_repays
         if not minimum:
-            rocm_cp_indexer.split_repays = lambda *_: True
+            rocm_cp_indexer_plan.split_repays = lambda *_: True
         step_chunks = [
             SimpleNamespace(token_start=a, token_end=b, total_seq_lens=int(w))
             for a, b, w in chunks(seq, query)
         ]
         try:
-            split = rocm_cp_indexer.plan_cp_indexer_split(
+            split = rocm_cp_indexer_plan.plan_cp_indexer_split(
                 tp,
                 0,
                 torch.from_numpy(seq),
@@ -180,7 +180,7 @@ def shipped(minimum: bool) -> Assign:
                 call_cost_keys=0,
             )
         finally:
-            rocm_cp_indexer.split_repays = saved
+            rocm_cp_indexer_plan.split_repays = saved
         if split is None:
             return None
         return np.repeat(np.arange(tp), split.sizes)
@@ -202,15 +202,15 @@ def through_the_builder(
 
     from scripts.harness import indexer_batch
     from scripts.harness.rocm_platform import emulate_rocm
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
     longest = max(cached + new for cached, new in requests)
     worst = mean = 0.0
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
         # This model has no per-call term or wave to score it with.
-        mp.setattr(rocm_cp_indexer, "CALL_COST_KEYS", 0)
-        mp.setattr(rocm_cp_indexer, "WAVE_ROWS_PER_CU", 0)
+        mp.setattr(rocm_cp_indexer_plan, "CALL_COST_KEYS", 0)
+        mp.setattr(rocm_cp_indexer_plan, "WAVE_ROWS_PER_CU", 0)
         # gfx942: the logits fill their chunk, as the costs here assume.
         with emulate_rocm("gfx942"):
             config = indexer_batch.make_vllm_config(
@@ -227,7 +227,7 @@ def through_the_builder(
                     continue
                 first = prefill.cp_split.bounds[0]  # after the decodes
                 costs = torch.from_numpy(
-                    key_counts(seq, query) + rocm_cp_indexer.ROW_COST_KEYS
+                    key_counts(seq, query) + rocm_cp_indexer_plan.ROW_COST_KEYS
                 ).to(torch.float64)
                 for chunk in prefill.chunks:
                     rows = slice(chunk.token_start - first, chunk.token_end - first)

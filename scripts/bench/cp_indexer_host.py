@@ -214,7 +214,10 @@ def _bench(
     import torch
 
     from scripts.harness import indexer_batch
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import (
+        rocm_cp_indexer,
+        rocm_cp_indexer_plan,
+    )
 
     longest = max(c + q for c, q in step)
     rows = sum(q for _, q in step)
@@ -230,12 +233,12 @@ def _bench(
             costs = variants[variant] if variant is not None else None
             if costs is not None:
                 row_cost, call_cost, wave, share = costs
-                mp.setattr(rocm_cp_indexer, "ROW_COST_KEYS", row_cost)
-                mp.setattr(rocm_cp_indexer, "CALL_COST_KEYS", call_cost)
-                mp.setattr(rocm_cp_indexer, "WAVE_ROWS_PER_CU", wave)
-                mp.setattr(rocm_cp_indexer, "LOGITS_SHARE", share)
+                mp.setattr(rocm_cp_indexer_plan, "ROW_COST_KEYS", row_cost)
+                mp.setattr(rocm_cp_indexer_plan, "CALL_COST_KEYS", call_cost)
+                mp.setattr(rocm_cp_indexer_plan, "WAVE_ROWS_PER_CU", wave)
+                mp.setattr(rocm_cp_indexer_plan, "LOGITS_SHARE", share)
             if force_split:
-                mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+                mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
             config = indexer_batch.make_vllm_config(
                 tp_size=tp,
                 device=DEVICE,
@@ -253,20 +256,20 @@ def _bench(
             split = prefill.cp_split
             # As the planner counts it (gfx950: no fill term).
             result["cost_key_rows"] = int(
-                rocm_cp_indexer.prefill_row_costs(
+                rocm_cp_indexer_plan.prefill_row_costs(
                     torch.tensor([c + q for c, q in step]),
                     torch.tensor([q for _, q in step]),
                     1,
                     prefill.chunks,
                     0,
                     None,
-                    rocm_cp_indexer.ROW_COST_KEYS,
+                    rocm_cp_indexer_plan.ROW_COST_KEYS,
                 ).sum()
             )
             result["chunks"] = len(prefill.chunks)
             # The runs of chunks over the same keys: (first row, end, the
             # largest chunk's rows), for the modelled per-call cost.
-            result["runs"] = rocm_cp_indexer.shared_key_runs(prefill.chunks, 0)
+            result["runs"] = rocm_cp_indexer_plan.shared_key_runs(prefill.chunks, 0)
             if mode == "split" and split is None:
                 result["split"][variant] = None  # below the minimum: replicated
                 continue
@@ -593,7 +596,7 @@ def shipped_minimum() -> int:
     """``MIN_SPLIT_KEY_ROWS`` as the stage's overlay sets it (read from the
     source: the report runs without a vLLM tree)."""
     source = Path(__file__).resolve().parents[2] / (
-        "vllm_overlay/vllm/v1/attention/ops/rocm_cp_indexer.py"
+        "vllm_overlay/vllm/v1/attention/ops/rocm_cp_indexer_plan.py"
     )
     for node in ast.parse(source.read_text()).body:
         if isinstance(node, ast.Assign) and any(
@@ -618,15 +621,15 @@ def modelled_balance(
     plus the row cost)."""
     import torch
 
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
     row_cost, call_cost, wave, share = costs
     rows = torch.tensor([c + t + 1 + row_cost for c, q in step for t in range(q)])
     before = torch.zeros(rows.numel() + 1, dtype=torch.int64)
     torch.cumsum(rows, 0, out=before[1:])
-    saved = rocm_cp_indexer.LOGITS_SHARE
-    rocm_cp_indexer.LOGITS_SHARE = share
-    rank_cost = rocm_cp_indexer.RankCost(
+    saved = rocm_cp_indexer_plan.LOGITS_SHARE
+    rocm_cp_indexer_plan.LOGITS_SHARE = share
+    rank_cost = rocm_cp_indexer_plan.RankCost(
         before,
         rows,
         torch.tensor([q for _, q in step]),
@@ -637,7 +640,7 @@ def modelled_balance(
     try:
         ranks = rank_cost.of(bounds)
     finally:
-        rocm_cp_indexer.LOGITS_SHARE = saved
+        rocm_cp_indexer_plan.LOGITS_SHARE = saved
     return max(ranks) / statistics.mean(ranks)
 
 
@@ -1120,18 +1123,18 @@ def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
 
 
 # The links the merge is modelled on, as the stage's planner models them
-# (``rocm_cp_indexer.MergeLink``): NVLink from the all_gather measured on 2x
+# (``rocm_cp_indexer_plan.MergeLink``): NVLink from the all_gather measured on 2x
 # H200, MI355X's xGMI from its link bandwidth.
 LINKS = {"h200_nvlink": "NVLINK", "mi355x_xgmi": "XGMI_GFX950"}
 
 
 def merge_ms(bounds: list[int]) -> dict[str, float]:
     """The merge's modelled ms per link for a split with ``bounds``."""
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
     sizes = [b - a for a, b in itertools.pairwise(bounds)]
     return {
-        name: getattr(rocm_cp_indexer, link).merge_ms(sizes)
+        name: getattr(rocm_cp_indexer_plan, link).merge_ms(sizes)
         for name, link in LINKS.items()
     }
 
@@ -1139,12 +1142,12 @@ def merge_ms(bounds: list[int]) -> dict[str, float]:
 def splits_on(result: dict, split: dict) -> dict[str, bool]:
     """Per link, whether the stage's gate (``split_repays``) splits the step
     of ``result`` with ``split``'s bounds."""
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
     sizes = [b - a for a, b in itertools.pairwise(split["bounds"])]
     return {
-        name: rocm_cp_indexer.split_repays(
-            result["cost_key_rows"], sizes, getattr(rocm_cp_indexer, link)
+        name: rocm_cp_indexer_plan.split_repays(
+            result["cost_key_rows"], sizes, getattr(rocm_cp_indexer_plan, link)
         )
         for name, link in LINKS.items()
     }
@@ -1153,7 +1156,7 @@ def splits_on(result: dict, split: dict) -> dict[str, bool]:
 def _variants(runs: int) -> tuple[dict, dict[str, Costs | None]]:
     """With --variants: the calibration and the planner variants it sets
     (``report``'s columns); else none and the shipped planner alone."""
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
     if not VARIANTS:
         return {}, {"shipped": None}
@@ -1161,10 +1164,10 @@ def _variants(runs: int) -> tuple[dict, dict[str, Costs | None]]:
     fit = calibration["fit"]
     wave = calibration["wave"]
     shipped: Costs = (
-        rocm_cp_indexer.ROW_COST_KEYS,
-        rocm_cp_indexer.CALL_COST_KEYS,
-        rocm_cp_indexer.WAVE_ROWS_PER_CU,
-        rocm_cp_indexer.LOGITS_SHARE,
+        rocm_cp_indexer_plan.ROW_COST_KEYS,
+        rocm_cp_indexer_plan.CALL_COST_KEYS,
+        rocm_cp_indexer_plan.WAVE_ROWS_PER_CU,
+        rocm_cp_indexer_plan.LOGITS_SHARE,
     )
     values: dict[str, Costs] = {
         "shipped": shipped,
@@ -1234,7 +1237,7 @@ def _run_steps() -> int:
     fast.TOPK_SHAPE = TOPK_SHAPE
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "cp_indexer_host_bench.json"
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
     setup = {
         "kernels": "aiter" if ON_AITER else "stand-ins",
@@ -1242,10 +1245,10 @@ def _run_steps() -> int:
         "family": {"count": args.family, "seed": args.seed},
         # What the shipped planner planned with, for the modelled balance.
         "planner_costs": [
-            rocm_cp_indexer.ROW_COST_KEYS,
-            rocm_cp_indexer.CALL_COST_KEYS,
-            rocm_cp_indexer.WAVE_ROWS_PER_CU,
-            rocm_cp_indexer.LOGITS_SHARE,
+            rocm_cp_indexer_plan.ROW_COST_KEYS,
+            rocm_cp_indexer_plan.CALL_COST_KEYS,
+            rocm_cp_indexer_plan.WAVE_ROWS_PER_CU,
+            rocm_cp_indexer_plan.LOGITS_SHARE,
         ],
         "compute_units": compute_units(),
     }

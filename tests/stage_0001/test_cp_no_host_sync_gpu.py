@@ -24,7 +24,10 @@ from scripts.harness.tree import applied_tree
 TREE = applied_tree("0001")
 
 import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op  # noqa: E402
-from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
+from vllm.v1.attention.ops import (  # noqa: E402
+    rocm_cp_indexer,
+    rocm_cp_indexer_plan,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU (run on the H200 device)"
@@ -38,7 +41,7 @@ REQUESTS = [(6000, 96), (0, 1500)]
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
     # 8 MiB of logits per chunk: the turn's rows take several chunks.
     monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "8")
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", fast_indexer_kernels.mqa_logits)

@@ -24,7 +24,7 @@ from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
 
-from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
+from vllm.v1.attention.ops import rocm_cp_indexer_plan  # noqa: E402
 
 
 def _chunk(token_start: int, token_end: int, total_seq_lens: int):
@@ -124,20 +124,20 @@ CASES = {
 def test_the_cut_bounds_are_exactly_the_hand_worked_ones(monkeypatch, name):
     tp, decodes, requests, ratio, chunks, row_cost, costs, bounds = CASES[name]
     # The arithmetic above uses it.
-    assert rocm_cp_indexer.LOGITS_FILL_DIVISOR == 8
+    assert rocm_cp_indexer_plan.LOGITS_FILL_DIVISOR == 8
     # Far below the work that repays a split in serving.
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
     seq_lens = torch.tensor([s for s, _ in requests], dtype=torch.int32)
     query_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
     assert (
-        rocm_cp_indexer.prefill_row_costs(
+        rocm_cp_indexer_plan.prefill_row_costs(
             seq_lens, query_lens, ratio, chunks, decodes, row_cost_keys=row_cost
         ).tolist()
         == costs
     )
     # Calls unpriced: these are the cuts before CALL_COST_KEYS moves them
     # (tested in the stage's PR test).
-    split = rocm_cp_indexer.plan_cp_indexer_split(
+    split = rocm_cp_indexer_plan.plan_cp_indexer_split(
         tp,
         decodes,
         seq_lens,

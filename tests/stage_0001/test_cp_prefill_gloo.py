@@ -27,11 +27,14 @@ from scripts.series.contract import BASE_TREE_ENV, tree_env
 
 TREE = applied_tree("0001")
 
-from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
+from vllm.v1.attention.ops import (  # noqa: E402
+    rocm_cp_indexer,
+    rocm_cp_indexer_plan,
+)
 from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerPrefill  # noqa: E402
 
 TOPK = 16
-SERVING_GATE = rocm_cp_indexer.split_repays
+SERVING_GATE = rocm_cp_indexer_plan.split_repays
 # Chunk at 4,096 logits so that ~100 tokens make several chunks.
 LOGITS = 4096
 
@@ -76,9 +79,9 @@ def _configure(monkeypatch: pytest.MonkeyPatch, cp: bool, logits: int = LOGITS) 
     # row cost every row would cost about the same (and with its call cost a
     # second chunk would outweigh a rank's rows), and the cuts would not
     # give the ranks the uneven row counts these scenarios are for.
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
-    monkeypatch.setattr(rocm_cp_indexer, "ROW_COST_KEYS", 0)
-    monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", 0)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "ROW_COST_KEYS", 0)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "CALL_COST_KEYS", 0)
 
 
 def _build_all(tp_size: int, cp: bool) -> dict:
@@ -269,7 +272,7 @@ def _build_no_split(world_size: int) -> dict:
                 builder, [(30, 1), (12, 1)], cache_new_keys=True
             )
             # The stage's own gate: this batch is far below its minimum.
-            monkeypatch.setattr(rocm_cp_indexer, "split_repays", SERVING_GATE)
+            monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", SERVING_GATE)
             batches["below the minimum"] = indexer_batch.build_batch(
                 builder, SCENARIOS["packed sequences"][0], cache_new_keys=True
             )

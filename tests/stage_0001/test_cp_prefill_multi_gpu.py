@@ -78,9 +78,9 @@ def _run(tp_size: int, cp: bool, requests, device: str, real_rocm: bool):
         # 16 MiB of logits per chunk: these prefills take several chunks.
         monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "16")
         # These prefills are below the work that repays a split in serving.
-        from vllm.v1.attention.ops import rocm_cp_indexer
+        from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
-        monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+        monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
         with platform:
             from vllm._aiter_ops import rocm_aiter_ops
 

@@ -16,7 +16,7 @@ from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
 
-from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
+from vllm.v1.attention.ops import rocm_cp_indexer_plan  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
@@ -33,15 +33,17 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     config = indexer_batch.make_vllm_config(tp_size=4)
     builder = indexer_batch.make_builder(config, monkeypatch)
     filled = arch == "gfx942"
-    divisor = rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else None
+    divisor = rocm_cp_indexer_plan.LOGITS_FILL_DIVISOR if filled else None
     # The wave in rows: the builder's GPU's compute units (the harness
     # stands in MI355X's 256); none where the logits fill their chunk.
-    wave = 0 if filled else int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256)
+    wave = 0 if filled else int(rocm_cp_indexer_plan.WAVE_ROWS_PER_CU * 256)
     assert filled or wave > 0
     # The merge is priced on the GPU's own xGMI link (MI300X's is slower).
-    link = rocm_cp_indexer.XGMI_GFX942 if filled else rocm_cp_indexer.XGMI_GFX950
-    assert builder.cp_indexer == rocm_cp_indexer.CPIndexerPlanner(
-        4, divisor, rocm_cp_indexer.ROW_COST_KEYS, wave_rows=wave, link=link
+    link = (
+        rocm_cp_indexer_plan.XGMI_GFX942 if filled else rocm_cp_indexer_plan.XGMI_GFX950
+    )
+    assert builder.cp_indexer == rocm_cp_indexer_plan.CPIndexerPlanner(
+        4, divisor, rocm_cp_indexer_plan.ROW_COST_KEYS, wave_rows=wave, link=link
     )
     # So small a step has every call below its wave; the cuts by the rows'
     # costs are checked here, the wave in the planner's own tests.
@@ -50,15 +52,15 @@ def _plans_the_split(monkeypatch, arch: str) -> None:
     # new tokens over 50 cached ones.
     requests = [(30, 1), (0, 200), (50, 90)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+        mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
         prefill = indexer_batch.build_batch(builder, requests).metadata.prefill
     split, batch_chunks = prefill.cp_split, prefill.chunks
     assert split is not None and split.bounds[0] == 1 and split.bounds[-1] == 291
     # Key counts and the fixed row cost, plus (gfx942) one chunk's -inf fill
     # over all 340 keys a row.
     assert [c.total_seq_lens for c in batch_chunks] == [340]
-    fill = 340 // rocm_cp_indexer.LOGITS_FILL_DIVISOR if filled else 0
-    fixed = fill + rocm_cp_indexer.ROW_COST_KEYS
+    fill = 340 // rocm_cp_indexer_plan.LOGITS_FILL_DIVISOR if filled else 0
+    fixed = fill + rocm_cp_indexer_plan.ROW_COST_KEYS
     costs = [t + 1 + fixed for t in range(200)] + [
         50 + t + 1 + fixed for t in range(90)
     ]
@@ -93,12 +95,12 @@ def test_mtp_decodes_before_the_prefills_are_left_out_of_the_plan(monkeypatch):
         # tokens over 50 cached ones.
         requests = [(3000, 2), (40, 2), (0, 200), (50, 90)]
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+            mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
             batch = indexer_batch.build_batch(builder, requests)
     assert batch.metadata.num_decode_tokens == 4
     split = batch.metadata.prefill.cp_split
     assert split is not None and split.bounds[0] == 4 and split.bounds[-1] == 294
-    fixed = rocm_cp_indexer.ROW_COST_KEYS
+    fixed = rocm_cp_indexer_plan.ROW_COST_KEYS
     costs = [t + 1 + fixed for t in range(200)] + [
         50 + t + 1 + fixed for t in range(90)
     ]

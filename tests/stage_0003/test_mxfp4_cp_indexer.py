@@ -19,7 +19,7 @@ from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backends.mla.rocm_dsa_mxfp4_indexer import (  # noqa: E402
     DeepseekV32RocmMxfp4IndexerBackend,
 )
-from vllm.v1.attention.ops import rocm_cp_indexer  # noqa: E402
+from vllm.v1.attention.ops import rocm_cp_indexer_startup  # noqa: E402
 from vllm.v1.kv_cache_interface import MLAAttentionSpec  # noqa: E402
 
 TP = 4
@@ -28,7 +28,7 @@ TP = 4
 def _builder(monkeypatch, kv_dtype: str):
     logged: list[str] = []
     monkeypatch.setattr(
-        rocm_cp_indexer.logger,
+        rocm_cp_indexer_startup.logger,
         "info_once",
         lambda msg, *args: logged.append(msg % args),
     )

@@ -313,7 +313,7 @@ def _worker(
         ensure_model_parallel_initialized,
         init_distributed_environment,
     )
-    from vllm.v1.attention.ops import rocm_cp_indexer
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
     from vllm.v1.worker import workspace
 
     device = torch.device(device_kind, rank if device_kind != "cpu" else None)
@@ -328,7 +328,7 @@ def _worker(
     os.environ["VLLM_ROCM_USE_AITER"] = "1"
     os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"] = str(STRIPE)
     # This batch is far below the work that repays a split in production.
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
     # Chunk prefills at CHUNK_LOGITS fp32 logits (vLLM counts MiB).
     monkeypatch.setattr(
         envs,

@@ -27,12 +27,18 @@ import vllm._aiter_ops as aiter_ops
 import vllm.envs as envs
 from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import CUDAGraphMode, DeviceConfig, ParallelConfig, VllmConfig
-from vllm.v1.attention.ops import rocm_cp_indexer
-from vllm.v1.attention.ops.rocm_cp_indexer import (
-    CPIndexerPrefill,
+from vllm.v1.attention.ops import (
+    rocm_cp_indexer,
+    rocm_cp_indexer_plan,
+    rocm_cp_indexer_startup,
+)
+from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerPrefill
+from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
     CPIndexerSplit,
-    cp_indexer_at_startup,
     plan_cp_indexer_split,
+)
+from vllm.v1.attention.ops.rocm_cp_indexer_startup import (
+    cp_indexer_at_startup,
     unsafe_config_reason,
 )
 
@@ -42,7 +48,9 @@ pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 @pytest.fixture
 def rocm_aiter(monkeypatch: pytest.MonkeyPatch):
     """A ROCm platform where AITER is found, switched on (VLLM_ROCM_USE_AITER=1)."""
-    monkeypatch.setattr(rocm_cp_indexer.current_platform, "is_rocm", lambda: True)
+    monkeypatch.setattr(
+        rocm_cp_indexer_startup.current_platform, "is_rocm", lambda: True
+    )
     monkeypatch.setattr(aiter_ops, "is_aiter_found_and_supported", lambda: True)
     monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
     rocm_aiter_ops.refresh_env_variables()
@@ -75,9 +83,9 @@ def _at_startup(tp: int, dcp: int = 1, pcp: bool = False, graphs=None):
     return planner
 
 
-FILL = rocm_cp_indexer.LOGITS_FILL_DIVISOR
-ROW = rocm_cp_indexer.ROW_COST_KEYS
-SHARE = rocm_cp_indexer.LOGITS_SHARE
+FILL = rocm_cp_indexer_plan.LOGITS_FILL_DIVISOR
+ROW = rocm_cp_indexer_plan.ROW_COST_KEYS
+SHARE = rocm_cp_indexer_plan.LOGITS_SHARE
 
 
 def _one_chunk(requests, first_row: int = 0) -> list[SimpleNamespace]:
@@ -96,7 +104,7 @@ def _plan(tp: int, requests, first_row: int = 0, force: bool = False):
     chunks = _one_chunk(requests, first_row)
     with pytest.MonkeyPatch.context() as mp:
         if force:
-            mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+            mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
         return plan_cp_indexer_split(tp, first_row, seq, query, 1, chunks)
 
 
@@ -125,10 +133,10 @@ def test_key_counts_follow_the_causal_definition():
     requests = [(0, 5), (7, 3), (100, 1)]
     seq = torch.tensor([c + n for c, n in requests])
     query = torch.tensor([n for _, n in requests])
-    counts = rocm_cp_indexer.prefill_row_key_counts(seq, query, 1)
+    counts = rocm_cp_indexer_plan.prefill_row_key_counts(seq, query, 1)
     assert counts.tolist() == [1, 2, 3, 4, 5, 8, 9, 10, 101]
     # A compressed cache (DeepSeek-V4's pools) counts compressed keys.
-    assert rocm_cp_indexer.prefill_row_key_counts(seq, query, 4).tolist() == [
+    assert rocm_cp_indexer_plan.prefill_row_key_counts(seq, query, 4).tolist() == [
         0, 0, 0, 1, 1, 2, 2, 2, 25
     ]  # fmt: skip
 
@@ -145,7 +153,7 @@ def test_rows_pay_for_their_chunks_key_width():
         SimpleNamespace(token_start=23, token_end=37, total_seq_lens=300),
         SimpleNamespace(token_start=37, token_end=41, total_seq_lens=12),
     ]
-    costs = rocm_cp_indexer.prefill_row_costs(seq, query, 1, chunks, 5).tolist()
+    costs = rocm_cp_indexer_plan.prefill_row_costs(seq, query, 1, chunks, 5).tolist()
     keys = [6, 7] + list(range(1, 31)) + [9, 10, 11, 12]
     widths = [7] * 2 + [37] * 16 + [300] * 14 + [12] * 4
     assert costs == [k + ROW + w // FILL for k, w in zip(keys, widths, strict=True)]
@@ -209,10 +217,10 @@ def test_rows_pay_a_fixed_cost_besides_their_keys():
     assert ROW > 0
     seq, query = torch.tensor([16384]), torch.tensor([16384])
     chunks = _one_chunk([(0, 16384)])
-    costs = rocm_cp_indexer.prefill_row_costs(seq, query, 1, chunks, 0, None)
+    costs = rocm_cp_indexer_plan.prefill_row_costs(seq, query, 1, chunks, 0, None)
     assert costs.tolist() == [r + 1 + ROW for r in range(16384)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+        mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
         keys_only = plan_cp_indexer_split(8, 0, seq, query, 1, chunks, None, 0)
         weighed = plan_cp_indexer_split(8, 0, seq, query, 1, chunks, None)
     assert keys_only is not None and weighed is not None
@@ -229,7 +237,7 @@ def test_a_rank_that_pays_a_second_call_takes_less_of_the_rows(tp):
     calls. Priced at CALL_COST_KEYS, the costliest rank (rows and calls)
     costs less than with calls unpriced, and at most one row's cost above
     the mean."""
-    call = rocm_cp_indexer.CALL_COST_KEYS
+    call = rocm_cp_indexer_plan.CALL_COST_KEYS
     assert call > 0
     seq, query = torch.tensor([100 * 1024 + 512, 8192]), torch.tensor([512, 8192])
     chunks = [
@@ -295,7 +303,7 @@ def _scored(monkeypatch, split, chunks, row_costs, wave: int) -> list[int]:
         for window in CPIndexerPrefill(split, False).windows(chunks):
             rows = row_costs[window.start - first : window.end - first]
             short = max(0, wave * max(rows) - sum(rows))
-            cost += sum(rows) + int(SHARE * short) + rocm_cp_indexer.CALL_COST_KEYS
+            cost += sum(rows) + int(SHARE * short) + rocm_cp_indexer_plan.CALL_COST_KEYS
         ranks.append(cost)
     return ranks
 
@@ -331,7 +339,7 @@ def test_the_search_for_the_cheapest_cuts_ends_on_the_smallest_steps(
     """A two-row step of rows that cost 1 and 2: the bisection over the
     costliest rank's cost (here under 4,096 key-rows, where 1/4096 of it
     rounds to 0) still ends, with one row a rank."""
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
     seq, query = torch.tensor([2]), torch.tensor([2])
     stop = signal.signal(
         signal.SIGALRM, lambda *_: pytest.fail("the search did not end")
@@ -357,7 +365,7 @@ def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
     beat the first one by its own count, so this checks that its count
     agrees with the definition."""
     gen = torch.Generator().manual_seed(1)
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
     for case in range(200):
         tp = int(torch.randint(2, 9, (1,), generator=gen))
         count = int(torch.randint(1, 6, (1,), generator=gen))
@@ -416,8 +424,8 @@ def test_the_costliest_rank_costs_the_least_it_can(monkeypatch, call_cost, waves
     wave but calls that cost as much as a few rows, where the rank whose
     rows cross into another chunk pays for a second call."""
     gen = torch.Generator().manual_seed(2)
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
-    monkeypatch.setattr(rocm_cp_indexer, "CALL_COST_KEYS", call_cost)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "CALL_COST_KEYS", call_cost)
     for case in range(60):
         tp = int(torch.randint(2, 5, (1,), generator=gen))
         requests = [
@@ -438,7 +446,7 @@ def test_the_costliest_rank_costs_the_least_it_can(monkeypatch, call_cost, waves
             1,
             chunks,
             None,
-            call_cost_keys=rocm_cp_indexer.CALL_COST_KEYS,
+            call_cost_keys=rocm_cp_indexer_plan.CALL_COST_KEYS,
             wave_rows=wave,
         )
         assert split is not None
@@ -482,6 +490,14 @@ def test_steps_that_would_not_repay_the_merge_stay_replicated(tp, requests, spli
     assert (plan is not None) is splits
 
 
+def test_the_minimum_split_size_is_the_least_that_splits():
+    """At exactly MIN_SPLIT_KEY_ROWS a step may split, one key-row less it
+    may not (eight one-row ranks: the merge and the shares fit easily)."""
+    minimum = rocm_cp_indexer_plan.MIN_SPLIT_KEY_ROWS
+    assert rocm_cp_indexer_plan.split_repays(minimum, [1] * 8)
+    assert not rocm_cp_indexer_plan.split_repays(minimum - 1, [1] * 8)
+
+
 @pytest.mark.parametrize(("rows", "splits"), [(7400, False), (7450, True)])
 def test_the_plans_own_rows_decide_where_even_shares_would_repay(rows, splits):
     """A fresh prompt at tp 2: even shares of its rows would repay their
@@ -491,7 +507,7 @@ def test_the_plans_own_rows_decide_where_even_shares_would_repay(rows, splits):
     plan's own rows tells the two apart."""
     requests = [(0, rows)]
     total = sum(_row_costs(requests))
-    assert rocm_cp_indexer.split_repays(total, [rows // 2, rows - rows // 2])
+    assert rocm_cp_indexer_plan.split_repays(total, [rows // 2, rows - rows // 2])
     assert (_plan(2, requests) is not None) is splits
 
 
@@ -499,22 +515,24 @@ def test_the_merge_is_priced_per_link():
     """The merge of a plan's rows: NVLink's switch brings every other rank's
     rows through one port; xGMI joins each pair of GPUs with its own link,
     so the largest rank's rows set the time."""
-    nvlink, xgmi = rocm_cp_indexer.NVLINK, rocm_cp_indexer.XGMI_GFX950
+    nvlink, xgmi = rocm_cp_indexer_plan.NVLINK, rocm_cp_indexer_plan.XGMI_GFX950
     sizes = [3000, 1000, 500, 500]
     # 8 KiB a row; NVLink 261 GB/s one way, an xGMI link 44.5 (gfx950) or
     # 37.1 (gfx942), after 0.1 ms: 4,500 rows through rank 3's port, 3,000
     # over rank 0's links.
     assert nvlink.merge_ms(sizes) == pytest.approx(0.241, abs=1e-3)
     assert xgmi.merge_ms(sizes) == pytest.approx(0.652, abs=1e-3)
-    assert rocm_cp_indexer.XGMI_GFX942.merge_ms(sizes) == pytest.approx(0.762, abs=1e-3)
+    assert rocm_cp_indexer_plan.XGMI_GFX942.merge_ms(sizes) == pytest.approx(
+        0.762, abs=1e-3
+    )
     # A fresh 4K prompt's plan at tp 2 (13.4M key-rows): split over NVLink
     # (0.18 ms), not over xGMI (0.59 ms).
     requests = [(0, 4096)]
     total = sum(_row_costs(requests))
     split = _plan(2, requests, force=True)
     assert split is not None
-    assert rocm_cp_indexer.split_repays(total, split.sizes, nvlink)
-    assert not rocm_cp_indexer.split_repays(total, split.sizes, xgmi)
+    assert rocm_cp_indexer_plan.split_repays(total, split.sizes, nvlink)
+    assert not rocm_cp_indexer_plan.split_repays(total, split.sizes, xgmi)
 
 
 @pytest.mark.parametrize(
@@ -541,13 +559,13 @@ def test_the_planner_decides_on_its_own_link(tp, decodes, requests, bounds):
     query = torch.tensor([n for _, n in requests])
     chunks = _one_chunk(requests, decodes)
     plans = {
-        link: rocm_cp_indexer.CPIndexerPlanner(tp, link=link).plan(
+        link: rocm_cp_indexer_plan.CPIndexerPlanner(tp, link=link).plan(
             decodes, seq, query, 1, chunks
         )
-        for link in (rocm_cp_indexer.XGMI_GFX950, rocm_cp_indexer.XGMI_GFX942)
+        for link in (rocm_cp_indexer_plan.XGMI_GFX950, rocm_cp_indexer_plan.XGMI_GFX942)
     }
-    assert plans[rocm_cp_indexer.XGMI_GFX950] == CPIndexerSplit(bounds)
-    assert plans[rocm_cp_indexer.XGMI_GFX942] is None
+    assert plans[rocm_cp_indexer_plan.XGMI_GFX950] == CPIndexerSplit(bounds)
+    assert plans[rocm_cp_indexer_plan.XGMI_GFX942] is None
 
 
 def _chunks(gen: torch.Generator, first_row: int, rows: int) -> list[Any]:
@@ -591,7 +609,7 @@ def test_one_writer_per_merged_row_and_the_same_collectives(monkeypatch):
     chunk allows (the logits budget), of equal size, with each row's own
     key range."""
     gen = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
     for case in range(300):
         tp = int(torch.randint(2, 9, (1,), generator=gen))
         decode = int(torch.randint(0, 5, (1,), generator=gen))
@@ -724,25 +742,27 @@ def test_rows_pay_for_the_logits_fill_only_where_the_kernel_fills(cp_on, gfx942)
 
     cp_on.setattr(op, "_ON_GFX942", gfx942)
     # The fill alone: no fixed row cost.
-    cp_on.setattr(rocm_cp_indexer, "ROW_COST_KEYS", 0)
+    cp_on.setattr(rocm_cp_indexer_plan, "ROW_COST_KEYS", 0)
     planner = cp_indexer_at_startup(_config(tp=2), 1, False, compute_units=256)
     assert planner is not None
     assert planner.fill_divisor == (FILL if gfx942 else None)
     # The wave is gfx950's logits grid; FlyDSL's filling kernel has none.
     assert (planner.wave_rows == 0) is gfx942
     # The merge is priced on the GPU's own xGMI link (MI300X's is slower).
-    link = rocm_cp_indexer.XGMI_GFX942 if gfx942 else rocm_cp_indexer.XGMI_GFX950
+    link = (
+        rocm_cp_indexer_plan.XGMI_GFX942 if gfx942 else rocm_cp_indexer_plan.XGMI_GFX950
+    )
     assert planner.link == link
     planner = dataclasses.replace(planner, wave_rows=0)
     # A fresh 64-row prompt in one 64-key chunk (row r has r + 1 keys). No
     # fill: rows 0-44 hold 1035 of 2080 key-rows, the nearest cut to half.
     # Fill: each row also pays 64 // 8 = 8, and rows 0-42 hold 1290 of 2592.
-    cp_on.setattr(rocm_cp_indexer, "split_repays", lambda *_: True)
+    cp_on.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
     seq, query = torch.tensor([64]), torch.tensor([64])
     chunks = _one_chunk([(0, 64)])
     split = planner.plan(0, seq, query, 1, chunks)
     assert split is not None and split.bounds == (0, 43 if gfx942 else 45, 64)
-    costs = rocm_cp_indexer.prefill_row_costs(
+    costs = rocm_cp_indexer_plan.prefill_row_costs(
         seq, query, 1, chunks, 0, planner.fill_divisor, planner.row_cost_keys
     )
     fill = 64 // FILL if gfx942 else 0
@@ -759,7 +779,7 @@ def test_the_deprecated_stripe_size_is_accepted_and_ignored(cp_on, stripe):
     told once that it no longer does anything."""
     warned = []
     cp_on.setattr(
-        rocm_cp_indexer.logger,
+        rocm_cp_indexer_startup.logger,
         "warning_once",
         lambda msg, *args: warned.append(msg % args),
     )
@@ -775,10 +795,12 @@ def test_every_rank_publishes_its_flag_and_compares_only_with_it_on(rocm_aiter):
     with the flag on does it publish the decision and plan settings too,
     and compare them with the other ranks'."""
     asked = []
-    rocm_aiter.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
-    rocm_aiter.setattr(rocm_cp_indexer, "_pynccl_missing", lambda: False)
     rocm_aiter.setattr(
-        rocm_cp_indexer,
+        rocm_cp_indexer_startup, "model_parallel_is_initialized", lambda: True
+    )
+    rocm_aiter.setattr(rocm_cp_indexer_startup, "_pynccl_missing", lambda: False)
+    rocm_aiter.setattr(
+        rocm_cp_indexer_startup,
         "_publish_and_compare",
         lambda settings, compare: asked.append((settings, compare)),
     )
@@ -795,7 +817,7 @@ def test_every_rank_publishes_its_flag_and_compares_only_with_it_on(rocm_aiter):
     rocm_aiter.setattr(op, "_ON_GFX942", False)
     planner = cp_indexer_at_startup(_config(tp=2), 1, False, compute_units=256)
     assert planner is not None
-    assert planner.wave_rows == int(rocm_cp_indexer.WAVE_ROWS_PER_CU * 256) > 0
+    assert planner.wave_rows == int(rocm_cp_indexer_plan.WAVE_ROWS_PER_CU * 256) > 0
     [(settings, compare)] = asked
     assert compare and settings["VLLM_ROCM_USE_AITER_CP_INDEXER"] is True
     assert settings["the CP indexer's decision"] == "split"
@@ -810,7 +832,7 @@ def _publish_on_ranks(monkeypatch, settings: list[dict], calls: int = 1) -> list
     store = torch.distributed.HashStore()
     store.set_timeout(timedelta(seconds=30))
     local = threading.local()
-    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: local.group)
+    monkeypatch.setattr(rocm_cp_indexer_startup, "get_tp_group", lambda: local.group)
     outcomes: list = ["never ran"] * len(settings)
 
     def rank_main(rank: int) -> None:
@@ -822,7 +844,7 @@ def _publish_on_ranks(monkeypatch, settings: list[dict], calls: int = 1) -> list
         mine = settings[rank]
         for _ in range(calls):
             try:
-                rocm_cp_indexer._publish_and_compare(
+                rocm_cp_indexer_startup._publish_and_compare(
                     mine, compare=mine["VLLM_ROCM_USE_AITER_CP_INDEXER"]
                 )
                 outcomes[rank] = None
@@ -880,16 +902,16 @@ def test_a_rank_that_never_publishes_is_named_not_waited_for(monkeypatch):
     per missing rank, and names them, rather than waiting as long as the
     store would."""
     wait = timedelta(seconds=0.5)
-    monkeypatch.setattr(rocm_cp_indexer, "_STARTUP_WAIT", wait)
+    monkeypatch.setattr(rocm_cp_indexer_startup, "_STARTUP_WAIT", wait)
     store = _WaitRecordingStore()
     group = SimpleNamespace(
         cpu_group=SimpleNamespace(get_group_store=lambda: store),
         rank_in_group=0,
         world_size=4,
     )
-    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    monkeypatch.setattr(rocm_cp_indexer_startup, "get_tp_group", lambda: group)
     with pytest.raises(RuntimeError, match=r"TP ranks \[1, 2, 3\] published no"):
-        rocm_cp_indexer._publish_and_compare(
+        rocm_cp_indexer_startup._publish_and_compare(
             {"VLLM_ROCM_USE_AITER_CP_INDEXER": True}, compare=True
         )
     # One wait, for the whole time: not one per rank, and not none (a rank
@@ -904,16 +926,18 @@ def test_a_store_that_fails_does_not_stop_a_rank_with_the_flag_off(monkeypatch):
     group = SimpleNamespace(
         cpu_group=SimpleNamespace(get_group_store=broken), rank_in_group=0
     )
-    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    monkeypatch.setattr(rocm_cp_indexer_startup, "get_tp_group", lambda: group)
     warned = []
     monkeypatch.setattr(
-        rocm_cp_indexer.logger, "warning_once", lambda msg, *a: warned.append(msg % a)
+        rocm_cp_indexer_startup.logger,
+        "warning_once",
+        lambda msg, *a: warned.append(msg % a),
     )
     off = {"VLLM_ROCM_USE_AITER_CP_INDEXER": False}
-    rocm_cp_indexer._publish_and_compare(off, compare=False)
+    rocm_cp_indexer_startup._publish_and_compare(off, compare=False)
     assert warned == ["CP indexer: could not publish its flag: store down"]
     with pytest.raises(RuntimeError, match="store down"):
-        rocm_cp_indexer._publish_and_compare(
+        rocm_cp_indexer_startup._publish_and_compare(
             {"VLLM_ROCM_USE_AITER_CP_INDEXER": True}, compare=True
         )
 
@@ -923,21 +947,23 @@ def test_a_tp_group_without_pynccl_keeps_the_split_off(cp_on):
     library that did not load, not only VLLM_DISABLE_PYNCCL) the split
     stays off, and the decision goes through the ranks' check."""
     asked = []
-    cp_on.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
     cp_on.setattr(
-        rocm_cp_indexer,
+        rocm_cp_indexer_startup, "model_parallel_is_initialized", lambda: True
+    )
+    cp_on.setattr(
+        rocm_cp_indexer_startup,
         "_publish_and_compare",
         lambda settings, compare: asked.append(settings),
     )
     for pynccl in (None, SimpleNamespace(disabled=True)):
         group = SimpleNamespace(device_communicator=SimpleNamespace(pynccl_comm=pynccl))
-        cp_on.setattr(rocm_cp_indexer, "get_tp_group", lambda g=group: g)
+        cp_on.setattr(rocm_cp_indexer_startup, "get_tp_group", lambda g=group: g)
         assert _at_startup(2) is None
         assert "PyNccl" in asked[-1]["the CP indexer's decision"]
     group = SimpleNamespace(
         device_communicator=SimpleNamespace(pynccl_comm=SimpleNamespace(disabled=False))
     )
-    cp_on.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    cp_on.setattr(rocm_cp_indexer_startup, "get_tp_group", lambda: group)
     assert _at_startup(2) is not None
 
 
@@ -960,7 +986,9 @@ def test_flag_off_aiter_off_or_not_rocm_means_no_split(rocm_aiter):
     rocm_aiter.setenv("VLLM_ROCM_USE_AITER", "1")
     rocm_aiter_ops.refresh_env_variables()
     assert _at_startup(2) is not None
-    rocm_aiter.setattr(rocm_cp_indexer.current_platform, "is_rocm", lambda: False)
+    rocm_aiter.setattr(
+        rocm_cp_indexer_startup.current_platform, "is_rocm", lambda: False
+    )
     assert _at_startup(2) is None
 
 
@@ -984,7 +1012,7 @@ def test_unsafe_configurations_stay_off_with_a_startup_log_line(
     )
     logged = []
     cp_on.setattr(
-        rocm_cp_indexer.logger,
+        rocm_cp_indexer_startup.logger,
         "info_once",
         lambda msg, *args: logged.append(msg % args),
     )
@@ -997,7 +1025,7 @@ def test_an_fp4_indexer_cache_keeps_the_prefill_replicated_and_says_so(cp_on):
     prefill row on every rank: the startup log must not claim a split."""
     logged = []
     cp_on.setattr(
-        rocm_cp_indexer.logger,
+        rocm_cp_indexer_startup.logger,
         "info_once",
         lambda msg, *args: logged.append(msg % args),
     )

@@ -1,0 +1,494 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The plan of stage 0001's split: each TP rank's contiguous range of a
+step's prefill rows, cut where the rows' cumulative cost crosses each
+rank's share, and whether the split repays its merge at all.
+
+The ranges are balanced by cost, not by row count: a row costs its causal
+key count, which the metadata builder knows on the host (sequence and query
+lengths), and a new chat turn over a long cached prefix costs 10-100x a
+fresh prompt's row. A row also costs a fixed part (``ROW_COST_KEYS``: its
+top-k's own work and output), and on gfx942 its chunk's whole key width,
+which the logits kernel fills with -inf (``LOGITS_FILL_DIVISOR``). A rank
+whose rows span two runs of chunks pays a second call (``CALL_COST_KEYS``),
+and a call's logits last at least as long as its costliest row (one program
+per row), so they cost at least a wave of that row (``WAVE_ROWS_PER_CU``:
+the rows the GPU scores at once). Where the cuts leave the ranks' calls
+unlike, or a rank a call below that floor, such as a sliver of a long turn,
+they are found again with calls and floors counted. A step whose split
+would not repay its merge over the TP group's link (``split_repays``) stays
+replicated and does not merge.
+
+The plan is made once per step by the indexer metadata builder, from host
+integers, identically on every rank (``CPIndexerPlanner.plan``).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerPrefillChunkMetadata,
+    )
+
+
+# Whether a step splits (``split_repays``): the split must save more than
+# the merge costs and MIN_SPLIT_GAIN of the replicated op besides, on the
+# TP group's link, and the step must cost MIN_SPLIT_KEY_ROWS at least. Below
+# that a call is mostly host work, which the split does not shrink. Each
+# rank's share costs 1 + SPLIT_OVERHEAD of an even share of the op (work
+# every rank repeats and imbalance). All in key-rows, as
+# ``prefill_row_costs`` counts them; the merge's milliseconds become
+# key-rows at NS_PER_KEY_ROW, the op's time per key-row. Calibrated with
+# Triton stand-ins of AITER's kernels on one H100 over 36 serving steps at
+# tp 2, 4 and 8: a step of 5.9M key-rows lost split, one of 7.7M gained on
+# every link and tp; the shares' GPU times summed to a median 1.05x, 1.11x
+# and 1.26x the replicated op's at tp 2, 4 and 8; 0.068-0.085 ns a key-row.
+# On 36 steps it was not fitted to, 101 of 108 step-tps came out right,
+# none split slower than replicated: under about 8M key-rows the host's
+# speed decides. MI355X's kernels move all of these (measure them there).
+MIN_SPLIT_KEY_ROWS = 7_000_000
+MIN_SPLIT_GAIN = 0.075
+SPLIT_OVERHEAD = 0.15
+NS_PER_KEY_ROW = 0.072
+# The merge gathers every row's top-k indices (2,048 int32 for
+# DeepSeek-V3.2 and GLM-5.x) into every rank.
+MERGED_ROW_BYTES = 2048 * 4
+
+
+@dataclass(frozen=True)
+class MergeLink:
+    """The TP group's link, as the merge's all_gatherv uses it: a latency
+    and a rate one way, either through one port per GPU to a switch (a rank
+    receives all other ranks' rows through it) or over one link per pair of
+    GPUs (a rank receives each peer's rows on its own link, at once)."""
+
+    latency_ms: float
+    gb_per_s: float
+    switched: bool
+
+    def merge_ms(self, rank_rows: list[int]) -> float:
+        """The merge of ranks holding ``rank_rows`` rows each: the rank that
+        receives the most through its port, or the link that carries the
+        largest rank's rows."""
+        received = sum(rank_rows) - min(rank_rows) if self.switched else max(rank_rows)
+        return self.latency_ms + received * MERGED_ROW_BYTES / (self.gb_per_s * 1e6)
+
+
+# The all_gather of the merge measured on 2x H200 over NVLink reached 58% of
+# the link's 450 GB/s one way, after 0.10 ms (8K-64K rows). AMD's Instinct
+# GPUs are joined pairwise, one xGMI link each: 76.8 GB/s one way on gfx950
+# (MI350X, MI355X; AMD's 153.6 GB/s both ways), 64 on gfx942 (MI300X,
+# MI325X; 128 both ways). Taken at the same share and latency, not measured.
+# The planner prices its GPU's xGMI link; NVLINK is the bench's H200 model.
+NVLINK = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 450, switched=True)
+XGMI_GFX950 = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 76.8, switched=False)
+XGMI_GFX942 = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 64, switched=False)
+
+
+def split_repays(
+    total_key_rows: int, rank_rows: list[int], link: MergeLink = XGMI_GFX950
+) -> bool:
+    """Whether a split of a step costing ``total_key_rows`` in all, whose
+    ranks hold ``rank_rows`` prefill rows each, saves more than its merge
+    costs and MIN_SPLIT_GAIN of the replicated op besides (the costliest
+    rank taken as ``1 + SPLIT_OVERHEAD`` times an even share)."""
+    if total_key_rows < MIN_SPLIT_KEY_ROWS:
+        return False
+    rank = total_key_rows * (1 + SPLIT_OVERHEAD) / len(rank_rows)
+    merge = link.merge_ms(rank_rows) * 1e6 / NS_PER_KEY_ROW
+    return rank + merge <= (1 - MIN_SPLIT_GAIN) * total_key_rows
+
+
+# Where the prefill logits kernel fills the chunk's whole [rows, keys] output
+# with -inf (``_logits_fill_their_chunk``: gfx942), each row also costs its
+# chunk's key width, not only its own key range: on a fresh prompt the early
+# rows, cheap by key count, are as wide as the last. On gfx950 vLLM asks for
+# no fill, and a row costs its keys.
+# One filled element is taken as 1/LOGITS_FILL_DIVISOR of a scored key-row:
+# an estimate from MI355X's peak figures (a 4-byte store at ~6 TB/s against
+# 32 heads x 128 dims of fp8 MFMA, the logits store and the top-k's read per
+# key-row; GLM-5.x's 32 heads, where the fill weighs most: about 1/13 at
+# DeepSeek-V3.2's 64), not a measurement.
+LOGITS_FILL_DIVISOR = 8
+# Each row's fixed cost, in key-rows: what it costs besides its keys (its
+# top-k's program and its k indices written). Fitted on one H200 with Triton
+# stand-ins of AITER's prefill logits and per-row top-k (time = a key-rows +
+# b rows + c per call; b / a from 591 to 839 in four runs). With the logits
+# stand-in on AITER's grid (one program per row) the fit gives 129, yet 700
+# still balances a fresh 16K prompt better on the whole op (1.02 against
+# 1.05 at tp 2). Not fitted on MI355X: AITER's top-k on many short rows, or
+# a faster logits kernel, would raise it there.
+ROW_COST_KEYS = 700
+# Each logits and top-k call's fixed cost, in key-rows: a rank whose rows
+# cross into another run of chunks pays a second call
+# (``CPIndexerPrefill.windows``). Fitted with ``ROW_COST_KEYS``, as c / a
+# (130-180 us a call against 0.06-0.07 ns a key-row: 2.2M-3.0M in four runs);
+# the same caveats.
+CALL_COST_KEYS = 2_600_000
+# The logits' floor. AITER's gfx950 logits run one program per row
+# (ROCm/aiter aiter/ops/triton/attention/fp8_mqa_logits.py at e4048607,
+# L206 and L228: a grid of cdiv(rows, block_m), one or two rows a program,
+# each walking its row's keys), so they last at least as long as their
+# call's longest row, however few rows it has: a rank holding a sliver of a
+# long turn pays as if it held as many rows as the GPU scores at once. That
+# is WAVE_ROWS_PER_CU rows per compute unit: one row's time over a row's
+# time at full occupancy (on one H200 with the stand-ins, 1.6 ms for 33 to
+# 132 rows of 200K keys alike, against 0.033 ns a key-row: 1.8). The floor
+# weighs on LOGITS_SHARE of a key-row's cost, the logits' share of it
+# (0.47-0.48). AITER's one-block top-k, which it takes for every call of
+# over 128 rows and for narrower ones (should_use_mulblocks), has a floor
+# of its own (on the H200, 103 rows of 100K keys: 0.82 ms of top-k beside
+# 0.74 ms of logits); yet fitted to the whole op's per-rank times on the
+# host bench, the floor weighs about 0.5 of a key-row's cost, so this one
+# share stands for both. Neither is measured on MI355X, where AITER's
+# kernels set them; on the H200 a wave twice too large did worse than none
+# on some steps, half of it about as well as this one.
+WAVE_ROWS_PER_CU = 1.8
+LOGITS_SHARE = 0.48
+
+
+@dataclass(frozen=True)
+class CPIndexerSplit:
+    """Each TP rank's contiguous range of one step's prefill rows (the same
+    on every rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``."""
+
+    bounds: tuple[int, ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        return self.bounds[rank], self.bounds[rank + 1]
+
+
+def prefill_row_key_counts(
+    seq_lens_cpu: torch.Tensor, query_lens_cpu: torch.Tensor, compress_ratio: int
+) -> torch.Tensor:
+    """Each prefill row's causal key count, in batch row order: row t of a
+    request with S tokens and Q new ones sees (S - Q + 1 + t) // ratio keys,
+    the bound the builder gives its chunk's ``cu_seqlen_ke``."""
+    query_lens = query_lens_cpu.to(torch.int64)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    first_key = seq_lens_cpu.to(torch.int64) - query_lens + 1
+    row = torch.arange(int(query_lens.sum()))
+    offset = row - torch.repeat_interleave(starts, query_lens)
+    return (torch.repeat_interleave(first_key, query_lens) + offset) // compress_ratio
+
+
+def prefill_row_costs(
+    seq_lens_cpu: torch.Tensor,
+    query_lens_cpu: torch.Tensor,
+    compress_ratio: int,
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+    num_decode_tokens: int,
+    fill_divisor: int | None = LOGITS_FILL_DIVISOR,
+    row_cost_keys: int = ROW_COST_KEYS,
+) -> torch.Tensor:
+    """Each prefill row's cost in key-rows, in batch row order after the
+    decodes: its key count, its fixed cost (``row_cost_keys``) and, where the
+    logits are filled (``fill_divisor``), its part of its chunk's -inf fill
+    (a row in no chunk, which has no compressed key, has no fill)."""
+    costs = (
+        prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
+        + row_cost_keys
+    )
+    if fill_divisor is None:
+        return costs
+    for chunk in chunks:
+        first = chunk.token_start - num_decode_tokens
+        last = chunk.token_end - num_decode_tokens
+        costs[first:last] += chunk.total_seq_lens // fill_divisor
+    return costs
+
+
+def plan_cp_indexer_split(
+    tp_size: int,
+    num_decode_tokens: int,
+    seq_lens_cpu: torch.Tensor,
+    query_lens_cpu: torch.Tensor,
+    compress_ratio: int,
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+    fill_divisor: int | None = LOGITS_FILL_DIVISOR,
+    row_cost_keys: int = ROW_COST_KEYS,
+    call_cost_keys: int = CALL_COST_KEYS,
+    wave_rows: int = 0,
+    link: MergeLink = XGMI_GFX950,
+) -> CPIndexerSplit | None:
+    """This step's split of the prefill rows (the requests' sequence and
+    query lengths, on the host, after the decodes; the builder's chunks of
+    them), or None to score them replicated, when the split would not repay
+    its merge over ``link`` (``split_repays``).
+
+    Called by the indexer metadata builder on every rank with the same host
+    inputs, so every rank takes the same decision and the merge matches."""
+    costs = prefill_row_costs(
+        seq_lens_cpu,
+        query_lens_cpu,
+        compress_ratio,
+        chunks,
+        num_decode_tokens,
+        fill_divisor,
+        row_cost_keys,
+    )
+    num_rows = costs.numel()
+    if num_rows < tp_size:
+        return None
+    # before[j]: the cost of the rows before row j.
+    before = torch.zeros(num_rows + 1, dtype=torch.int64)
+    torch.cumsum(costs, 0, out=before[1:])
+    total = int(before[-1])
+    # No split merges less than an even one: a step that would not repay
+    # that is left before it is planned.
+    if not split_repays(total, [num_rows // tp_size] * tp_size, link):
+        return None
+    shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
+    bounds = _cut_at(before, shares)
+    if call_cost_keys or wave_rows:
+        runs = shared_key_runs(chunks, num_decode_tokens)
+        rank_cost = RankCost(
+            before, costs, query_lens_cpu, runs, call_cost_keys, wave_rows
+        )
+        bounds = _least_costly(bounds, rank_cost)
+    split = CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
+    return split if split_repays(total, split.sizes, link) else None
+
+
+def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
+    """Each rank's bounds: the row boundary whose cost before it is nearest
+    each share (cumulative), at least one row per rank, in order."""
+    num_rows = before.numel() - 1
+    tp_size = shares.numel() + 1
+    above = torch.searchsorted(before, shares).clamp_(1, num_rows)
+    below = above - 1
+    cuts = torch.where(shares - before[below] < before[above] - shares, below, above)
+    bounds = [0, *cuts.tolist(), num_rows]
+    for rank in range(1, tp_size):
+        bounds[rank] = max(bounds[rank], bounds[rank - 1] + 1)
+    for rank in range(tp_size - 1, 0, -1):
+        bounds[rank] = min(bounds[rank], bounds[rank + 1] - 1)
+    return bounds
+
+
+def shared_key_runs(
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata], num_decode_tokens: int
+) -> list[tuple[int, int, int]]:
+    """Per run of chunks over the same keys (``runs_of_shared_keys``), in
+    prefill rows: its first and last row and its largest chunk's rows, which
+    bound each call's rows."""
+    return [
+        (run[0].token_start - num_decode_tokens,
+         run[-1].token_end - num_decode_tokens,
+         max(c.token_end - c.token_start for c in run))
+        for run in runs_of_shared_keys(chunks)
+    ]  # fmt: skip
+
+
+def equal_calls(start: int, end: int, most: int) -> Iterator[tuple[int, int]]:
+    """Rows ``start:end`` of one run in as few calls as ``most`` rows a call
+    allows, of equal size."""
+    rows = end - start
+    calls = -(-rows // most)
+    for call in range(calls):
+        yield start + call * rows // calls, start + (call + 1) * rows // calls
+
+
+class RankCost:
+    """What a rank's rows cost as the planner counts it, in key-rows: each
+    row's cost, each call ``CPIndexerPrefill.windows`` makes for them
+    (``call_cost_keys``), and, where a call's rows cost less than one wave
+    of its costliest row (``wave_rows`` times it; 0: not counted), the
+    logits' share of the difference (``LOGITS_SHARE``): with one program per
+    row, the logits last at least as long as the costliest row.
+
+    A rank's cost grows with its rows: vLLM's builder slices only a single
+    request into a run of several chunks, so adding a row to a run adds to
+    its calls' costs. ``_least_costly`` relies on it."""
+
+    def __init__(
+        self,
+        before: torch.Tensor,
+        costs: torch.Tensor,
+        query_lens_cpu: torch.Tensor,
+        runs: list[tuple[int, int, int]],
+        call_cost_keys: int,
+        wave_rows: int,
+    ):
+        # Host ints: a tensor index per call is slow.
+        self.before = before.tolist()
+        self.call_cost_keys = call_cost_keys
+        self.wave_rows = wave_rows
+        self.runs = runs
+        self.run_firsts = [first for first, _, _ in runs]
+        self.run_ends = [last for _, last, _ in runs]
+        if wave_rows:
+            # A row's cost grows with its index within its request (a
+            # request's chunks share one key width), so a range's costliest
+            # row is its last one or the last of a request ending inside it.
+            self.ends = torch.cumsum(query_lens_cpu.to(torch.int64), 0).tolist()
+            self.last_of = [self.before[e] - self.before[e - 1] for e in self.ends]
+        # What each whole run adds to its rows' cost (its calls, and with
+        # ``floors`` their floors), summed over the runs before it: a rank's
+        # whole runs then cost one subtraction.
+        self.whole = {
+            floors: [0, *accumulate(self._added(*run, floors) for run in runs)]
+            for floors in (False, True)
+        }
+
+    def calls(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """The row ranges of the calls rows ``start:end`` are scored in."""
+        for first, last, most in self.runs[bisect_right(self.run_ends, start) :]:
+            if first >= end:
+                return
+            yield from equal_calls(max(start, first), min(end, last), most)
+
+    def _costliest(self, first: int, last: int) -> int:
+        inside = self.last_of[
+            bisect_right(self.ends, first) : bisect_left(self.ends, last)
+        ]
+        return max(self.before[last] - self.before[last - 1], max(inside, default=0))
+
+    def _added(self, start: int, end: int, most: int, floors: bool) -> int:
+        """What the calls of rows ``start:end`` of one run add to the rows'
+        own cost."""
+        added = 0
+        for first, last in equal_calls(start, end, most):
+            added += self.call_cost_keys
+            if floors and self.wave_rows:
+                work = self.before[last] - self.before[first]
+                floor = self.wave_rows * self._costliest(first, last)
+                added += int(LOGITS_SHARE * max(0, floor - work))
+        return added
+
+    def __call__(self, start: int, end: int, floors: bool = True) -> int:
+        cost = self.before[end] - self.before[start]
+        # The runs rows start:end touch: i to j - 1, whole but for the ends.
+        i = bisect_right(self.run_ends, start)
+        j = bisect_left(self.run_firsts, end)
+        for k in (i, j - 1)[: min(j - i, 2)]:
+            first, last, most = self.runs[k]
+            cost += self._added(max(start, first), min(end, last), most, floors)
+        if j - 1 > i + 1:
+            whole = self.whole[floors]
+            cost += whole[j - 1] - whole[i + 1]
+        return cost
+
+    def of(self, bounds: list[int], floors: bool = True) -> list[int]:
+        return [self(a, b, floors) for a, b in zip(bounds, bounds[1:])]
+
+
+def _least_costly(bounds: list[int], rank_cost: RankCost) -> list[int]:
+    """The cost-share cuts price every rank alike. Where the ranks' calls
+    differ (a rank whose rows cross into another run of chunks makes a
+    second call) or a call costs less than its floor (``RankCost``), the
+    least costly plan again, with both counted: the smallest cost every
+    rank keeps within, found by bisection, each rank taking as many rows as
+    fit within it (as a rank's cost grows with its rows, no other plan has a
+    costliest rank cheaper by more than 1/4096). Kept only if it beats
+    ``bounds``."""
+    costs = rank_cost.of(bounds)
+    calls = {len(list(rank_cost.calls(a, b))) for a, b in pairwise(bounds)}
+    if len(calls) == 1 and costs == rank_cost.of(bounds, floors=False):
+        return bounds  # every rank priced alike: the cuts stand
+    tp_size, num_rows = len(bounds) - 1, len(rank_cost.before) - 1
+    best, high = bounds, max(costs)
+    low = rank_cost.before[-1] // tp_size
+    # Within 1/4096 of the least (finer than a row of the costly steps it
+    # decides); a step of at least 1, so that it ends.
+    while high - low > max(1, high // 4096):
+        limit = (low + high) // 2
+        plan = _plan_within(limit, tp_size, num_rows, rank_cost)
+        if plan is None:
+            low = limit
+        else:
+            best, high = plan, limit
+    return best
+
+
+def _plan_within(
+    limit: int, tp_size: int, num_rows: int, rank_cost: RankCost
+) -> list[int] | None:
+    """Cuts that keep every rank's cost within ``limit``, each rank taking
+    as many rows as fit (at least one, and one left for each later rank),
+    or None if there are none."""
+    bounds = [0]
+    for rank in range(tp_size - 1):
+        start = bounds[-1]
+        # A rank's cost is at least its rows' own cost: no further than this.
+        high = bisect_right(rank_cost.before, rank_cost.before[start] + limit) - 1
+        high = min(high, num_rows - (tp_size - 1 - rank))
+        if high <= start or rank_cost(start, start + 1) > limit:
+            return None
+        low = start + 1  # within the limit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if rank_cost(start, middle) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+        bounds.append(low)
+    if rank_cost(bounds[-1], num_rows) > limit:
+        return None
+    return [*bounds, num_rows]
+
+
+@dataclass(frozen=True)
+class CPIndexerPlanner:
+    """The settings every step's split is planned with, fixed at startup."""
+
+    tp_size: int
+    # LOGITS_FILL_DIVISOR where the logits kernel fills its chunk, else None.
+    fill_divisor: int | None = None
+    row_cost_keys: int = ROW_COST_KEYS
+    call_cost_keys: int = CALL_COST_KEYS
+    # The rows the GPU scores at once (WAVE_ROWS_PER_CU per compute unit).
+    wave_rows: int = 0
+    # The TP group's link, which prices the merge.
+    link: MergeLink = XGMI_GFX950
+
+    def plan(
+        self,
+        num_decode_tokens: int,
+        seq_lens_cpu: torch.Tensor,
+        query_lens_cpu: torch.Tensor,
+        compress_ratio: int,
+        chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+    ) -> CPIndexerSplit | None:
+        """This step's split (``plan_cp_indexer_split``)."""
+        return plan_cp_indexer_split(
+            self.tp_size,
+            num_decode_tokens,
+            seq_lens_cpu,
+            query_lens_cpu,
+            compress_ratio,
+            chunks,
+            self.fill_divisor,
+            self.row_cost_keys,
+            self.call_cost_keys,
+            self.wave_rows,
+            self.link,
+        )
+
+
+def runs_of_shared_keys(
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata],
+) -> list[list[DeepseekV32IndexerPrefillChunkMetadata]]:
+    """The chunks grouped into runs that score the same keys: a chunk with
+    ``skip_kv_gather`` is a later query slice of the previous chunk's
+    requests (vLLM's builder slices requests too long for the logits
+    budget), with the same keys laid out the same way."""
+    runs: list[list[DeepseekV32IndexerPrefillChunkMetadata]] = []
+    for chunk in chunks:
+        if runs and chunk.skip_kv_gather:
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    return runs
