@@ -233,7 +233,7 @@ def test_a_new_module_in_the_patch_gets_a_warning(two_stages: Project, capsys):
 
 
 def test_the_readme_flow_for_changing_an_earlier_stage(two_stages: Project):
-    """README, 'Changing a stage': apply up to a stage, edit, refresh, then
+    """README, 'Change a stage': apply up to a stage, edit, refresh, then
     apply the rest on top."""
     series = two_stages.series()
     repo = apply(series)
@@ -261,7 +261,7 @@ def test_the_readme_flow_for_changing_an_earlier_stage(two_stages: Project):
 def test_a_later_stage_that_no_longer_applies_is_carried_then_continued(
     two_stages: Project,
 ):
-    """README, 'Changing a stage': stage 0001 changes the line stage 0002
+    """README, 'Change a stage': stage 0001 changes the line stage 0002
     edits next to. apply stops naming --carry; --carry leaves the three-way
     conflict; --continue commits the stage as its own; refresh writes its
     patch; the next apply is a no-op and check finds nothing stale. --abort
