@@ -10,14 +10,17 @@ import http.server
 import json
 import socket
 import subprocess
+import sys
 import threading
 
 import pytest
-from conftest import sh
+from conftest import run_cli, sh
 
 from scripts.series import SeriesError
 from scripts.series.cli import main
-from scripts.series.rebase import roll
+from scripts.series.layout import rebase_dir
+from scripts.series.rebase import rehearsal, roll
+from scripts.series.rebase.state import state_file
 from scripts.series.stages.fetch import CACHE_ENV, INDEX_ENV
 
 
@@ -220,3 +223,47 @@ def test_an_unreachable_index_is_one_sentence_naming_it(
         f"{INDEX_ENV} to an index this machine can reach"
     )
     assert sh(project.root, "git", "branch", "--list", "rebase/*") == ""
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[: len(raw) // 2],
+        lambda raw: raw.replace('"version": "0.11.0"', '"version": "0.11.0/../../.."'),
+        lambda raw: raw.replace('"old_tip": "', '"old_tip": "x'),
+        lambda raw: raw.replace('"rehearsal": false', '"rehearsal": "no"'),
+    ],
+    ids=["cut short", "a version out of build/", "a commit not a commit", "a flag"],
+)
+def test_a_damaged_state_file_is_named_and_nothing_is_touched(released, damage):
+    """The state of a stopped rebase is read back as untrusted: damaged, or
+    with a target whose folder would lead out of build/rebase/, --continue,
+    --abort and the rehearsal refuse it, naming the file and the `rm` that
+    drops it, and delete nothing."""
+    project, index = released
+    ops = project.upstream / "vllm/envs.py"
+    ops.write_text(ops.read_text().replace("VAR_3 = 3\n", "VAR_3 = 33\n", 1))
+    sh(project.upstream, "git", "commit", "-qam", "upstream 0.11.0")
+    index.sdists["0.11.0"] = _sdist(project, "HEAD", "0.11.0")
+    sha = index.sha("0.11.0")
+    stopped = _cli(project, "rebase", "--version", "0.11.0", "--sha256", sha)
+    assert "has conflicts" in stopped.stderr
+    series = project.series()
+    state = state_file(series)
+    state.write_text(damage(state.read_text()))
+    before = sorted(p.name for p in rebase_dir(series).iterdir())
+    for args in (["--continue"], ["--abort"]):
+        done = _cli(project, "rebase", *args)
+        assert done.returncode == 1
+        assert done.stderr.startswith(f"error: {state} ")
+        assert f"`rm {state}` drops it" in done.stderr
+    with pytest.raises(SeriesError, match="`rm .*state.json` drops it"):
+        rehearsal.rehearse(series, sys.executable)
+    assert sorted(p.name for p in rebase_dir(series).iterdir()) == before
+    state.unlink()
+    again = _cli(project, "rebase", "--version", "0.11.0", "--sha256", sha)
+    assert "has conflicts" in again.stderr, "the next rebase starts afresh"
+
+
+def _cli(project, *args: str):
+    return run_cli(["--series", str(project.series_file), *args])

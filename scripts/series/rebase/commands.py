@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Base, GitBase, SdistBase, Series
+from scripts.series.config import Base, GitBase, SdistBase, Series, is_version
 from scripts.series.rebase import rebase, roll
 from scripts.series.rebase.state import rebase_command
 
@@ -117,5 +117,9 @@ def _target_form(args: argparse.Namespace) -> str:
     if args.sha256 and not args.version:
         raise SeriesError("--sha256 is the hash of --version's sdist; add --version V")
     if args.version:
+        if not is_version(args.version):
+            raise SeriesError(
+                f"--version takes a release number (X.Y.Z), got {args.version!r}"
+            )
         return "sdist" if args.sha256 else "version"
     raise SeriesError("give a target: --version V --sha256 H, or --git PATH --rev REV")

@@ -6,13 +6,19 @@ per file and hunk."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Base, GitBase, SdistBase, Series
+from scripts.series.config import Base, GitBase, SdistBase, Series, is_version
 from scripts.series.files import partial_of, write_whole
 from scripts.series.layout import rebase_dir
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# A folder name under build/rebase/ (a target's label).
+_LABEL = re.compile(r"^[A-Za-z0-9._+-]+$")
 
 
 def rebase_command(args: str) -> str:
@@ -86,14 +92,56 @@ def load_state(series: Series) -> RebaseState:
             f"{rebase_command('--version RELEASE --sha256 SHA256')} or "
             f"{rebase_command('--git PATH --rev REV')}"
         )
-    raw = json.loads(path.read_text())
-    # The name this field had before the rehearsal's branch had its own.
-    raw["rehearsal"] = raw.pop("allow_uncommitted", raw.get("rehearsal", False))
-    reports = [
-        StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})
-        for r in raw.pop("reports")
-    ]
-    return RebaseState(**raw, reports=reports)
+    try:
+        raw = json.loads(path.read_text())
+        # The name this field had before the rehearsal's branch had its own.
+        raw["rehearsal"] = raw.pop("allow_uncommitted", raw.get("rehearsal", False))
+        reports = [
+            StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})
+            for r in raw.pop("reports")
+        ]
+        state = RebaseState(**raw, reports=reports)
+        problem = _state_problem(state)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        problem = f"cannot be read ({type(exc).__name__}: {exc})"
+    if problem:
+        raise SeriesError(
+            f"{path} {problem}, so the rebase it records cannot go on or be "
+            f"aborted by the tool; `rm {path}` drops it (the next rebase replaces "
+            "its work area; recorded conflict resolutions stay), then rebase "
+            "again. Your checkout and branches are untouched"
+        )
+    return state
+
+
+def _state_problem(state: RebaseState) -> str | None:
+    """What in a state file the tool did not write: its paths and commits
+    name what --continue and --abort change and delete."""
+    target = state.target
+    if not isinstance(target, dict) or set(target) not in (
+        {"name", "version", "sha256"},
+        {"name", "git", "rev"},
+    ):
+        return "is damaged: its target is neither a release nor a git checkout"
+    if not all(isinstance(v, str) and v for v in target.values()):
+        return "is damaged: its target has an empty or non-text field"
+    label = target_from(target).label
+    if not _LABEL.match(label) or ".." in label:
+        return f"is damaged: its target {label!r} is no folder name of build/rebase/"
+    if "version" in target and not (
+        is_version(target["version"]) and _SHA256.match(target["sha256"])
+    ):
+        return "is damaged: its release is no version with a sha256"
+    commits = [state.old_tip, *state.commits.values()]
+    commits += [c for c in (state.target_commit, state.branch_commit) if c]
+    commits += [state.project_head] if state.project_head else []
+    if not all(isinstance(c, str) and _COMMIT.match(c) for c in commits):
+        return "is damaged: a commit in it is not 40 hex digits"
+    if not (isinstance(state.next, int) and state.next >= 0):
+        return "is damaged: its next stage is not a count"
+    if not all(isinstance(v, bool) for v in (state.pending, state.rehearsal)):
+        return "is damaged: a flag in it is not true or false"
+    return None
 
 
 def save_state(series: Series, state: RebaseState) -> None:
