@@ -21,6 +21,15 @@ UPSTREAM_STATUSES = ("not-submitted", "open", "merged", "closed", "upstreamed")
 _STAGE_ID = re.compile(r"^[0-9]{4}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# A release as PEP 440 spells it: it names folders under build/ (the work
+# repo, a rebase's work area), so nothing in it may lead elsewhere.
+_VERSION = re.compile(r"^[0-9][0-9A-Za-z+!_-]*(?:\.[0-9A-Za-z+!_-]+)*$")
+
+
+def is_version(value: str) -> bool:
+    return bool(_VERSION.match(value))
+
+
 # A URL git fetches from (https://, ssh://, file://, ...) or scp's
 # user@host:path; anything else names a folder on this machine.
 _GIT_URL = re.compile(r"^([a-z][a-z0-9+.-]*://|[\w.-]+@[\w.-]+:)")
@@ -44,11 +53,12 @@ def git_cache_dir() -> Path:
     return cache_dir() / "git"
 
 
-def _cache_name(url: str) -> str:
-    """A folder name for ``url``'s fetched commits: readable, and apart
-    from any other URL's."""
+def _cache_name(url: str, commit: str) -> str:
+    """The folder of ``url``'s ``commit``, fetched: readable, apart from any
+    other URL's, and one per commit (it is made whole, then renamed into
+    place, so nothing shares a half-made one)."""
     tail = re.sub(r"[^A-Za-z0-9._-]", "_", url.rstrip("/").rsplit("/", 1)[-1])
-    return f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:12]}.git"
+    return f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:12]}/{commit}.git"
 
 
 class SeriesFileError(SeriesError):
@@ -272,12 +282,14 @@ def _parse_base(source: Path, raw: Any) -> Base:
                     f"a repository URL is pinned by its full commit (40 hex "
                     f"digits; a branch moves), got {rev!r}",
                 )
-            return GitBase(name, git_cache_dir() / _cache_name(where), rev, where)
+            return GitBase(name, git_cache_dir() / _cache_name(where, rev), rev, where)
         path = Path(where).expanduser()
         if not path.is_absolute():
             path = (source.parent / path).resolve()
         return GitBase(name=name, path=path, rev=rev)
     version = fields.string("version")
+    if not is_version(version):
+        fields.fail("base.version", f"expected a release (X.Y.Z), got {version!r}")
     sha256 = fields.string("sha256").lower()
     if not _SHA256.match(sha256):
         fields.fail("base.sha256", f"expected 64 hex digits, got {sha256!r}")

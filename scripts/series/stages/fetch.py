@@ -14,7 +14,9 @@ import html.parser
 import http.client
 import json
 import os
+import shutil
 import sys
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -222,28 +224,37 @@ def fetch_sdist(base: SdistBase, *, offline: bool = False) -> Path:
 
 
 def fetch_git_commit(base: GitBase) -> None:
-    """Bring a git URL pin's commit into its cache repository (``base.path``),
-    once: only that commit and its files (``--depth 1``), as any clone of the
-    project can. GitHub serves a commit by its id; so does a file:// URL."""
+    """Bring a git URL pin's commit into its own cache repository
+    (``base.path``), once: only that commit and its files (``--depth 1``), as
+    any clone of the project can; GitHub serves a commit by its id, and so
+    does a file:// URL. It is fetched into a fresh folder beside it and
+    renamed into place when whole, so a fetch killed part way (git leaves
+    its lock files) or another command fetching the same commit at once
+    never leaves, or meets, a half-made one."""
     assert base.url is not None
     repo = base.path
-    if (
-        repo.exists()
-        and git(
-            repo, "cat-file", "-e", f"{base.rev}^{{commit}}", check=False
-        ).returncode
-        == 0
-    ):
+    if repo.is_dir():
         return
-    _make_cache_folder(repo, "for the git pin's commits")
-    git(repo, "init", "-q", "--bare")
-    print(f"fetching {base.rev[:12]} from {base.url}", file=sys.stderr)
-    fetched = git(repo, "fetch", "-q", "--depth", "1", base.url, base.rev, check=False)
-    if fetched.returncode != 0:
-        said = fetched.stderr.decode(errors="replace").strip().splitlines()
-        raise SeriesError(
-            f"cannot fetch commit {base.rev} from {base.url} "
-            f"({said[-1] if said else 'git fetch failed'}); the pin in "
-            "patches/series.toml names it: connect to the network, or check "
-            "that the repository has that commit"
+    _make_cache_folder(repo.parent, "for the git pin's commits")
+    scratch = Path(tempfile.mkdtemp(prefix=f".{repo.name}.", dir=repo.parent))
+    try:
+        git(scratch, "init", "-q", "--bare")
+        print(f"fetching {base.rev[:12]} from {base.url}", file=sys.stderr)
+        fetched = git(
+            scratch, "fetch", "-q", "--depth", "1", base.url, base.rev, check=False
         )
+        if fetched.returncode != 0:
+            said = fetched.stderr.decode(errors="replace").strip().splitlines()
+            raise SeriesError(
+                f"cannot fetch commit {base.rev} from {base.url} "
+                f"({said[-1] if said else 'git fetch failed'}); the pin in "
+                "patches/series.toml names it: connect to the network, or check "
+                "that the repository has that commit"
+            )
+        try:
+            scratch.rename(repo)
+        except OSError:
+            if not repo.is_dir():  # not another fetch of the same commit
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
