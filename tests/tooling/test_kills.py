@@ -25,6 +25,7 @@ from scripts.series.config import REPO_ROOT
 from scripts.series.layout import rebase_dir, workdir
 from scripts.series.rebase import rehearsal
 from scripts.series.rebase.state import state_file
+from scripts.series.stages.fetch import CACHE_ENV
 
 REAL_GIT = shutil.which("git")
 _WRAPPER = """#!/bin/sh
@@ -112,28 +113,34 @@ class Blocked:
         return self.proc.returncode, out, err
 
 
+def _command(module: str, project: Project, *args: str) -> list[str]:
+    """``python -m MODULE --series <the project's> ARGS`` as a user runs it."""
+    return [sys.executable, "-m", module, "--series", str(project.series_file), *args]
+
+
 def _tool(project: Project, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "scripts.series",
-        "--series",
-        str(project.series_file),
-        *args,
-    ]
+    return _command("scripts.series", project, *args)
 
 
 def _rehearsal(project: Project, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
+    return _command(
         "scripts.series.rebase.rehearsal",
-        "--series",
-        str(project.series_file),
+        project,
         "--test-python",
         sys.executable,
         *args,
-    ]
+    )
+
+
+def _keep_both_sides(path: Path) -> str:
+    """A conflict resolved by keeping both sides (the markers dropped)."""
+    resolved = "".join(
+        line
+        for line in path.read_text().splitlines(keepends=True)
+        if not line.startswith(("<<<<<<<", "=======", ">>>>>>>"))
+    )
+    path.write_text(resolved)
+    return resolved
 
 
 def _cli(project: Project, *args: str):
@@ -167,12 +174,7 @@ def test_the_rehearsal_leaves_a_users_stopped_rebase_as_it_was(two_stages: Proje
     state = state_file(series).read_bytes()
     work = rebase_dir(series) / target.label / "vllm"
     envs = work / "vllm/envs.py"
-    resolved = "".join(
-        line
-        for line in envs.read_text().splitlines(keepends=True)
-        if not line.startswith(("<<<<<<<", "=======", ">>>>>>>"))
-    )
-    envs.write_text(resolved)
+    resolved = _keep_both_sides(envs)
     (work / "vllm/notes.py").write_text("# the user's other edit\n")
     with pytest.raises(SeriesError) as refused:
         rehearsal.rehearse(series, sys.executable)
@@ -201,14 +203,7 @@ def test_a_branch_of_the_same_name_is_not_taken_for_the_tools_own(two_stages: Pr
     done = _cli(two_stages, "rebase", "--git", str(target.path), "--rev", target.rev)
     assert "stage 0001 has conflicts" in done.stderr
     work = rebase_dir(series) / target.label / "vllm"
-    envs = work / "vllm/envs.py"
-    envs.write_text(
-        "".join(
-            line
-            for line in envs.read_text().splitlines(keepends=True)
-            if not line.startswith(("<<<<<<<", "=======", ">>>>>>>"))
-        )
-    )
+    _keep_both_sides(work / "vllm/envs.py")
     sh(two_stages.root, "git", "branch", branch)
     by_hand = sh(two_stages.root, "git", "rev-parse", branch).strip()
     refused = _cli(two_stages, "rebase", "--continue")
@@ -227,6 +222,29 @@ def test_a_branch_of_the_same_name_is_not_taken_for_the_tools_own(two_stages: Pr
     with pytest.raises(SeriesError, match=f"the branch {mine} is not a rehearsal's"):
         rehearsal.rehearse(series, sys.executable)
     assert _branches(two_stages, "rehearsal/*") == [mine]
+    # Its own branch is read by its full name: a tag named as the branch is
+    # neither taken for it nor deleted.
+    sh(two_stages.root, "git", "branch", "-q", "-D", mine)
+    rehearsal.rehearse(series, sys.executable, keep=True)
+    sh(two_stages.root, "git", "tag", mine, "HEAD")
+    assert rehearsal.rehearse(series, sys.executable) == mine
+    assert _branches(two_stages, "rehearsal/*") == []
+    assert sh(two_stages.root, "git", "tag", "--list", mine).strip() == mine
+
+
+def test_a_version_that_leads_out_of_build_is_refused(two_stages: Project):
+    for version in ("../../x", "0.35.0/../../x"):
+        done = _cli(two_stages, "rebase", "--version", version, "--sha256", "a" * 64)
+        assert done.returncode == 1
+        assert "--version takes a release number (X.Y.Z)" in done.stderr
+    text = two_stages.series_file.read_text()
+    up = two_stages.upstream
+    two_stages.series_file.write_text(
+        text.replace(
+            f'git = "{up}"\nrev = "v1"\n', f'version = "../x"\nsha256 = "{"a" * 64}"\n'
+        )
+    )
+    assert "base.version: expected a release" in _cli(two_stages, "status").stderr
 
 
 # -- 2. git's own leftovers: a worktree git left locked, a ref lock -----------
@@ -336,6 +354,48 @@ def test_two_rebases_racing_to_one_branch_the_loser_says_so(
     sh(two_stages.root, "git", "branch", "-D", branch)
     assert _cli(two_stages, "rebase", "--continue").returncode == 0
     assert sh(two_stages.root, "git", "rev-parse", branch).strip() != other
+
+
+def test_a_branch_git_cannot_make_is_named_with_gits_reason(two_stages: Project):
+    """A branch named `rebase` keeps git from making rebase/<target>: the
+    message gives git's own reason (no lock file is blamed) and the rebase
+    is kept, to finish once that is fixed."""
+    two_stages.commit_all()
+    _upstream_moves(two_stages)
+    sh(two_stages.root, "git", "branch", "rebase")
+    done = run_cli(_rebase_to_main(two_stages)[3:])
+    assert done.returncode == 1
+    assert "'refs/heads/rebase' exists" in done.stderr
+    assert "lock file" not in done.stderr
+    assert state_file(two_stages.series()).exists()
+    sh(two_stages.root, "git", "branch", "-D", "rebase")
+    assert _cli(two_stages, "rebase", "--continue").returncode == 0
+
+
+def test_a_fetch_of_a_git_pin_killed_part_way_leaves_nothing_to_meet(
+    two_stages: Project, tmp_path: Path, monkeypatch
+):
+    """The commit of a URL pin is fetched aside and renamed into place once
+    whole: killed right after git fetched it, the cache holds no repository
+    at the pin's path for a later apply (or another clone's, at the same
+    moment) to take, and the next apply fetches it again."""
+    commit = sh(two_stages.upstream, "git", "rev-parse", "HEAD").strip()
+    text = two_stages.series_file.read_text()
+    two_stages.series_file.write_text(
+        text.replace(
+            f'git = "{two_stages.upstream}"\nrev = "v1"',
+            f'git = "{two_stages.upstream.as_uri()}"\nrev = "{commit}"',
+        )
+    )
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    pin = two_stages.series().base.path
+    assert pin.is_relative_to(tmp_path / "cache")
+    blocked = Blocked(tmp_path, "fetch -q --depth 1", "after")
+    assert blocked.run(*_tool(two_stages, "apply")), blocked.output
+    blocked.signal()
+    assert not pin.exists()
+    assert _cli(two_stages, "apply").returncode == 0
+    assert sh(pin, "git", "cat-file", "-t", commit).strip() == "commit"
 
 
 # -- 3. an interrupted rehearsal and the next one ------------------------------

@@ -165,15 +165,16 @@ def finish(series: Series, state: RebaseState) -> str:
         check=False,
     )
     if created.returncode != 0:
-        raise SeriesError(_branch_not_made(series, branch, state.branch_commit))
+        said = created.stderr.decode(errors="replace").strip()
+        raise SeriesError(_branch_not_made(series, branch, state.branch_commit, said))
     remove_worktree(series, tree)
     return branch
 
 
-def _branch_not_made(series: Series, branch: str, commit: str) -> str:
+def _branch_not_made(series: Series, branch: str, commit: str, said: str) -> str:
     """Why git did not create ``branch``, and what to do: another rebase
-    (in another worktree of this repository) made it first, or git's lock
-    on it is held or left by a killed git."""
+    (in another worktree of this repository) made it first, git's lock on
+    it is held or left by a killed git, or git's own reason (``said``)."""
     other = branch_commit(series, branch)
     if other is not None:
         return (
@@ -185,6 +186,11 @@ def _branch_not_made(series: Series, branch: str, commit: str) -> str:
         )
     path = git_out(series.root, "rev-parse", "--git-path", f"refs/heads/{branch}")
     lock = series.root / f"{path}.lock"  # relative to the project, if not absolute
+    if not lock.exists():
+        return (
+            f"git could not create the branch {branch} ({said}); the rebase is "
+            f"kept: fix that, then {rebase_command('--continue')}"
+        )
     return (
         f"git could not create the branch {branch}: its lock file {lock} is "
         "held by another git command in this repository, or was left by one "

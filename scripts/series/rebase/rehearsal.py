@@ -167,8 +167,9 @@ def _own_stopped_rebase(series: Series) -> bool:
 def _made_by_a_rehearsal(series: Series, branch: str, target: GitBase) -> bool:
     """Whether ``branch`` is a rehearsal's: its commit is a rebase's onto
     this very target (the target's commit is the same every time)."""
-    subject = git_out(series.root, "log", "-1", "--format=%s", branch)
-    pin = git(series.root, "show", f"{branch}:patches/series.toml", check=False)
+    ref = f"refs/heads/{branch}"  # not a tag of the same name
+    subject = git_out(series.root, "log", "-1", "--format=%s", ref)
+    pin = git(series.root, "show", f"{ref}:patches/series.toml", check=False)
     return subject == f"Rebase the series onto {target.label}" and (
         f'rev = "{target.rev}"' in pin.stdout.decode(errors="replace")
     )
@@ -254,7 +255,9 @@ def rehearse(series: Series, test_python: str, keep: bool = False) -> str:
     if branch_commit(series, branch) is None:
         found.append(f"the rebase made no branch {branch}")
     else:
-        written = git_out(series.root, "show", f"{branch}:patches/series.toml")
+        written = git_out(
+            series.root, "show", f"refs/heads/{branch}:patches/series.toml"
+        )
         if f'rev = "{target.rev}"' not in written:
             found.append(f"{branch}'s series.toml is not pinned to {target.rev}")
         if not keep:
