@@ -498,14 +498,23 @@ def test_the_minimum_split_size_is_the_least_that_splits():
     assert not rocm_cp_indexer_plan.split_repays(minimum - 1, [1] * 8)
 
 
-@pytest.mark.parametrize(("rows", "splits"), [(7400, False), (7450, True)])
-def test_the_plans_own_rows_decide_where_even_shares_would_repay(rows, splits):
-    """A fresh prompt at tp 2: even shares of its rows would repay their
-    merge, but the cuts by cost give rank 0 about two thirds of the rows
-    (the early rows are cheap), and one xGMI link carries them. From 7,450
-    rows that still repays, at 7,400 it does not: only the gate on the
-    plan's own rows tells the two apart."""
-    requests = [(0, rows)]
+@pytest.mark.parametrize(
+    ("requests", "splits"),
+    [
+        ([(0, 7400)], False),
+        ([(0, 7450)], True),
+        # A turn over a cached prefix, a request with no new token, a prompt.
+        ([(3000, 64), (700, 0), (0, 6580)], False),
+        ([(3000, 64), (700, 0), (0, 6590)], True),
+    ],
+)
+def test_the_plans_own_rows_decide_where_even_shares_would_repay(requests, splits):
+    """At tp 2, even shares of a step's rows would repay their merge, but
+    the cuts by cost give rank 0 about two thirds of the rows (a fresh
+    prompt's early rows are cheap), and one xGMI link carries them: only
+    the gate on the plan's own rows tells the steps apart. (At tp 4 and 8
+    the rows a rank holds merge quickly: the minimum decides first.)"""
+    rows = sum(new for _, new in requests)
     total = sum(_row_costs(requests))
     assert rocm_cp_indexer_plan.split_repays(total, [rows // 2, rows - rows // 2])
     assert (_plan(2, requests) is not None) is splits
