@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from scripts.bench import cp_indexer_host as bench
+from scripts.bench import cp_indexer_host_calibration as calibration
+from scripts.bench import cp_indexer_host_report as reports
+from scripts.bench import cp_indexer_host_timing as timing
 from scripts.bench import serving_steps
 from scripts.bench.common import DOCS
 from scripts.harness import fast_indexer_kernels, indexer_batch
@@ -49,7 +52,7 @@ def test_the_floor_step_holds_the_costliest_row_in_a_prefill_of_two():
 def test_the_nvlink_merge_is_the_measured_fit_at_tp_2():
     rows = 8192
     model = bench.merge_ms([0, rows // 2, rows])
-    fit = bench.MERGE_BASE_MS + bench.MERGE_ROW_MS * rows
+    fit = reports.MERGE_BASE_MS + reports.MERGE_ROW_MS * rows
     assert model["h200_nvlink"] == pytest.approx(fit, rel=1e-3)
     # One xGMI link carries a rank's whole half at tp 2.
     assert model["mi355x_xgmi"] > 2 * model["h200_nvlink"]
@@ -106,8 +109,8 @@ def _result(tp, replicated, ranks, floor, merge, splits=(True, True), hosts=None
     ],
 )
 def test_the_goals_fail_where_a_step_misses_them(result, g1, g2, monkeypatch):
-    monkeypatch.setattr(bench, "splits_on", lambda result, split: result["gate"])
-    goals = bench.step_goals(result, "aiter")
+    monkeypatch.setattr(reports, "splits_on", lambda result, split: result["gate"])
+    goals = reports.step_goals(result, "aiter")
     assert (goals["g1"], goals["g2"]) == (g1, g2)
 
 
@@ -118,7 +121,7 @@ def test_the_shipped_gate_meets_g1_on_the_measured_steps():
     or its constants that breaks G1 on a measured step fails here), not on
     other machines."""
     run = json.loads((DOCS / "cp_indexer_host_bench.json").read_text())
-    goals = {key: bench.step_goals(result, run["topk_shape"])
+    goals = {key: reports.step_goals(result, run["topk_shape"])
              for key, result in run["results"].items()}  # fmt: skip
     assert [key for key, g in goals.items() if not g["g1"]] == []
     # The links decide apart: at tp 2 one xGMI link carries a rank's rows.
@@ -146,13 +149,13 @@ def _on_this_machine(monkeypatch) -> None:
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the stand-in kernels run on the CPU only in the interpreter")
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "compute_units", lambda: 8)
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
+    monkeypatch.setattr(timing, "compute_units", lambda: 8)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
-    monkeypatch.setattr(bench, "_SLEEP_CYCLES_PER_MS", [1.0])
+    monkeypatch.setattr(timing, "_SLEEP_CYCLES_PER_MS", [1.0])
     # vLLM's Triton K gather is slow in the interpreter: its torch twin.
     run = functools.partial(indexer_batch.run_indexer, torch_gather=True)
     monkeypatch.setattr(indexer_batch, "run_indexer", run)
@@ -177,7 +180,7 @@ def test_the_bench_records_what_the_goals_need(monkeypatch):
         assert result["split"]["shipped"] is None
         split = result["forced_split"]
         assert len(split["per_rank_gpu_ms"]) == tp
-        assert len(split["per_rank_gpu_ms_timings"][0]) == bench.TIMINGS
+        assert len(split["per_rank_gpu_ms_timings"][0]) == timing.TIMINGS
         assert split["bounds"][0] == 0 and split["bounds"][-1] == 64
         assert set(result["floor_ms"]) == set(fast_indexer_kernels.TOPK_SHAPES)
         assert set(result["merge_ms"]) == {"h200_nvlink", "mi355x_xgmi"}
@@ -185,7 +188,7 @@ def test_the_bench_records_what_the_goals_need(monkeypatch):
         # Timed once, for every tp.
         replicated = replicated or result["replicated"]
         assert result["replicated"] is replicated
-        assert bench.step_goals(result, "aiter")["g2"] is None
+        assert reports.step_goals(result, "aiter")["g2"] is None
 
 
 def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path):
@@ -216,7 +219,7 @@ def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path):
     written = json.loads((tmp_path / "cp_indexer_host_bench.json").read_text())
     assert list(written["results"]) == ["fresh 48 | tp 2"]
     # What was measured reads as a report, goals and all.
-    report = bench.report(tmp_path)
+    report = reports.report(tmp_path)
     assert "| fresh 48 | 2 |" in report
     # The interpreter's times decide G1 here; the count is what is checked.
     assert " of 1 steps and tps; G2 on 0 of 0 split ones" in report
@@ -253,9 +256,9 @@ def _shapes_launched(monkeypatch) -> list[str]:
 
 def test_the_topk_shapes_are_timed_on_each_chunk(monkeypatch):
     _on_this_machine(monkeypatch)
-    monkeypatch.setattr(bench, "SHAPE_CHUNKS", ((3, 2500),))
+    monkeypatch.setattr(calibration, "SHAPE_CHUNKS", ((3, 2500),))
     launched = _shapes_launched(monkeypatch)
-    results = bench.topk_shapes(runs=1)
+    results = calibration.topk_shapes(runs=1)
     # Each shape's timing ran that shape's kernel.
     assert set(launched) == set(fast_indexer_kernels.TOPK_SHAPES)
     assert [(r["shape"], r["rows"], r["keys"]) for r in results] == [

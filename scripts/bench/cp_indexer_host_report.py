@@ -1,0 +1,512 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The host bench's reports: docs/cp_indexer_host_bench.md and
+cp_indexer_min_split.md from their runs' JSON, and the goals each step is
+held to (``step_goals``), judged with the stage's own gate and merge model
+per link."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+from scripts.bench.cp_indexer_host_calibration import (
+    CALIBRATION_KEYS,
+    CALIBRATION_ROWS,
+    WAVE_KEYS,
+    WAVE_SAMPLES_PER_CU,
+)
+from scripts.bench.cp_indexer_host_timing import Costs, step_ms
+from scripts.bench.serving_steps import LONG_TURNS, NAMED
+
+# The merge's collective, which one GPU cannot run: an all_gather of the
+# rows' top-k (2,048 int32 each) on 2x H200 over NVLink, fitted to
+# docs/cp_indexer_bench_2gpu.json (8K rows 0.23-0.26 ms, 32K 0.59, 64K
+# 1.13-1.16): 0.10 ms + 15.7 ns a row. At tp 8 it is an assumption.
+MERGE_BASE_MS, MERGE_ROW_MS = 0.10, 15.7e-6
+
+
+def crossover_report(docs: Path) -> str:
+    """docs/cp_indexer_min_split.md from the crossover run's JSON."""
+    run = json.loads((docs / "cp_indexer_min_split.json").read_text())
+    lines = [
+        "# CP indexer: the minimum split size",
+        "",
+        "Small serving steps, replicated against split (the split forced on, "
+        "whatever the minimum), on one GPU as in cp_indexer_host_bench.md. A "
+        "call's time is max(GPU ms, host ms): in a forward of 61 indexer "
+        "layers without syncs the host runs ahead, so the longer of the two "
+        "sets the pace. The split adds the merge's collective, which one GPU "
+        f"cannot run: {MERGE_BASE_MS} ms + {MERGE_ROW_MS * 1e6:.1f} ns a row, "
+        "fitted to the all_gather measured on 2x H200 "
+        "(cp_indexer_bench_2gpu.json; at tp 8 an assumption). Cost: the "
+        "step's key-rows as the run's planner counted them "
+        "(`prefill_row_costs`, with the run's `ROW_COST_KEYS`). "
+        "Steps this small run about 1 ms, mostly host work (GPU ms close to "
+        "host ms), and medians of 5 calls scatter by tens of percent between "
+        "equal calls: read the bands below, not single rows.",
+        "",
+        f"Hardware and versions: {run['versions']}. Command: `{run['command']}`.",
+        "",
+        "| step | tp | cost (M key-rows) | replicated ms (GPU / host) | "
+        "split ms, slowest rank (GPU / host) | merge ms (model) | "
+        "split / replicated |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    ratios = []
+    for key, result in sorted(
+        run["results"].items(), key=lambda kv: (kv[1]["tp"], kv[1]["cost_key_rows"])
+    ):
+        rep, split = result["replicated"], result["split"]["shipped"]
+        merge = MERGE_BASE_MS + MERGE_ROW_MS * result["rows"]
+        ratio = (step_ms(split) + merge) / step_ms(rep)
+        ratios.append((result["tp"], result["cost_key_rows"], ratio))
+        lines.append(
+            f"| {key.split(' | tp ')[0]} | {result['tp']} | "
+            f"{result['cost_key_rows'] / 1e6:.1f} | "
+            f"{rep['gpu_ms']:.2f} / {rep['host_ms']:.2f} | "
+            f"{split['gpu_ms']:.2f} / {split['host_ms']:.2f} | {merge:.2f} | "
+            f"{ratio:.2f} |"
+        )
+    minimum = shipped_minimum()
+    lines += [
+        "",
+        f"split / replicated, below and from the gate's minimum "
+        f"(`MIN_SPLIT_KEY_ROWS` = {minimum / 1e6:.1f}M key-rows; the gate, "
+        "`split_repays`, also weighs the merge on the TP group's link):",
+        "",
+    ]
+    for tp in sorted({r[0] for r in ratios}):
+        for label, picked in (
+            ("below", [r for t, c, r in ratios if t == tp and c < minimum]),
+            ("from", [r for t, c, r in ratios if t == tp and c >= minimum]),
+        ):
+            lines.append(
+                f"- tp {tp}, {label} it: {len(picked)} steps, "
+                f"{min(picked):.2f}-{max(picked):.2f}, median "
+                f"{statistics.median(picked):.2f}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def shipped_minimum() -> int:
+    """``MIN_SPLIT_KEY_ROWS`` as the stage's overlay sets it (read from the
+    source: the report runs without a vLLM tree)."""
+    source = Path(__file__).resolve().parents[2] / (
+        "vllm_overlay/vllm/v1/attention/ops/rocm_cp_indexer_plan.py"
+    )
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MIN_SPLIT_KEY_ROWS"
+            for t in node.targets
+        ):
+            expression = compile(ast.Expression(node.value), "min", "eval")
+            return int(eval(expression, {"__builtins__": {}}))
+    raise SystemExit(f"no MIN_SPLIT_KEY_ROWS in {source}")
+
+
+def modelled_balance(
+    step: list[tuple[int, int]],
+    bounds: list[int],
+    costs: Costs,
+    runs: list[tuple[int, int, int]],
+    units: int,
+) -> float:
+    """max/mean rank cost of a split as its planner scored it, with the
+    planner's own ``RankCost`` (gfx950: a row of a request with C cached
+    tokens costs C + t + 1 keys, t its index among the request's new rows,
+    plus the row cost)."""
+    import torch
+
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
+
+    row_cost, call_cost, wave, share = costs
+    rows = torch.tensor([c + t + 1 + row_cost for c, q in step for t in range(q)])
+    before = torch.zeros(rows.numel() + 1, dtype=torch.int64)
+    torch.cumsum(rows, 0, out=before[1:])
+    saved = rocm_cp_indexer_plan.LOGITS_SHARE
+    rocm_cp_indexer_plan.LOGITS_SHARE = share
+    rank_cost = rocm_cp_indexer_plan.RankCost(
+        before,
+        rows,
+        torch.tensor([q for _, q in step]),
+        [tuple(run) for run in runs],
+        call_cost,
+        int(wave * units),
+    )
+    try:
+        ranks = rank_cost.of(bounds)
+    finally:
+        rocm_cp_indexer_plan.LOGITS_SHARE = saved
+    return max(ranks) / statistics.mean(ranks)
+
+
+def balance(
+    entry: dict | None,
+    replicated: dict,
+    step: list[tuple[int, int]],
+    costs: Costs,
+    runs: list[tuple[int, int, int]],
+    units: int,
+) -> tuple[str, str, str, str]:
+    """A split's slowest-rank GPU ms, max/mean rank GPU time (measured, and
+    modelled) and speedup (replicated GPU ms over the slowest rank's), as
+    table cells."""
+    if entry is None:
+        return "replicated", "-", "-", "1.00"
+    ranks = entry["per_rank_gpu_ms"]
+    return (
+        f"{max(ranks):.2f}",
+        f"{max(ranks) / statistics.mean(ranks):.3f}",
+        f"{modelled_balance(step, entry['bounds'], costs, runs, units):.3f}",
+        f"{replicated['gpu_ms'] / max(ranks):.2f}",
+    )
+
+
+def _fit_table(fit: dict) -> list[str]:
+    """A fit's coefficients per kernel, as table lines."""
+    lines = [
+        "| kernel | a: ns per key-row | b: ns per row | c: us per call | "
+        "worst relative error |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for part in ("logits_ms", "topk_ms", "total"):
+        f = fit[part]
+        lines.append(
+            f"| {part.removesuffix('_ms')} | {f['ns_per_key_row']:.4f} | "
+            f"{f['ns_per_row']:.1f} | {f['us_per_call']:.1f} | "
+            f"{f['worst_relative_error']:.1%} |"
+        )
+    return lines
+
+
+def report(docs: Path) -> str:
+    """docs/cp_indexer_host_bench.md from the run's JSON."""
+    run = json.loads((docs / "cp_indexer_host_bench.json").read_text())
+    on_aiter = run.get("kernels") == "aiter"
+    lines = [
+        "# CP indexer on one GPU, host included: split vs replicated",
+        "",
+        "Per serving step and tp, the whole `rocm_aiter_sparse_attn_indexer` "
+        "call (vLLM's builder plans the step, "
+        + ("on this machine's ROCm" if on_aiter else "ROCm emulated as gfx950")
+        + "): "
+        "replicated (flag off), and each TP rank's share of the split (flag "
+        "on; one GPU runs each rank's share in turn, and the merge's "
+        "collective is not timed). The ranks take turns call by call.",
+        "",
+        (
+            "Logits and top-k are AITER's, as vLLM's ROCm op calls them "
+            "(`--aiter`); the calibration times AITER's prefill top-k."
+            if on_aiter
+            else "Logits and top-k are the fast stand-ins of "
+            "`scripts/harness/fast_indexer_kernels.py`: a Triton fp8 MQA-logits "
+            "kernel that leaves positions outside a row's range unwritten "
+            "(vLLM 0.34.0 asks AITER for `clean_logits=False` on gfx950), one "
+            "program per row as AITER's gfx950 kernel, and a Triton radix top-k "
+            "that reads only each row's range, one program per row or, where "
+            "AITER's rule takes its multi-block kernel, several, in the "
+            f"*{run.get('topk_shape', 'narrow')}* shape (`TOPK_SHAPES`). Their "
+            "times are NVIDIA GPU times, not MI355X times."
+        ),
+        "",
+        f"Hardware and versions: {run['versions']}. Command: `{run['command']}`.",
+        "",
+    ]
+    if "family" not in run:
+        lines += [
+            "This run predates the family of steps, F1 and the bench's timing "
+            "hygiene: each figure is one median of the calls, timed from an "
+            "idle GPU with the harness's K-cache copy and top-k buffer fill "
+            "inside the events.",
+            "",
+        ]
+    if run["calibration"]:
+        lines += _calibration_section(run)
+    if any("floor_ms" in result for result in run["results"].values()):
+        lines += _goals_section(run)
+    if run["calibration"]:
+        lines += _variants_section(run)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _calibration_section(run: dict) -> list[str]:
+    fit, wave = run["calibration"]["fit"], run["calibration"]["wave"]
+    on_aiter = run.get("kernels") == "aiter"
+    return [
+        "## The costs, calibrated",
+        "",
+        ("AITER's kernels" if on_aiter else "The stand-ins")
+        + " timed on chunks of R rows of L keys each "
+        f"(R in {list(CALIBRATION_ROWS)}, L in {list(CALIBRATION_KEYS)}, "
+        "R L <= 2^28; and R a wave's worth of rows for each of "
+        f"{list(WAVE_SAMPLES_PER_CU)} rows per compute unit, L in "
+        f"{list(WAVE_KEYS)}; {run['calibration']['compute_units']} compute "
+        "units), the whole op fitted as ms = a R L + b R + c on the chunks "
+        f"of {list(CALIBRATION_ROWS)} rows:",
+        "",
+        *_fit_table(fit),
+        "",
+        f"A row's fixed cost is b / a = {fit['row_cost_keys']} key-rows, a "
+        f"call's c / a = {fit['call_cost_keys']:,}.",
+        "",
+        "The logits alone fitted as ms = a max(R, W) L + b R + c, for each "
+        "wave W tried (W rows per compute unit):",
+        "",
+        "| W per compute unit | W | logits' worst relative error |",
+        "|---:|---:|---:|",
+        *(
+            f"| {f['wave_rows_per_cu']} | {f['wave_rows']} | "
+            f"{f['logits_ms']['worst_relative_error']:.1%} |"
+            for f in run["calibration"]["waves"]
+        ),
+        "",
+        f"The fit with the least error, W = {wave['wave_rows']} "
+        f"({wave['wave_rows_per_cu']} per compute unit):",
+        "",
+        *_fit_table(wave),
+        "",
+        "The logits' share of a key-row's cost (their a over the whole op's): "
+        f"{wave['logits_share']}.",
+        "",
+    ]
+
+
+# The goals the shipped planner is held to on every step and tp.
+# G1: a split step's (slowest rank + merge) / replicated at most this ...
+G1_SPLIT = 0.95
+# ... and a step left replicated would, split, gain less than 10%.
+G1_LEFT = 0.90
+# G2: a split step's slowest rank within this of its bound, per tp.
+G2_BOUND = {2: 1.10, 4: 1.20, 8: 1.20}
+
+
+def step_goals(result: dict, floor_shape: str) -> dict:
+    """G1 and G2 of one step at one tp (``result`` as ``bench_step`` makes
+    it): per link the split's (slowest rank + merge) / replicated, the bound
+    LB = max(replicated / tp, F1) and the slowest rank over it, and whether
+    each goal holds, on each link with the stage's gate for that link (G2:
+    None for a step left replicated on both). A call's time is ``step_ms``:
+    the longer of its GPU and host times."""
+    replicated = step_ms(result["replicated"])
+    shipped = result["split"]["shipped"]
+    split = shipped if shipped is not None else result.get("forced_split")
+    tp = result["tp"]
+    if split is None:  # no split of its rows exists at this tp
+        return {"split": False, "g1": True, "g2": None}
+    ranks = [
+        max(gpu, host)
+        for gpu, host in zip(
+            split["per_rank_gpu_ms"], split["per_rank_host_ms"], strict=True
+        )
+    ]
+    slowest = max(ranks)
+    ratios = {
+        link: (slowest + ms) / replicated for link, ms in result["merge_ms"].items()
+    }
+    # Per link, the gate's decision: the timed split is the same plan.
+    splits = splits_on(result, split)
+    bound = max(replicated / tp, result["floor_ms"][floor_shape])
+    return {
+        "split": shipped is not None,
+        "splits": splits,
+        "slowest_ms": slowest,
+        "balance": slowest / statistics.mean(ranks),
+        "bounds": split["bounds"],
+        "bound_ms": bound,
+        "over_bound": slowest / bound,
+        "ratios": ratios,
+        "g1": all(
+            ratios[link] <= G1_SPLIT if splits[link] else ratios[link] >= G1_LEFT
+            for link in ratios
+        ),
+        "g2": slowest / bound <= G2_BOUND[tp] if any(splits.values()) else None,
+    }
+
+
+def _mark(holds: bool | None) -> str:
+    return "-" if holds is None else ("yes" if holds else "**no**")
+
+
+def _goals_section(run: dict) -> list[str]:
+    shape = run.get("topk_shape", "narrow")
+    family = run.get("family", {})
+    lines = [
+        "## Never slower (G1) and near its bound (G2)",
+        "",
+        f"The six named steps and a family of {family.get('count')} serving "
+        f"steps drawn with seed {family.get('seed')} "
+        "(`scripts/bench/serving_steps.py`), at each tp. Every GPU figure is "
+        "the worse of two medians, and a call's time the longer of its GPU "
+        "and host times (in a forward of 61 indexer layers without syncs the "
+        "host runs ahead, so the longer sets the pace). The split timed is "
+        "the shipped planner's plan, or for a step it leaves replicated the "
+        "same plan forced; *plan* says, per link, whether the stage's gate "
+        "(`split_repays`, with that link's `MergeLink`) splits the step "
+        "(*split*) or leaves it replicated (*left*); a run made before the "
+        "gate timed the same plans, so the gate is judged on its timings. "
+        "F1: the op on one call holding only the step's costliest row, with "
+        f"each top-k shape; LB takes the run's, *{shape}*. "
+        "LB = max(replicated / tp, F1). "
+        "Merge: modelled (H200 NVLink from the 2x H200 all_gather fit, "
+        "MI355X xGMI from its link bandwidth; `MergeLink`), not timed. "
+        f"G1, on each link: a split step's (slowest + merge) / replicated <= "
+        f"{G1_SPLIT}; a step left replicated >= {G1_LEFT}, split. G2: a step "
+        "split on either link: its slowest rank <= "
+        + ", ".join(f"{b} x LB at tp {tp}" for tp, b in G2_BOUND.items())
+        + ". Decodes take their tokens of the step's budget and are not run "
+        "(the same work on every rank, replicated or split).",
+        "",
+        "max/mean: the ranks' times, measured / as the planner modelled "
+        "them (`modelled_balance`, with the costs the run planned with).",
+        "",
+        "| step | tp | M key-rows | replicated ms | plan, NVLink / xGMI | "
+        "slowest rank ms | "
+        "max/mean | F1 ms | LB ms | slowest / LB | merge ms NVLink / xGMI | "
+        "(slowest + merge) / replicated, NVLink / xGMI | G1 | G2 |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    held: dict[str, list[bool]] = {"g1": [], "g2": []}
+    ordered = sorted(run["results"].items(), key=lambda kv: kv[1]["tp"])
+    for key, result in ordered:
+        name = key.split(" | tp ")[0]
+        goals = step_goals(result, shape)
+        held["g1"].append(goals["g1"])
+        if goals["g2"] is not None:
+            held["g2"].append(goals["g2"])
+        floors = " / ".join(f"{ms:.2f}" for ms in result["floor_ms"].values())
+        if "slowest_ms" not in goals:
+            lines.append(
+                f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
+                f"{step_ms(result['replicated']):.2f} | none | - | - | {floors} | "
+                "- | - | - | - | yes | - |"
+            )
+            continue
+        merge = " / ".join(f"{ms:.2f}" for ms in result["merge_ms"].values())
+        modelled = modelled_balance(
+            result["step"],
+            goals["bounds"],
+            tuple(run["planner_costs"]),
+            result["runs"],
+            run["compute_units"],
+        )
+        ratios = " / ".join(f"{r:.2f}" for r in goals["ratios"].values())
+        lines.append(
+            f"| {name} | {result['tp']} | {result['cost_key_rows'] / 1e6:.0f} | "
+            f"{step_ms(result['replicated']):.2f} | "
+            + " / ".join("split" if s else "left" for s in goals["splits"].values())
+            + " | "
+            f"{goals['slowest_ms']:.2f} | {goals['balance']:.3f} / {modelled:.3f} | "
+            f"{floors} | "
+            f"{goals['bound_ms']:.2f} | {goals['over_bound']:.2f} | {merge} | "
+            f"{ratios} | {_mark(goals['g1'])} | {_mark(goals['g2'])} |"
+        )
+    lines += [
+        "",
+        f"G1 holds on {sum(held['g1'])} of {len(held['g1'])} steps and tps; "
+        f"G2 on {sum(held['g2'])} of {len(held['g2'])} split ones. F1 is "
+        "listed per top-k shape: "
+        + ", ".join(next(iter(run["results"].values()))["floor_ms"])
+        + ".",
+        "",
+    ]
+    long_turns = [
+        f"{name}: " + " / ".join(f"{1 / r:.2f}x" for r in goals["ratios"].values())
+        for name in LONG_TURNS
+        if f"{name} | tp 8" in run["results"]
+        for goals in [step_goals(run["results"][f"{name} | tp 8"], shape)]
+        if "ratios" in goals
+    ]
+    if long_turns:
+        lines += [
+            "The long-turn steps end to end at tp 8, replicated over (slowest "
+            "+ merge), NVLink / xGMI: " + "; ".join(long_turns) + ".",
+            "",
+        ]
+    return lines
+
+
+def _variants_section(run: dict) -> list[str]:
+    variants = run["variants"]
+    lines = [
+        "## Planner variants on the named steps",
+        "",
+        "max/mean: the ranks' GPU times; speedup: replicated GPU ms over the "
+        "slowest rank's (ideal: tp). Planner variants by the costs they plan "
+        "with (`ROW_COST_KEYS` and `CALL_COST_KEYS` in key-rows, "
+        "`WAVE_ROWS_PER_CU` in rows per compute unit, `LOGITS_SHARE`): "
+        + ", ".join(
+            f"*{name}* {row:,}, {call:,}, {wave} and {share}"
+            for name, (row, call, wave, share) in variants.items()
+        )
+        + ". A variant timed again plans the same split as the first with its "
+        "costs: the difference between the two is this run's noise.",
+        "",
+        "| step | tp | replicated GPU ms | "
+        + " | ".join(
+            f"{name}: slowest rank ms / max/mean measured / modelled / speedup"
+            for name in variants
+        )
+        + " |",
+        "|---|---|---:|" + "---:|" * len(variants),
+    ]
+    for key, result in run["results"].items():
+        name, tp = key.split(" | tp ")
+        if name not in NAMED:
+            continue
+        rep = result["replicated"]
+        cells = [
+            " / ".join(
+                balance(
+                    result["split"][variant],
+                    rep,
+                    NAMED[name],
+                    costs,
+                    result["runs"],
+                    run["calibration"]["compute_units"],
+                )
+            )
+            for variant, costs in variants.items()
+        ]
+        lines.append(
+            f"| {name} | {tp} | {rep['gpu_ms']:.2f} | " + " | ".join(cells) + " |"
+        )
+    lines += [
+        "",
+        '"replicated": the step stays replicated (the gate, `split_repays`, '
+        "refuses it). Syncs per call, replicated and split: "
+        + ", ".join(
+            sorted(
+                {
+                    str(entry["syncs"])
+                    for result in run["results"].values()
+                    for entry in [result["replicated"], *result["split"].values()]
+                    if entry is not None
+                }
+            )
+        )
+        + ".",
+    ]
+    return lines
+
+
+# The links the merge is modelled on, as the stage's planner models them
+# (``rocm_cp_indexer_plan.MergeLink``): NVLink from the all_gather measured on 2x
+# H200, MI355X's xGMI from its link bandwidth.
+LINKS = {"h200_nvlink": "NVLINK", "mi355x_xgmi": "XGMI_GFX950"}
+
+
+def splits_on(result: dict, split: dict) -> dict[str, bool]:
+    """Per link, whether the stage's gate (``split_repays``) splits the step
+    of ``result`` with ``split``'s bounds."""
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
+
+    sizes = [b - a for a, b in itertools.pairwise(split["bounds"])]
+    return {
+        name: rocm_cp_indexer_plan.split_repays(
+            result["cost_key_rows"], sizes, getattr(rocm_cp_indexer_plan, link)
+        )
+        for name, link in LINKS.items()
+    }
