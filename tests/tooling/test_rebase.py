@@ -1063,6 +1063,24 @@ def test_a_stage_whose_pr_tests_fail_on_the_target_stops_the_rebase(project):
     assert report.outcome == "merged, fixed by hand after its checks"
 
 
+def test_a_stage_that_applies_as_it_is_is_still_tested_by_a_rebase(project):
+    """Only the rehearsal, whose target adds comments, leaves the tests of a
+    stage that applied as it is to apply-and-test: a real target changes
+    what a stage's tests rely on without touching its hunks."""
+    project.add_stage("0001", {"vllm/ops.py": ("    return 20\n", "    return 2020\n")})
+    (project.root / "tests" / "stage_0001").mkdir()
+    (project.root / "tests" / "stage_0001" / "test_envs.py").write_text(
+        "from vllm import envs\n\n\ndef test_var_5():\n    assert envs.VAR_5 == 5\n"
+    )
+    project.commit_all()
+    target = _target(project, {"vllm/envs.py": ("VAR_5 = 5\n", "VAR_5 = 50\n")})
+    with pytest.raises(SeriesError, match="0001 merged onto the target but its tests"):
+        rebase.start(project.series(), target, test_python=sys.executable)
+    assert load_state(project.series()).reports[0].hunks[0].outcome == (
+        "applied cleanly"
+    )
+
+
 def test_the_branch_keeps_the_resolutions_and_they_replay_once_merged(
     two_stages, capsys
 ):

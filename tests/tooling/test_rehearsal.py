@@ -83,3 +83,38 @@ def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project):
     with pytest.raises(SeriesError, match="kept for a look"):
         rehearsal.rehearse(series, sys.executable, keep=True)
     assert state_file(series).exists()
+
+
+def test_it_tests_the_stages_git_merged_and_imports_the_rest(project, capsys):
+    """The target differs from the release by comment lines: a stage that
+    applied there as it is holds the code apply-and-test tests, so only a
+    merged stage's tests run (a planted failure there stops it); every
+    stage's modules are imported."""
+    project.add_stage(
+        "0001",
+        {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
+        {"vllm/cp_indexer.py": "def split():\n    return 'striped'\n"},
+    )
+    project.add_stage(
+        "0002",
+        {"vllm/ops.py": ("    return 20\n", "    return 2020\n")},
+        depends_on=("0001",),
+    )
+    failing = "def test_planted():\n    assert False, 'planted by the test'\n"
+    (project.root / "tests" / "stage_0002").mkdir()
+    (project.root / "tests" / "stage_0002" / "test_planted.py").write_text(failing)
+    project.commit_all()
+    series = project.series()
+    assert run_cli(["--series", str(project.series_file), "apply"]).returncode == 0
+    rehearsal.rehearse(series, sys.executable)
+    out = capsys.readouterr().out
+    assert "| 0001 Stage 0001 | merged |" in out
+    assert "| 0002 Stage 0002 | applied cleanly |" in out
+    assert "stage 0002 on the target: importing" in out
+    assert "stage 0002 on the target: its tests: not run" in out
+
+    (project.root / "tests" / "stage_0001").mkdir()
+    (project.root / "tests" / "stage_0001" / "test_planted.py").write_text(failing)
+    project.commit_all()
+    with pytest.raises(SeriesError, match="its tests fail on the target.*planted"):
+        rehearsal.rehearse(series, sys.executable)

@@ -15,8 +15,10 @@ the sdist ships), tagged as the release, then three upstream commits:
 - one unrelated to the stages (README.md).
 
 Every stage must come out applied or merged, with its checks passed (its
-Python compiles, its vLLM modules import, its tests and its PR's tests pass
-on the target), none reported upstream, and the rebase must end on its
+Python compiles and its vLLM modules import on the target; a merged stage's
+tests and its PR's tests pass there: a stage that applied as it is holds
+the code apply-and-test tests, as the upstream commits add only comments
+to Python files), none reported upstream, and the rebase must end on its
 project branch, rehearsal/<target> (a namespace of its own), with the
 rebased series.toml on it. That branch is then deleted (--keep keeps it
 until the next rehearsal). Unlike a real rebase, the rehearsal runs on a
