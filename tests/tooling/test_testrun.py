@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from scripts.series.config import load_series
+from scripts.series.testing import testrun
 from scripts.series.testing.results import Tally, format_summary, read_junit
 from scripts.series.testing.testrun import stage_runs, tooling_runs
 from tests.tooling.conftest import Project
@@ -250,3 +251,24 @@ def test_the_tools_tests_are_one_run_of_the_whole_folder():
         str(series.tests_dir / "tooling")
     ]
     assert run.row == "tooling"
+
+
+def test_with_no_earlier_results_the_longest_runs_start_first(
+    two_stages: Project, monkeypatch, tmp_path: Path
+):
+    """A fresh clone has no run's last time: the tooling tests (the longest
+    run) and the top tree's series tests start first, so that no long run
+    is left for the end while the other CPU idles."""
+    started: list[str] = []
+
+    def run_one(run, python, extra, cwd):
+        started.append(f"{run.row}: {run.label}")
+        return Tally()
+
+    monkeypatch.setattr(testrun, "stage_tree", lambda series, sid: tmp_path / sid)
+    monkeypatch.setattr(testrun, "_run_one", run_one)
+    monkeypatch.setattr(testrun, "results_dir", lambda series: tmp_path / "results")
+    series = two_stages.series()
+    testrun.run_tests(series, ["base", "0001", "0002"], tooling=True)
+    assert started[0].startswith("tooling: ")
+    assert started[1].startswith("0002: series tests")

@@ -327,15 +327,17 @@ def run_tests(
     """Run the tooling tests (if asked) and each stage's runs, one per CPU,
     the longest first by their last time."""
     base_tree = stage_tree(series, "base")
-    runs = tooling_runs(series) if tooling else []
+    runs: list[PytestRun] = []
     for stage_id in stage_ids:
         tree = stage_tree(series, stage_id)
         runs += stage_runs(series, stage_id, tree, base_tree, tested=stage_ids)
         # The summary reads it: none from an earlier run.
         (results_dir(series) / stage_id / COMPILE_SUMMARY).unlink(missing_ok=True)
+    # With no results yet (a fresh clone), the longest runs lead: the
+    # tooling tests, then the top tree's.
+    runs = [*(tooling_runs(series) if tooling else []), *reversed(runs)]
     started = time.monotonic()
-    # Reversed first: with no results yet, the top tree's runs lead.
-    order = sorted(reversed(runs), key=_last_duration, reverse=True)
+    order = sorted(runs, key=_last_duration, reverse=True)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         tallies = list(
             pool.map(lambda run: _run_one(run, python, extra, series.root), order)
