@@ -42,7 +42,8 @@ def is_git_url(where: str) -> bool:
 
 def cache_dir() -> Path:
     """The download cache: $DSA_SERIES_CACHE_DIR, else the user's cache
-    dir; sdists in it, and the commits fetched for a git URL pin."""
+    dir; sdists in it, the commits fetched for a git URL pin, and the
+    environments and mypy cache of vLLM's pre-commit (``pre-commit/``)."""
     if override := os.environ.get(CACHE_ENV):
         return Path(override).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -11,13 +11,14 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Series
+from scripts.series.config import Series, cache_dir
 from scripts.series.export.export import PullRequest
 from scripts.series.export.pr_views import (
     VIEWS,
@@ -32,7 +33,7 @@ from scripts.series.export.vllm_precommit import (
     run_in_project,
 )
 from scripts.series.git import git, git_out
-from scripts.series.layout import build_dir, workdir
+from scripts.series.layout import workdir
 from scripts.series.stages.state import read_chain
 
 
@@ -52,6 +53,15 @@ def maintainer_checks(
         *files,
     ]
     return json.loads(run_in_project(command, "run the maintainer's checks"))
+
+
+# The checks' processes (a PR's pre-commit, a view's pytest) at once: one
+# per CPU, whichever PR they are of.
+_CPUS = threading.BoundedSemaphore(os.cpu_count() or 1)
+
+
+def precommit_cache() -> Path:
+    return cache_dir() / "pre-commit"
 
 
 def _patches_in_order(pr: PullRequest, by_id: dict[str, PullRequest]) -> list[Path]:
@@ -86,7 +96,6 @@ def check_pr(
     items: list[Item] = []
     with tempfile.TemporaryDirectory(prefix=f"pr-{pr.stage.id}-") as tmp:
         tree = Path(tmp) / "vllm"
-        git(repo, "worktree", "prune")
         git(repo, "worktree", "add", "-q", "--detach", str(tree), base)
         try:
             _first_pass(series, pr, by_id, python, repo, tree, items)
@@ -146,7 +155,7 @@ def _first_pass(
     )
     files = git_out(tree, "diff", "--name-only", "--diff-filter=d", "HEAD~1", "HEAD")
     names = files.splitlines()
-    cache = build_dir(series) / "cache" / "precommit"
+    cache = precommit_cache()
     if not (tree / ".pre-commit-config.yaml").is_file():
         why = "the target has no .pre-commit-config.yaml"
         items.append(Item("vLLM's pre-commit", True, why, ran=False))
@@ -158,7 +167,7 @@ def _first_pass(
 
 def _tests_in_every_view(pr: PullRequest, python: str, tree: Path) -> list[Item]:
     """The PR's tests as each machine of ``pr_views.VIEWS`` runs them, side
-    by side (one per CPU): one item per view."""
+    by side (one per CPU, with the other PRs' checks): one item per view."""
     paths = pr.stage.vllm_tests
     tests = ", ".join(paths)
 
@@ -170,22 +179,27 @@ def _tests_in_every_view(pr: PullRequest, python: str, tree: Path) -> list[Item]
         if why := missing_platform(view, tree):
             return Item(check, True, why, ran=False)
         junit, log = (tree.parent / f"pr-{view.key}.{ext}" for ext in ("xml", "log"))
-        ok, detail = verdict(view, run_view(view, python, tree, paths, junit, log))
+        with _CPUS:
+            tally = run_view(view, python, tree, paths, junit, log)
+        ok, detail = verdict(view, tally)
         return Item(check, ok, detail)
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=len(VIEWS)) as pool:
         return list(pool.map(run, VIEWS))
 
 
 def _precommit(
     cache: Path, tree: Path, names: list[str], python: str, items: list[Item]
 ) -> None:
-    for hook in hook_results(cache, tree, names, python):
+    with _CPUS:
+        hooks = hook_results(cache, tree, names, python)
+        checks = maintainer_checks(cache, tree, names, python)
+    for hook in hooks:
         if hook.status == "skipped":
             continue
         detail = "on the PR's files" if hook.status == "passed" else hook.output
         items.append(Item(f"pre-commit `{hook.id}`", hook.status == "passed", detail))
-    for check in maintainer_checks(cache, tree, names, python):
+    for check in checks:
         items.append(Item(check["check"], check["ok"], check["detail"]))
 
 
@@ -239,9 +253,13 @@ def check_prs(series: Series, prs: Sequence[PullRequest], python: str) -> None:
         raise SeriesError(f"--test-python {python}: no such Python")
     python = os.path.abspath(found)  # the checks run in other folders
     by_id = {pr.stage.id: pr for pr in prs}
+    git(workdir(series), "worktree", "prune")
+    # The PRs side by side: one's pre-commit runs while another's tests do,
+    # at most one process per CPU (_CPUS).
+    with ThreadPoolExecutor(max_workers=len(prs) or 1) as pool:
+        checked = list(pool.map(lambda pr: check_pr(series, pr, by_id, python), prs))
     problems = []
-    for pr in prs:
-        items = check_pr(series, pr, by_id, python)
+    for pr, items in zip(prs, checked, strict=True):
         review_path(pr).write_text(format_review(pr, items))
         pr.description.write_text(
             with_checks(pr.description.read_text(), series.base.label, items)

@@ -18,7 +18,6 @@ and writes the rewritten config.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
+from scripts.series.files import lock
 
 # The hook repositories' hooks, as their .pre-commit-hooks.yaml declare them
 # (package on the index; entry; the file types they take):
@@ -95,15 +95,20 @@ class HookResult:
 
 def hook_python(cache: Path, python: str) -> Path:
     """The Python of a virtualenv with pre-commit (made once and kept; a
-    half-made one is made again)."""
-    venv = cache / "venv"
+    half-made one is made again). ``cache`` is shared by every checkout:
+    one maker at a time."""
+    venv = cache / f"venv-{sys.implementation.cache_tag}"
     py = venv / "bin" / "python"
-    if (venv / "ready").exists():
-        return py
-    run_in_project([python, "-m", "venv", "--clear", str(venv)], "make a virtualenv")
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    run_in_project([*pip, *VENV_PACKAGES], "install pre-commit")
-    (venv / "ready").touch()
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / "venv.lock").open("a") as handle:
+        lock(handle, lambda: f"waiting while another check makes {venv}...")
+        if not (venv / "ready").exists():
+            run_in_project(
+                [python, "-m", "venv", "--clear", str(venv)], "make a virtualenv"
+            )
+            pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+            run_in_project([*pip, *VENV_PACKAGES], "install pre-commit")
+            (venv / "ready").touch()
     return py
 
 
@@ -114,15 +119,20 @@ def hook_results(
     ``tree``) that runs at a commit; ``python`` makes the virtualenv. The
     tree is left as it was."""
     py = hook_python(cache, python)
-    digest = hashlib.sha256((tree / ".pre-commit-config.yaml").read_bytes())
-    config = cache / f"config-{digest.hexdigest()[:16]}.yaml"
+    config = tree.parent / "pre-commit-config.rewritten.yaml"
     run_in_project(
         [str(py), "-m", __name__, "config", str(tree), str(config)],
         "rewrite the config",
     )
     command = [str(py), "-m", "pre_commit", "run", "--config", str(config)]
     command += ["--verbose", "--color", "never", "--files", *files]
-    env = {**os.environ, "PRE_COMMIT_HOME": str(cache / "home")}
+    # pre-commit's store and mypy's cache are made for sharing (locked,
+    # written whole): kept between checkouts, as the user's own are.
+    env = {
+        **os.environ,
+        "PRE_COMMIT_HOME": str(cache / "home"),
+        "MYPY_CACHE_DIR": str(cache / "mypy"),
+    }
     done = subprocess.run(
         command, cwd=tree, env=env, capture_output=True, text=True, check=False
     )
