@@ -1067,7 +1067,11 @@ def test_a_stage_that_applies_as_it_is_is_still_tested_by_a_rebase(project):
     """Only the rehearsal, whose target adds comments, leaves the tests of a
     stage that applied as it is to apply-and-test: a real target changes
     what a stage's tests rely on without touching its hunks."""
-    project.add_stage("0001", {"vllm/ops.py": ("    return 20\n", "    return 2020\n")})
+    project.add_stage(
+        "0001",
+        {"vllm/ops.py": ("    return 20\n", "    return 2020\n")},
+        {"tests/test_ops.py": OP_20_PR_TEST},
+    )
     (project.root / "tests" / "stage_0001").mkdir()
     (project.root / "tests" / "stage_0001" / "test_envs.py").write_text(
         "from vllm import envs\n\n\ndef test_var_5():\n    assert envs.VAR_5 == 5\n"
@@ -1079,6 +1083,14 @@ def test_a_stage_that_applies_as_it_is_is_still_tested_by_a_rebase(project):
     assert load_state(project.series()).reports[0].hunks[0].outcome == (
         "applied cleanly"
     )
+    # Its PR's tests ran beside them, in a checkout of their own.
+    pr_log = _work_repo(project).parent / "check-pr-tests.log"
+    assert "1 passed" in pr_log.read_text()
+
+
+OP_20_PR_TEST = (
+    "from vllm import ops\n\n\ndef test_op_20():\n    assert ops.op_20() == 2020\n"
+)
 
 
 def test_the_branch_keeps_the_resolutions_and_they_replay_once_merged(

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli, sh
 
 from scripts.series import SeriesError
-from scripts.series.rebase import rehearsal
+from scripts.series.rebase import rebase, rehearsal
 from scripts.series.rebase.state import HunkReport, StageReport, state_file
 
 
@@ -61,7 +61,8 @@ def test_every_outcome_but_applied_or_merged_fails_it(two_stages):
     ]
 
 
-def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project):
+def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project, monkeypatch):
+    _a_merge_makes_other_code(monkeypatch, "0001", "vllm/envs.py")
     project.add_stage(
         "0001",
         {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
@@ -85,11 +86,13 @@ def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project):
     assert state_file(series).exists()
 
 
-def test_it_tests_the_stages_git_merged_and_imports_the_rest(project, capsys):
-    """The target differs from the release by comment lines: a stage that
-    applied there as it is holds the code apply-and-test tests, so only a
-    merged stage's tests run (a planted failure there stops it); every
-    stage's modules are imported."""
+def test_it_tests_a_stage_only_where_the_merge_made_other_code(
+    project, capsys, monkeypatch
+):
+    """The target is the release plus comment lines: a rebased stage whose
+    files hold the applied stages plus those lines holds the code
+    apply-and-test tests, and is not tested again (a planted failing test
+    does not stop it); a merge that made other code is (it does)."""
     project.add_stage(
         "0001",
         {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")},
@@ -101,20 +104,37 @@ def test_it_tests_the_stages_git_merged_and_imports_the_rest(project, capsys):
         depends_on=("0001",),
     )
     failing = "def test_planted():\n    assert False, 'planted by the test'\n"
-    (project.root / "tests" / "stage_0002").mkdir()
-    (project.root / "tests" / "stage_0002" / "test_planted.py").write_text(failing)
+    for stage in ("0001", "0002"):
+        (project.root / "tests" / f"stage_{stage}").mkdir()
+        (project.root / "tests" / f"stage_{stage}" / "test_planted.py").write_text(
+            failing
+        )
     project.commit_all()
     series = project.series()
     assert run_cli(["--series", str(project.series_file), "apply"]).returncode == 0
     rehearsal.rehearse(series, sys.executable)
     out = capsys.readouterr().out
     assert "| 0001 Stage 0001 | merged |" in out
-    assert "| 0002 Stage 0002 | applied cleanly |" in out
-    assert "stage 0002 on the target: importing" in out
-    assert "stage 0002 on the target: its tests: not run" in out
+    for stage in ("0001", "0002"):
+        assert f"stage {stage} on the target: its files hold the applied" in out
 
-    (project.root / "tests" / "stage_0001").mkdir()
-    (project.root / "tests" / "stage_0001" / "test_planted.py").write_text(failing)
-    project.commit_all()
-    with pytest.raises(SeriesError, match="its tests fail on the target.*planted"):
+    _a_merge_makes_other_code(monkeypatch, "0002", "vllm/ops.py")
+    with pytest.raises(SeriesError, match="0002 merged onto the target but its tests"):
         rehearsal.rehearse(series, sys.executable)
+    out = capsys.readouterr().out
+    assert "stage 0001 on the target: its files hold the applied" in out
+    assert "stage 0002 on the target: importing" in out
+
+
+def _a_merge_makes_other_code(monkeypatch, stage_id: str, path: str) -> None:
+    """Plant a merge that adds a line to ``path`` as it makes ``stage_id``'s
+    commit on the target."""
+    commit_stage = rebase._commit_stage
+
+    def merged_wrong(series, repo, stage, state):
+        if stage.id == stage_id:
+            changed = repo / path
+            changed.write_text(changed.read_text() + "MADE_BY_THE_MERGE = 1\n")
+        commit_stage(series, repo, stage, state)
+
+    monkeypatch.setattr(rebase, "_commit_stage", merged_wrong)

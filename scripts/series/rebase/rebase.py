@@ -43,7 +43,11 @@ from scripts.series.rebase.branch import (
     remove_worktree,
     series_digest,
 )
-from scripts.series.rebase.checks import claimed_stages, stage_problem
+from scripts.series.rebase.checks import (
+    claimed_stages,
+    holds_the_applied_stages,
+    stage_problem,
+)
 from scripts.series.rebase.hunks import (
     DELETED_ON_TARGET,
     hunk_on,
@@ -322,10 +326,14 @@ def _stop_unless_checked(
     tester: TreeTester | None,
 ) -> None:
     """Check the stage's commit; on a problem, stop as on a conflict. The
-    rehearsal's target differs from the pinned release by comment lines
-    only, so a stage that applied there as it is holds the code that
-    apply-and-test tests: the rehearsal runs the tests of merged ones."""
-    tests = not (state.rehearsal and report.outcome == "applied cleanly")
+    rehearsal's target is the pinned release plus comment lines: where the
+    rebased stage's files hold the applied stages and those lines only, its
+    code is what apply-and-test imports and tests, so only a merge that
+    made something else is imported and tested again."""
+    first = series.stages[0]
+    tests = not state.rehearsal or not holds_the_applied_stages(
+        repo, f"{_old_commit(repo, series, first)}^", _old_commit(repo, series, stage)
+    )
     problem = stage_problem(series, repo, stage, state, tester, tests)
     if problem is None:
         return

@@ -15,12 +15,12 @@ the sdist ships), tagged as the release, then three upstream commits:
 - one unrelated to the stages (README.md).
 
 Every stage must come out applied or merged, with its checks passed (its
-Python compiles and its vLLM modules import on the target; a merged stage's
-tests and its PR's tests pass there: a stage that applied as it is holds
-the code apply-and-test tests, as the upstream commits add only comments
-to Python files), none reported upstream, and the rebase must end on its
-project branch, rehearsal/<target> (a namespace of its own), with the
-rebased series.toml on it. That branch is then deleted (--keep keeps it
+Python compiles on the target; where its files hold more than the applied
+stages plus the upstream comment lines, its vLLM modules import and its
+tests and its PR's tests pass there; otherwise its code is what
+apply-and-test imports and tests), none reported upstream, and the rebase
+must end on its project branch, rehearsal/<target> (a namespace of its
+own), with the rebased series.toml on it. That branch is then deleted (--keep keeps it
 until the next rehearsal). Unlike a real rebase, the rehearsal runs on a
 project with uncommitted edits (the branch is made from the last commit
 plus the rebased series).
@@ -54,6 +54,7 @@ from scripts.series.layout import (
 from scripts.series.lock import project_lock
 from scripts.series.rebase import rebase
 from scripts.series.rebase.branch import branch_commit
+from scripts.series.rebase.checks import UPSTREAM_NOTE
 from scripts.series.rebase.state import (
     StageReport,
     load_state,
@@ -67,7 +68,6 @@ REV = "rehearsal"
 # What the rebase may report for a stage in a rehearsal (anything else:
 # conflicted, dropped hunks, already upstream, checks failed, dropped).
 KEPT = ("applied cleanly", "merged")
-UPSTREAM_NOTE = "# An upstream change of the rebase rehearsal.\n"
 _DATE = "2000-01-02T00:00:00+00:00"
 
 

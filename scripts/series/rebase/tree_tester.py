@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ class TreeTester:
     def pr_tests(self, repo: Path, paths: Sequence[str]) -> Tally:
         """``paths`` (tests the stages add to vLLM's tests/) on the tree,
         with plain pytest from its root."""
-        with self._checkout(repo) as tree:
+        with self._checkout(repo, "check-pr") as tree:
             junit, log = repo.parent / "check-pr.xml", check_log(repo, "pr-tests")
             return run_view(CPU, self.python, tree, paths, junit, log)
 
@@ -113,12 +114,19 @@ class TreeTester:
 
     @staticmethod
     @contextmanager
-    def _checkout(repo: Path) -> Iterator[Path]:
-        tree = repo.parent / "check"
-        shutil.rmtree(tree, ignore_errors=True)
-        git(repo, "worktree", "prune")
-        git(repo, "worktree", "add", "-q", "--detach", str(tree), "HEAD")
+    def _checkout(repo: Path, name: str = "check") -> Iterator[Path]:
+        """A checkout of HEAD beside ``repo``; two may be out at once (the
+        stage's tests and its PR's), made and removed one at a time."""
+        tree = repo.parent / name
+        with _WORKTREES:
+            shutil.rmtree(tree, ignore_errors=True)
+            git(repo, "worktree", "prune")
+            git(repo, "worktree", "add", "-q", "--detach", str(tree), "HEAD")
         try:
             yield tree
         finally:
-            git(repo, "worktree", "remove", "--force", str(tree))
+            with _WORKTREES:
+                git(repo, "worktree", "remove", "--force", str(tree))
+
+
+_WORKTREES = threading.Lock()
