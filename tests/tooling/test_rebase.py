@@ -325,6 +325,44 @@ def test_stage_whose_probe_passes_without_it_is_upstreamed(two_stages):
     assert "1 passed, 0 failed" in reports[1].evidence
 
 
+def test_a_probe_stops_at_its_first_failure(two_stages, monkeypatch):
+    """One failing test of the probe keeps the stage: the rest of the probe
+    is not run (a probe can take a minute of a rebase)."""
+    probe = two_stages.root / "tests" / "stage_0002" / "test_probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(
+        textwrap.dedent("""
+        import os
+        from pathlib import Path
+
+        def _ops():
+            return (Path(os.environ["DSA_VLLM_TREE"]) / "vllm/ops.py").read_text()
+
+        def test_first():
+            assert "return 2020" in _ops()
+
+        def test_second():
+            assert "return 2020" in _ops()
+        """)
+    )
+    two_stages.commit_all()
+    target = _target(two_stages, {"vllm/envs.py": ("VAR_5 = 5\n", "VAR_5 = 50\n")})
+    tallies = []
+    real = TreeTester.pytest
+
+    def recorded(self, series, repo, stages, paths, first_failure=False):
+        tallies.append(real(self, series, repo, stages, paths, first_failure))
+        return tallies[-1]
+
+    monkeypatch.setattr(TreeTester, "pytest", recorded)
+    reports = rebase.start(two_stages.series(), target, test_python=sys.executable)
+    assert _outcomes(reports)["0002"] != "already upstream"
+    assert reports[1].evidence.startswith(
+        "upstream probe without it: fails (0 passed before the first failure)"
+    )
+    assert [t.failed for t in tallies if t.failed] == [1]
+
+
 def test_the_branch_leaves_what_ci_checks_passing(project):
     """The branch's README has the stage table of the new series and its
     report says what check-patches will find: it passes, or it fails naming
@@ -684,7 +722,7 @@ def test_interrupted_rebase_continues(two_stages, monkeypatch):
     """Killed in the middle of a stage's merge: --continue drops the
     half-made merge and redoes that stage."""
     target = _target(two_stages, {"vllm/ops.py": ("return 5\n", "return 55\n")})
-    real = rebase._added_lines_present
+    real = rebase.added_lines_present
     calls = []
 
     def interrupted(path, hunk):
@@ -693,7 +731,7 @@ def test_interrupted_rebase_continues(two_stages, monkeypatch):
             raise KeyboardInterrupt
         return real(path, hunk)
 
-    monkeypatch.setattr(rebase, "_added_lines_present", interrupted)
+    monkeypatch.setattr(rebase, "added_lines_present", interrupted)
     with pytest.raises(KeyboardInterrupt):
         rebase.start(two_stages.series(), target)
     assert sh(_work_repo(two_stages), "git", "status", "--porcelain").strip()

@@ -36,6 +36,7 @@ from scripts.series.layout import (
     resolution_dirs,
     workdir,
 )
+from scripts.series.rebase import checks
 from scripts.series.rebase.branch import (
     finish,
     pinned_target,
@@ -43,21 +44,14 @@ from scripts.series.rebase.branch import (
     remove_worktree,
     series_digest,
 )
-from scripts.series.rebase.checks import (
-    claimed_stages,
-    holds_the_applied_stages,
-    stage_problem,
-)
 from scripts.series.rebase.hunks import (
     DELETED_ON_TARGET,
+    added_lines_present,
     hunk_on,
     moved_on_target,
     replayed_paths,
 )
-from scripts.series.rebase.hunks import (
-    added_lines_present as _added_lines_present,
-)
-from scripts.series.rebase.series_toml import fetchable_url
+from scripts.series.rebase.series_toml import git_pin_note
 from scripts.series.rebase.state import (
     HunkReport,
     RebaseState,
@@ -326,15 +320,12 @@ def _stop_unless_checked(
     tester: TreeTester | None,
 ) -> None:
     """Check the stage's commit; on a problem, stop as on a conflict. The
-    rehearsal's target is the pinned release plus comment lines: where the
-    rebased stage's files hold the applied stages and those lines only, its
-    code is what apply-and-test imports and tests, so only a merge that
-    made something else is imported and tested again."""
+    rehearsal imports and tests only what apply-and-test does not."""
     first = series.stages[0]
-    tests = not state.rehearsal or not holds_the_applied_stages(
+    tests = not state.rehearsal or not checks.holds_the_applied_stages(
         repo, f"{_old_commit(repo, series, first)}^", _old_commit(repo, series, stage)
     )
-    problem = stage_problem(series, repo, stage, state, tester, tests)
+    problem = checks.stage_problem(series, repo, stage, state, tester, tests)
     if problem is None:
         return
     report.outcome = CHECKS_FAILED
@@ -485,28 +476,10 @@ def _run(
         + (
             " (or push it for CI), and merge it to adopt the new pin"
             if not isinstance(pinned, GitBase)
-            else _git_pin_note(pinned)
+            else git_pin_note(pinned)
         )
     )
     return state.reports
-
-
-def _git_pin_note(pinned: GitBase) -> str:
-    """How far a branch pinned to a git commit goes: CI, when it names a URL
-    any clone can fetch; this machine only, when it names a folder."""
-    url = fetchable_url(pinned.path, pinned.rev)
-    keep = (
-        ". It is for testing against vLLM main: install and the Dockerfile "
-        "take a release, so do not merge it into main (check-patches refuses a "
-        "git pin there)"
-    )
-    if url is not None:
-        return f" (or push it for CI: it pins {url} at the commit){keep}"
-    return (
-        f" here: no remote of {pinned.path} has {pinned.rev[:12]}, so it pins "
-        "that folder, which other clones and CI cannot use (`git fetch` the "
-        f"commit from a remote there and rebase again to pin its URL){keep}"
-    )
 
 
 def _old_commit(repo: Path, series: Series, stage: Stage) -> str:
@@ -525,9 +498,9 @@ def _rebase_stage(
     patch = series.patch_file(stage)
     report = StageReport(stage.id, stage.title, "")
     if tester is not None:
-        probe = tester.pytest(
-            series, repo, claimed_stages(series, state), probe_paths(stage)
-        )
+        # One failure is enough to keep the stage.
+        claimed = checks.claimed_stages(series, state)
+        probe = tester.pytest(series, repo, claimed, probe_paths(stage), True)
         passed, failed = probe.passed, probe.failed
         if passed and not failed:
             report.outcome = "already upstream"
@@ -536,7 +509,11 @@ def _rebase_stage(
                 f"passed, 0 failed: {', '.join(probe_paths(stage))})"
             )
             return report
-        report.evidence = f"upstream probe without it: {passed} passed, {failed} failed"
+        report.evidence = "upstream probe without it: " + (
+            f"fails ({passed} passed before the first failure)"
+            if failed
+            else "no test ran"
+        )
         if probe.first_error:
             report.evidence += f" (first: {probe.first_error})"
     hunks = read_patch(patch).hunks
@@ -572,7 +549,7 @@ def _rebase_stage(
             outcome = DELETED_ON_TARGET
         elif outcome != "already upstream":
             now_at = moved.get(hunk.path) or hunk.path
-            placed = _added_lines_present(repo / now_at, hunk)
+            placed = added_lines_present(repo / now_at, hunk)
             if hunk.path in unmerged:
                 # a hunk that applied on its own keeps that outcome when its
                 # lines made it: the file's other hunks are in conflict

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Write a series file (the fields config.load_series reads), and edit the
-project's own in place to say what a rebased one says (comments kept)."""
+"""Write a series file (the fields config.load_series reads), edit the
+project's own in place to say what a rebased one says (comments kept), and
+say how far a branch pinned to a git commit goes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import tomllib
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import Base, SdistBase, Series, is_git_url
+from scripts.series.config import Base, GitBase, SdistBase, Series, is_git_url
 from scripts.series.git import git
 
 
@@ -188,3 +189,21 @@ def _table_key(value: dict) -> tuple[str, str | None]:
     if isinstance(table, list):
         return kind, table[0].get("id", table[0].get("name"))
     return kind, None
+
+
+def git_pin_note(pinned: GitBase) -> str:
+    """How far a branch pinned to a git commit goes: CI, when it names a URL
+    any clone can fetch; this machine only, when it names a folder."""
+    url = fetchable_url(pinned.path, pinned.rev)
+    keep = (
+        ". It is for testing against vLLM main: install and the Dockerfile "
+        "take a release, so do not merge it into main (check-patches refuses a "
+        "git pin there)"
+    )
+    if url is not None:
+        return f" (or push it for CI: it pins {url} at the commit){keep}"
+    return (
+        f" here: no remote of {pinned.path} has {pinned.rev[:12]}, so it pins "
+        "that folder, which other clones and CI cannot use (`git fetch` the "
+        f"commit from a remote there and rebase again to pin its URL){keep}"
+    )

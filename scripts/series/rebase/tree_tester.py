@@ -43,11 +43,17 @@ class TreeTester:
             raise SeriesError(f"--test-python {self.python}: no such Python")
 
     def pytest(
-        self, series: Series, repo: Path, stages: list[str], paths: Sequence[str]
+        self,
+        series: Series,
+        repo: Path,
+        stages: list[str],
+        paths: Sequence[str],
+        first_failure: bool = False,
     ) -> Tally:
-        """``paths`` (under tests/) on the tree, claimed to hold ``stages``.
-        Its output goes to ``check_log(repo, "tests")``, not to the terminal:
-        a probe is expected to fail, and the report says what it needs to."""
+        """``paths`` (under tests/) on the tree, claimed to hold ``stages``,
+        stopping at the ``first_failure`` if asked. Its output goes to
+        ``check_log(repo, "tests")``, not to the terminal: a probe is
+        expected to fail, and the report says what it needs to."""
         junit = repo.parent / "check.xml"
         junit.unlink(missing_ok=True)
         log_file = check_log(repo, "tests")
@@ -62,6 +68,7 @@ class TreeTester:
                     "-q",
                     "-p",
                     "no:cacheprovider",
+                    *(["-x"] if first_failure else []),
                 ],
                 env=self._env(tree, stages),
                 cwd=series.root,
