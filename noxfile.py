@@ -253,11 +253,12 @@ def rebase(session: nox.Session) -> None:
 
 @nox.session(name="rehearse-rebase")
 def rehearse_rebase(session: nox.Session) -> None:
-    """Rehearse the next rebase, with every check on, and delete its branch.
+    """Rehearse the next rebase and delete its branch.
 
-    The target: a git checkout of the pinned release plus upstream commits
-    that move and touch the stages' hunks (build/rehearsal/). Every stage
-    must apply or merge and pass its checks, and the rebase must end on its
+    The target: a git checkout of the pinned release plus upstream comment
+    lines that move and touch the stages' hunks (build/rehearsal/). Every
+    stage must apply or merge, and be imported and tested where its merge
+    made other code than the applied stages; the rebase must end on its
     branch. -- --keep keeps the branch.
     """
     if set(session.posargs) - {"--keep"}:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Rehearse the next rebase: the whole series onto a vLLM git checkout made
-from the pinned release plus upstream commits, with every check on.
+from the pinned release plus upstream commits, with the checks on.
 
 The target is what a user following vLLM main has: a git checkout of the
 pinned sources (the base commit of the work repo, without the version files
