@@ -464,3 +464,16 @@ def test_the_description_says_what_upstream_already_has(two_stages: Project):
     assert "This is a backport: upstream merged this change as org/vllm#9" in two
     assert "not to be opened upstream" in two
     assert 'Depends on "Striped indexer" (upstream as org/vllm#7)' in two
+
+
+def test_a_download_cache_that_is_no_folder_is_a_clear_error(tmp_path, monkeypatch):
+    """vLLM's pre-commit lives in the download cache: one that cannot be
+    made says which and what to set, with no traceback."""
+    from scripts.series.export.pr_check import precommit_cache
+    from scripts.series.export.vllm_precommit import hook_python
+    from scripts.series.stages.fetch import CACHE_ENV
+
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file"))
+    with pytest.raises(SeriesError, match=f"set {CACHE_ENV} to a writable folder"):
+        hook_python(precommit_cache(), sys.executable)

@@ -99,7 +99,11 @@ def hook_python(cache: Path, python: str) -> Path:
     one maker at a time."""
     venv = cache / f"venv-{sys.implementation.cache_tag}"
     py = venv / "bin" / "python"
-    cache.mkdir(parents=True, exist_ok=True)
+    # The tool's own helper: a clear error, not a traceback, when the
+    # download cache cannot be written.
+    from scripts.series.stages.fetch import _make_cache_folder
+
+    _make_cache_folder(cache, "for vLLM's pre-commit")
     with (cache / "venv.lock").open("a") as handle:
         lock(handle, lambda: f"waiting while another check makes {venv}...")
         if not (venv / "ready").exists():
