@@ -271,6 +271,7 @@ def build_batch(
     torch_context: bool = False,
     write_cache: bool = True,
     random_inputs: bool = True,
+    key_period: int = 0,
 ) -> IndexerBatch:
     """Fill the cache with each request's context and build the step's
     metadata; ``padding`` rows mimic a CUDA-graph padded batch.
@@ -283,7 +284,9 @@ def build_batch(
     by the torch equivalent of its kernel (both checked against the Triton
     kernels in tests/base). Without ``write_cache`` the cache stays zero,
     and without ``random_inputs`` so do the step's queries, keys and weights
-    (dispatch-only tests: a 131,072-token step's queries are 1 GiB)."""
+    (dispatch-only tests: a 131,072-token step's queries are 1 GiB). With
+    ``key_period`` each request's cached keys repeat with that period, so
+    its rows' scores tie in groups (at the k-th score too)."""
     from vllm.v1.attention.backends.utils import CommonAttentionMetadata
     from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
         FP8_DTYPE,
@@ -314,6 +317,8 @@ def build_batch(
     for req, (context, query) in enumerate(requests):
         if context and write_cache:
             cached = torch.randn(context, HEAD_DIM, generator=gen).to(torch.bfloat16)
+            if key_period:
+                cached = cached[torch.arange(context) % key_period]
             cached_slots = slots(req, torch.arange(context)).to(device)
             if torch_context:
                 write_paged_k(kv_cache, cached_slots, cached.to(device))

@@ -40,8 +40,8 @@ def default_vllm_config(device: str) -> Any:
 
 
 class GlooPyNccl:
-    """PyNccl's ``all_gatherv`` on gloo, for the TP group of gloo ranks,
-    which have no PyNccl (vllm-project/vllm v0.34.0,
+    """PyNccl's ``all_gatherv`` and ``all_to_all_single`` on gloo, for the
+    TP group of gloo ranks, which have no PyNccl (vllm-project/vllm v0.34.0,
     vllm/distributed/device_communicators/pynccl.py L329-362: inside one
     NCCL group, one ``ncclBroadcast`` per root from the root's input into
     its slice of the output, the slices in rank order, ``sizes[r]`` rows
@@ -81,6 +81,29 @@ class GlooPyNccl:
             torch.distributed.broadcast(
                 part, src=group.ranks[root], group=group.device_group
             )
+
+    def all_to_all_single(
+        self, output_tensor, input_tensor, output_split_sizes, input_split_sizes,
+        stream=None,
+    ):  # fmt: skip
+        """PyNccl's ``all_to_all_single`` (vllm-project/vllm v0.34.0,
+        vllm/distributed/device_communicators/pynccl.py L489-541: inside one
+        NCCL group, the next ``input_split_sizes[peer]`` rows to each peer,
+        the next ``output_split_sizes[peer]`` rows from it), on gloo."""
+        import torch
+
+        group = self.coordinator
+        assert output_tensor.is_contiguous() and input_tensor.is_contiguous()
+        assert len(input_split_sizes) == len(output_split_sizes) == group.world_size
+        assert input_tensor.shape[0] == sum(input_split_sizes)
+        assert output_tensor.shape[0] == sum(output_split_sizes)
+        torch.distributed.all_to_all_single(
+            output_tensor,
+            input_tensor,
+            list(output_split_sizes),
+            list(input_split_sizes),
+            group=group.device_group,
+        )
 
 
 def _stand_in_pynccl() -> None:

@@ -19,10 +19,12 @@ kernels (logits, top-k) are stand-ins here and are not compiled."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from scripts.harness import gfx_compile, indexer_batch, indexer_k_cache
 from scripts.harness.multiproc import run_ranks
@@ -39,6 +41,7 @@ KERNEL_CALLERS = (
     "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py",
     "vllm/v1/attention/backends/mla/indexer.py",
     "vllm/v1/attention/ops/rocm_cp_indexer.py",
+    "vllm/v1/attention/ops/rocm_cp_indexer_merge.py",
 )
 TOPK = 2048
 PAGES = (64, 128)
@@ -62,14 +65,40 @@ def _padded_step(next_n: int) -> list[tuple[int, int]]:
     return [(20, next_n), (30, 0), (9, next_n), (40, 7)]
 
 
+def _key_split_every_turn(planned, keys, query_lens_cpu, *_):
+    """Stage 0001's key split, forced onto every request with a cached
+    prefix (the planner's model keeps it for serving-sized turns)."""
+    ends = torch.cumsum(query_lens_cpu.to(torch.int64), 0).tolist()
+    chosen = [
+        (end - q, end)
+        for end, q in zip(ends, query_lens_cpu.tolist(), strict=True)
+        if q and int(keys[end - q]) > 1
+    ]
+    costs = planned.costs.clone()
+    for start, end in chosen:
+        costs[start:end] = 0
+    return planned.bounds(costs), tuple(chosen)
+
+
 def _run_op(
-    recorder, arch, heads, page, next_n, tp=1, requests=None, label="", long=False
-) -> None:
+    recorder, arch, heads, page, next_n, tp=1, requests=None, label="", long=False,
+    key_split=False,
+) -> None:  # fmt: skip
     """Build the step with vLLM's builder and run the op, recording. A
-    ``long`` step's kernels are recorded, not interpreted."""
-    with pytest.MonkeyPatch.context() as monkeypatch, emulate_rocm(arch):
-        use_rocm_fp8_encoding(monkeypatch, arch)
+    ``long`` step's kernels are recorded, not interpreted. At tp > 1 the
+    step is split (far below the gate's minimum otherwise), its turns
+    key-split with ``key_split``."""
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.ExitStack() as stack:
+        # Before the platform: entering it reads AITER's switches.
         monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if tp > 1 else "0")
+        from vllm.v1.attention.ops import rocm_cp_indexer_plan as plan
+
+        monkeypatch.setattr(plan, "split_repays", lambda *_: True)
+        if key_split:
+            monkeypatch.setattr(plan, "_key_split_plan", _key_split_every_turn)
+            monkeypatch.setattr(plan, "key_split_max_rows", lambda *_: 64)
+        stack.enter_context(emulate_rocm(arch))
+        use_rocm_fp8_encoding(monkeypatch, arch)
         config = indexer_batch.make_vllm_config(
             tp_size=tp,
             max_len=33024 if long else indexer_batch.MAX_MODEL_LEN,
@@ -94,6 +123,8 @@ def _run_op(
             indexer_batch.run_indexer(
                 batch, TOPK, skip_k_cache_insert=True, torch_gather=long
             )
+            if tp > 1:
+                assert batch.metadata.prefill.cp_split is not None, "not split"
 
 
 @contextmanager
@@ -151,14 +182,21 @@ def test_indexer_op_kernels_compile(compile_matrix, arch, heads):
 @pytest.mark.parametrize("arch", gfx_compile.ARCHS)
 def test_split_prefill_kernels_compile(compile_matrix, arch):
     """Stage 0001's split at TP 2: each rank gathers the chunk's keys and
-    scores its own rows."""
+    scores its own rows, the merge packs them as int16 and unpacks them;
+    with the turns key-split, each rank scores its part of their keys and
+    selects their top-k from every rank's candidates (gfx950 only)."""
 
     def on_rank(rank, world_size):
         recorder = gfx_compile.Recorder()
-        _run_op(
-            recorder, arch, 64, 64, 2, tp=world_size,
-            label=f"CP split, rank {rank} of {world_size}",
-        )  # fmt: skip
+        for heads in HEADS:
+            for key_split in (False, True):
+                kind = "key-split turns" if key_split else "whole rows"
+                _run_op(
+                    recorder, arch, heads, 64, 2, tp=world_size,
+                    key_split=key_split,
+                    label=f"CP split ({kind}, {heads} index heads), "
+                    f"rank {rank} of {world_size}",
+                )  # fmt: skip
         return recorder.variants
 
     recorder = gfx_compile.Recorder()
@@ -167,6 +205,14 @@ def test_split_prefill_kernels_compile(compile_matrix, arch):
             for label in labels:
                 recorder.label = label
                 recorder.add(variant)
+    kernels = {variant.name for variant in recorder.variants}
+    # gfx942's logits fill their chunk: the planner key-splits nothing there.
+    expected = {"_narrow_kernel"} | (
+        {"_select_top_k_kernel"} if arch == "gfx950" else set()
+    )
+    assert expected <= kernels and (
+        arch == "gfx950" or "_select_top_k_kernel" not in kernels
+    ), kernels
     failures = compile_matrix.compile(arch, recorder)
     assert not failures, "\n\n".join(failures)
 

@@ -38,10 +38,25 @@ TOPK = 2048
 REQUESTS = [(6000, 96), (0, 1500)]
 
 
+def _key_split_the_turn(planned, keys, query_lens_cpu, *_):
+    """The planner's choice, forced: the turn (the first request)."""
+    turn = (0, int(query_lens_cpu[0]))
+    costs = planned.costs.clone()
+    costs[turn[0] : turn[1]] = 0
+    return planned.bounds(costs), (turn,)
+
+
+@pytest.mark.parametrize("key_split", [False, True], ids=["whole rows", "key split"])
 @pytest.mark.parametrize("rank", range(WORLD))
-def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
+def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank, key_split):
+    """With the turn key-split too: its parts' scores, the exchange's
+    buffer, the select and the int16 merge."""
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
     monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
+    if key_split:
+        monkeypatch.setattr(
+            rocm_cp_indexer_plan, "_key_split_plan", _key_split_the_turn
+        )
     # 8 MiB of logits per chunk: the turn's rows take several chunks.
     monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "8")
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", fast_indexer_kernels.mqa_logits)
@@ -52,7 +67,9 @@ def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
         raising=False,
     )
     pynccl = SimpleNamespace(
-        disabled=False, all_gatherv=lambda output, own, sizes: None
+        disabled=False,
+        all_gatherv=lambda output, own, sizes: None,
+        all_to_all_single=lambda output, sent, out_sizes, sent_sizes: None,
     )
     group = SimpleNamespace(
         world_size=WORLD, device_communicator=SimpleNamespace(pynccl_comm=pynccl)
@@ -67,7 +84,8 @@ def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank):
         batch = indexer_batch.build_batch(
             builder, REQUESTS, heads=32, cache_new_keys=True
         )
-        assert batch.metadata.prefill.cp_split is not None
+        split = batch.metadata.prefill.cp_split
+        assert split is not None and bool(split.key_split) is key_split
         assert len(batch.metadata.prefill.chunks) >= 3
         run = lambda: indexer_batch.run_indexer(batch, TOPK, skip_k_cache_insert=True)  # noqa: E731
         run()  # compile the Triton kernels and grow the workspace first

@@ -111,9 +111,9 @@ def _run(batch) -> dict:
     rank sends, the sizes, the group, and where its input and output lie in
     the top-k buffer, in rows)."""
     reduces: list[tuple[int, ...]] = []
-    gathers: list[tuple[tuple[int, ...], list[int]]] = []
+    gathers: list[tuple[tuple[int, ...], list[int], torch.dtype]] = []
     groups: list[str] = []
-    places: list[tuple[int, int]] = []
+    places: list[float] = []
     before_merge: list[torch.Tensor] = []
     real_all_reduce = torch.distributed.all_reduce
     real_all_gatherv = GlooPyNccl.all_gatherv
@@ -124,9 +124,11 @@ def _run(batch) -> dict:
         return real_all_reduce(tensor, *args, **kwargs)
 
     def counting_all_gatherv(self, output, input_, sizes, stream=None):
-        gathers.append((tuple(input_.shape), sizes))
+        gathers.append((tuple(input_.shape), sizes, input_.dtype))
         groups.append(_group_name(self.coordinator))
-        places.append((output.data_ptr(), input_.data_ptr()))
+        # Where the rank's rows lie in the output, in rows.
+        row_bytes = input_.stride(0) * input_.element_size()
+        places.append((input_.data_ptr() - output.data_ptr()) / row_bytes)
         return real_all_gatherv(self, output, input_, sizes, stream)
 
     def recording_merge(self, buffer):
@@ -141,17 +143,13 @@ def _run(batch) -> dict:
             out = indexer_batch.run_indexer(
                 batch, TOPK, skip_k_cache_insert=True, torch_gather=True
             )
-    row_bytes = out.stride(0) * out.element_size()
     return {
         "out": out,
         "before_merge": before_merge[-1] if before_merge else None,
         "reduces": reduces,
         "gathers": gathers,
         "groups": groups,
-        "places": [
-            ((o - out.data_ptr()) / row_bytes, (i - out.data_ptr()) / row_bytes)
-            for o, i in places
-        ],
+        "places": places,
         "decode": batch.num_decode_tokens,
         "prefill": batch.num_prefill_tokens,
         "chunks": len(batch.metadata.prefill.chunks) if batch.metadata.prefill else 0,
@@ -235,8 +233,9 @@ def test_every_prefill_row_is_written_by_exactly_one_rank(split_ranks, name):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_one_merge_per_prefill_over_the_prefill_rows_only(split_ranks, name):
     """One all_gatherv over the TP group per prefill, in place: each rank
-    sends only its own rows, from where they lie in the top-k buffer, into
-    the buffer's prefill rows, and the ranks' rows add up to them."""
+    sends only its own rows, from its slice of the output, and the ranks'
+    rows add up to the prefill rows. Every row here has fewer than 65,535
+    keys: they travel as int16 (as bytes: NCCL has no int16), 2 k bytes."""
     world_size, ranks = split_ranks
     for rank, result in enumerate(ranks):
         scenario = result[name]
@@ -244,13 +243,12 @@ def test_one_merge_per_prefill_over_the_prefill_rows_only(split_ranks, name):
         if _replicated(name, world_size):
             assert scenario["gathers"] == []
             continue
-        [(sent, sizes)] = scenario["gathers"]
+        [(sent, sizes, dtype)] = scenario["gathers"]
         assert len(sizes) == world_size
         assert sum(sizes) == scenario["prefill"] and min(sizes) >= 1
-        assert sent == (sizes[rank], TOPK)
+        assert sent == (sizes[rank], 2 * TOPK) and dtype == torch.int8
         assert scenario["groups"] == ["tp"]
-        decode = scenario["decode"]
-        assert scenario["places"] == [(decode, decode + sum(sizes[:rank]))]
+        assert scenario["places"] == [sum(sizes[:rank])]
 
 
 def _build_no_split(world_size: int) -> dict:
@@ -301,7 +299,7 @@ def test_no_collective_runs_when_nothing_is_split():
     for result in run_ranks(4, _run_no_split, batches):
         for name in ("tiny", "decode only", "below the minimum"):
             assert result[name]["reduces"] == result[name]["gathers"] == [], name
-        [(_, sizes)] = result["candidates"]["gathers"]
+        [(_, sizes, _)] = result["candidates"]["gathers"]
         assert sum(sizes) == batches["candidates"].num_prefill_tokens
         # With candidate blocks, every rank scores every row of every chunk.
         assert result["candidate rows"] == [
@@ -511,7 +509,7 @@ def test_the_3355_3355_1_layout_at_tp8():
     expected = logits.topk(TOPK, dim=1).indices.to(torch.int32)
     for result in ranks:
         assert result["tail"]["reduces"] == []
-        [(_, sizes)] = result["tail"]["gathers"]
+        [(_, sizes, _)] = result["tail"]["gathers"]
         assert sum(sizes) == TAIL_ROWS
         topk_reference.assert_same_selection(
             logits, result["tail"]["out"][rows], expected, batch.row_ends[rows], TOPK

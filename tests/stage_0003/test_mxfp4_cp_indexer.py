@@ -70,4 +70,6 @@ def test_the_mxfp4_builder_plans_no_split_and_says_so(monkeypatch):
 def test_the_fp8_builder_still_splits(monkeypatch):
     builder, logged = _builder(monkeypatch, "fp8")
     assert builder.cp_indexer is not None and builder.cp_indexer.tp_size == TP
-    assert logged == [f"CP indexer on: {TP} TP ranks, cost-balanced row ranges."]
+    assert logged == [
+        f"CP indexer on: {TP} TP ranks, cost-balanced row ranges, long rows key-split."
+    ]

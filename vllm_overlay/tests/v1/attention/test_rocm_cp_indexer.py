@@ -323,8 +323,9 @@ def test_a_rank_is_not_left_a_sliver_of_a_long_turn(monkeypatch, tp):
 
     def plan(wave: int) -> CPIndexerSplit:
         split = plan_cp_indexer_split(
-            tp, 0, seq, query, 1, chunks, None, wave_rows=wave
-        )
+            tp, 0, seq, query, 1, chunks, None, wave_rows=wave,
+            key_split_max_rows=0,
+        )  # fmt: skip
         assert split is not None
         return split
 
@@ -383,8 +384,9 @@ def test_the_wave_floor_never_makes_the_costliest_rank_costlier(monkeypatch):
 
         def plan(wave: int, tp=tp, seq=seq, query=query, chunks=chunks):
             split = plan_cp_indexer_split(
-                tp, 0, seq, query, 1, chunks, None, wave_rows=wave
-            )
+                tp, 0, seq, query, 1, chunks, None, wave_rows=wave,
+                key_split_max_rows=0,
+            )  # fmt: skip
             assert split is not None
             return split
 
@@ -448,6 +450,7 @@ def test_the_costliest_rank_costs_the_least_it_can(monkeypatch, call_cost, waves
             None,
             call_cost_keys=rocm_cp_indexer_plan.CALL_COST_KEYS,
             wave_rows=wave,
+            key_split_max_rows=0,
         )
         assert split is not None
         cost = functools.cache(
@@ -501,22 +504,24 @@ def test_the_minimum_split_size_is_the_least_that_splits():
 @pytest.mark.parametrize(
     ("requests", "splits"),
     [
-        ([(0, 7400)], False),
-        ([(0, 7450)], True),
+        ([(0, 4160)], False),
+        ([(0, 4170)], True),
         # A turn over a cached prefix, a request with no new token, a prompt.
-        ([(3000, 64), (700, 0), (0, 6580)], False),
-        ([(3000, 64), (700, 0), (0, 6590)], True),
+        ([(3000, 64), (700, 0), (0, 3480)], False),
+        ([(3000, 64), (700, 0), (0, 3490)], True),
     ],
 )
 def test_the_plans_own_rows_decide_where_even_shares_would_repay(requests, splits):
-    """At tp 2, even shares of a step's rows would repay their merge, but
-    the cuts by cost give rank 0 about two thirds of the rows (a fresh
-    prompt's early rows are cheap), and one xGMI link carries them: only
-    the gate on the plan's own rows tells the steps apart. (At tp 4 and 8
-    the rows a rank holds merge quickly: the minimum decides first.)"""
+    """At tp 2, even shares of a step's rows would repay their merge (int16
+    rows: every row is short), but the cuts by cost give rank 0 about two
+    thirds of the rows (a fresh prompt's early rows are cheap), and one
+    xGMI link carries them: only the gate on the plan's own rows tells the
+    steps apart. (At tp 4 and 8 the rows a rank holds merge quickly: the
+    minimum decides first.)"""
     rows = sum(new for _, new in requests)
     total = sum(_row_costs(requests))
-    assert rocm_cp_indexer_plan.split_repays(total, [rows // 2, rows - rows // 2])
+    half = [rows // 2, rows - rows // 2]
+    assert rocm_cp_indexer_plan.split_repays(total, half, narrow=True)
     assert (_plan(2, requests) is not None) is splits
 
 
@@ -547,16 +552,14 @@ def test_the_merge_is_priced_per_link():
 @pytest.mark.parametrize(
     ("tp", "decodes", "requests", "bounds"),
     [
-        # 35.6M key-rows (a row: its keys and 700), 4,000 rows a rank; a rank
-        # 20.5M (1.15x half), the merge of 4,000 rows 11.6M key-rows over
-        # gfx950's xGMI and 13.7M over gfx942's, against 32.9M allowed.
-        (2, 0, [(3500, 500)] * 16, (0, 4000, 8000)),
-        # After 3 decode rows, 80 turns of 256 over 300 cached and a request
-        # with no new token among them: 23.1M key-rows, 5,120 rows a rank; a
-        # rank 6.6M (1.15x a quarter), the merge 14.5M on gfx950 and 17.1M on
-        # gfx942, against 21.4M allowed.
-        (4, 3, [(300, 256)] * 40 + [(700, 0)] + [(300, 256)] * 40,
-         (3, 5123, 10243, 15363, 20483)),
+        # 19.6M key-rows (a row: its keys and 700), 4,000 rows a rank; a rank
+        # 11.3M (1.15x half), the merge of 4,000 int16 rows 6.5M key-rows
+        # over gfx950's xGMI and 7.5M over gfx942's, against 18.1M allowed.
+        (2, 0, [(1500, 500)] * 16, (0, 4000, 8000)),
+        # After 3 decode rows, the same with a request with no new token
+        # among them.
+        (2, 3, [(1500, 500)] * 8 + [(700, 0)] + [(1500, 500)] * 8,
+         (3, 4003, 8003)),
     ],
 )  # fmt: skip
 def test_the_planner_decides_on_its_own_link(tp, decodes, requests, bounds):
@@ -1047,7 +1050,9 @@ def test_an_fp4_indexer_cache_keeps_the_prefill_replicated_and_says_so(cp_on):
     ]
     logged.clear()
     assert _at_startup(4) is not None
-    assert logged == ["CP indexer on: 4 TP ranks, cost-balanced row ranges."]
+    assert logged == [
+        "CP indexer on: 4 TP ranks, cost-balanced row ranges, long rows key-split."
+    ]
 
 
 @pytest.mark.parametrize(

@@ -7,15 +7,21 @@ Every TP rank holds the same indexer inputs, so without this each rank scores
 all prefill rows. With ``VLLM_ROCM_USE_AITER_CP_INDEXER=1`` each rank scores
 only its own contiguous range of the step's prefill rows (logits and top-k),
 and one all_gatherv per prefill puts every rank's rows into every rank's
-``topk_indices_buffer``, in place. The ranges are planned once per step on
-the host (``rocm_cp_indexer_plan``), and the decision is taken at startup
-(``rocm_cp_indexer_startup``); the op only slices (and joins the key ranges
-of a call that spans two chunks, on the device). Each rank gathers the keys
+``topk_indices_buffer``. The rows of a request the plan key-splits are
+scored by every rank, each over its part of their keys (``PrefillWindow.
+key_offset``); each row's parts' top-k, with their scores, go to the rank
+whose range holds it (one all_to_all), which selects its top-k from them
+(``rocm_cp_indexer_merge``) before the merge. The ranges
+are planned once per step on the host (``rocm_cp_indexer_plan``), and the
+decision is taken at startup (``rocm_cp_indexer_startup``); the op only
+slices (and joins the key ranges of a call that spans two chunks, and cuts
+a key-split row's keys, on the device). Each rank gathers the keys
 of the chunks it scores, once for a run of chunks that slice the same
 requests (``skip_kv_gather``), whose rows it scores in as few equal calls as
 the logits budget allows (``CPIndexerPrefill.windows``). Every merged row
 has exactly one writer (the top-k kernels choose freely among tied columns,
-so two ranks' copies of a row could differ).
+so two ranks' copies of a row could differ); a key-split row's is the rank
+that selects it.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+from vllm.v1.attention.ops import rocm_cp_indexer_merge as device_merge
 from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
     CPIndexerSplit,
     equal_calls,
     runs_of_shared_keys,
+    travels_narrow,
 )
 
 if TYPE_CHECKING:
@@ -52,10 +60,27 @@ class PrefillWindow:
     ke: torch.Tensor
     max_seqlen_k: int
     gather_keys: bool  # False: the workspace holds these keys already
+    # Key-split rows: where this rank's part of each row's keys starts,
+    # from the row's first key (device), and the rows' first candidate row.
+    key_offset: torch.Tensor | None = None
+    candidate_row: int = 0
 
     @property
     def batch_rows(self) -> slice:
         return slice(self.start, self.end)
+
+
+def _without(start: int, end: int, holes) -> Iterator[tuple[int, int]]:
+    """Rows ``start:end`` less the (sorted, disjoint) row ranges ``holes``."""
+    for hole_start, hole_end in holes:
+        if hole_start >= end:
+            break
+        if hole_end > start:
+            if hole_start > start:
+                yield start, hole_start
+            start = max(start, hole_end)
+    if start < end:
+        yield start, end
 
 
 def _key_ranges_of(
@@ -87,8 +112,11 @@ class CPIndexerPrefill:
     def __init__(self, split: CPIndexerSplit | None, has_candidate_blocks: bool):
         self.split = None if has_candidate_blocks else split
         self.start = self.end = 0
+        self.scores: torch.Tensor | None = None
+        self.narrow = False
         if self.split is not None:
-            self.start, self.end = self.split.rows_of(get_tensor_model_parallel_rank())
+            self.rank = get_tensor_model_parallel_rank()
+            self.start, self.end = self.split.rows_of(self.rank)
 
     def windows(
         self, chunks: list[DeepseekV32IndexerPrefillChunkMetadata]
@@ -101,7 +129,9 @@ class CPIndexerPrefill:
         allows (so within the logits budget), of equal size. The builder's
         cuts would otherwise leave a rank a sliver of one chunk beside most
         of the next, two calls where one does, and a small call that fills
-        little of the GPU. The keys are gathered once per run."""
+        little of the GPU. Then the run's key-split rows, in calls of the
+        same kind, over this rank's part of their keys. The keys are
+        gathered once per run."""
         if self.split is None:
             for chunk in chunks:
                 yield PrefillWindow(
@@ -114,40 +144,143 @@ class CPIndexerPrefill:
                     gather_keys=True,
                 )
             return
+        self.narrow = travels_narrow(chunks)
+        key_split = self.split.key_split
+        candidate_rows = [0]
+        for start, end in key_split:
+            candidate_rows.append(candidate_rows[-1] + end - start)
         for run in runs_of_shared_keys(chunks):
-            start = max(run[0].token_start, self.start)
-            end = min(run[-1].token_end, self.end)
-            if start >= end:
-                continue
+            gather = True
+            run_start, run_end = run[0].token_start, run[-1].token_end
             most = max(c.token_end - c.token_start for c in run)
-            for call, (first, last) in enumerate(equal_calls(start, end, most)):
-                ks, ke, longest = _key_ranges_of(run, first, last)
-                yield PrefillWindow(
-                    run[0], first, last, ks, ke, longest, gather_keys=call == 0
-                )
+            own = (max(run_start, self.start), min(run_end, self.end))
+            for start, end in _without(*own, key_split):
+                for first, last in equal_calls(start, end, most):
+                    ks, ke, longest = _key_ranges_of(run, first, last)
+                    yield PrefillWindow(run[0], first, last, ks, ke, longest, gather)
+                    gather = False
+            for (start, end), row in zip(key_split, candidate_rows):
+                start, end = max(start, run_start), min(end, run_end)
+                if start >= end:
+                    continue
+                for first, last in equal_calls(start, end, most):
+                    yield self._key_part(run, first, last, gather, row + first - start)
+                    gather = False
+
+    def _key_part(self, run, first: int, last: int, gather: bool, row: int):
+        """The call that scores rows ``first:last`` of ``run`` over this
+        rank's part of each row's keys: the r-th of tp equal parts."""
+        ks, ke, longest = _key_ranges_of(run, first, last)
+        tp_size = len(self.split.bounds) - 1
+        keys = ke - ks
+        offset = keys * self.rank // tp_size
+        part_ks = ks + offset
+        part_ke = ks + keys * (self.rank + 1) // tp_size
+        return PrefillWindow(
+            run[0],
+            first,
+            last,
+            part_ks,
+            part_ke,
+            -(-longest // tp_size),
+            gather,
+            key_offset=offset,
+            candidate_row=row,
+        )
+
+    def keep_candidates(
+        self, window: PrefillWindow, logits: torch.Tensor, topk: torch.Tensor
+    ) -> None:
+        """After a key-split window's top-k (``topk``, its rows of the top-k
+        buffer, indices from the part's first key): keep their scores, read
+        from ``logits``, and make the indices row-local."""
+        if window.key_offset is None:
+            return
+        k = topk.shape[1]
+        if self.scores is None:
+            rows = self.split.key_split_rows
+            self.scores = torch.empty(
+                (rows, k), dtype=torch.float32, device=topk.device
+            )
+        valid = topk >= 0
+        columns = (topk + window.ks.unsqueeze(1)).clamp_(min=0).long()
+        scores = self.scores[window.candidate_row :][: topk.shape[0]]
+        torch.gather(logits, 1, columns, out=scores)
+        scores.masked_fill_(~valid, float("-inf"))
+        topk.add_(window.key_offset.unsqueeze(1) * valid)
 
     def merge(self, topk_indices_buffer: torch.Tensor) -> None:
         """Give every rank every prefill row, once per prefill, on every
         rank alike; nothing without a split.
 
-        In place: PyNccl's all_gatherv broadcasts each rank's rows into its
-        slice of the output, and a rank's own rows are that slice already
-        (NCCL broadcasts in place when the root's send and receive buffers
-        are one), so the merge allocates and copies nothing. Whole rows of
-        the buffer travel, which is contiguous in them. Called on PyNccl
-        directly: the coordinator's all_gatherv returns a new tensor, and
-        the split is off wherever it would take another path
+        First the key-split rows: one all_to_all sends each rank's
+        candidates of a row (its part's top-k indices and scores) to the
+        rank whose range holds the row, which selects the row's top-k from
+        them into its range. Then every rank's range: one all_gatherv, in
+        place (PyNccl broadcasts each rank's rows into its slice of the
+        output, and a rank's own rows are that slice already), or, where
+        every row has fewer than 65,535 keys, as int16 (``travels_narrow``):
+        half the bytes, packed before and unpacked after. Whole rows of the
+        buffer travel, which is contiguous in them. Called on PyNccl
+        directly: the coordinator's collectives return new tensors, and the
+        split is off wherever it would take another path
         (``unsafe_config_reason``)."""
         if self.split is None:
             return
-        first, last = self.split.bounds[0], self.split.bounds[-1]
-        rows = topk_indices_buffer[first:last]
-        own = rows[self.start - first : self.end - first]
         pynccl = getattr(get_tp_group().device_communicator, "pynccl_comm", None)
         # Checked at startup (the split is off without PyNccl); PyNccl sends
         # raw memory, so the rows must be contiguous.
-        if pynccl is None or pynccl.disabled or not rows.is_contiguous():
+        if pynccl is None or pynccl.disabled or not topk_indices_buffer.is_contiguous():
             raise RuntimeError(
                 "the CP indexer's merge needs PyNccl and a contiguous top-k buffer"
             )
-        pynccl.all_gatherv(rows, own, self.split.sizes)
+        if self.split.key_split:
+            self._exchange_and_select(pynccl, topk_indices_buffer)
+        first, last = self.split.bounds[0], self.split.bounds[-1]
+        rows = topk_indices_buffer[first:last]
+        own = slice(self.start - first, self.end - first)
+        if not self.narrow:
+            pynccl.all_gatherv(rows, rows[own], self.split.sizes)
+            return
+        narrow = torch.empty(rows.shape, dtype=torch.int16, device=rows.device)
+        device_merge.narrow_indices(rows[own], narrow[own])
+        # As bytes: NCCL has no 16-bit integer type.
+        as_bytes = narrow.view(torch.int8)
+        pynccl.all_gatherv(as_bytes, as_bytes[own], self.split.sizes)
+        # Every rank's rows but this one's, which are in place already.
+        for start, end in ((0, own.start), (own.stop, last - first)):
+            device_merge.widen_indices(narrow[start:end], rows[start:end])
+
+    def _exchange_and_select(self, pynccl, topk_indices_buffer: torch.Tensor):
+        """The key-split rows' candidates, each row's sent to its owner
+        (the rank whose range holds it), and this rank's rows' top-k
+        selected from every rank's candidates into the buffer."""
+        assert self.scores is not None, "a key-split row was not scored"
+        tp_size = len(self.split.bounds) - 1
+        rows, k = self.scores.shape
+        columns = device_merge.candidate_columns(k)
+        device = topk_indices_buffer.device
+        # This rank's candidates, in key-split row order: the rows of owner
+        # 0, then of owner 1, ... (owners' ranges are in row order).
+        sent = torch.empty((rows, columns), dtype=torch.int32, device=device)
+        row = 0
+        for start, end in self.split.key_split:
+            sent[row : row + end - start, :k] = topk_indices_buffer[start:end, :k]
+            row += end - start
+        sent[:, k:] = self.scores.view(torch.int32)
+        owners = self.split.key_split_owners
+        owned = owners[self.rank]
+        received = torch.empty(
+            (tp_size * owned, columns), dtype=torch.int32, device=device
+        )
+        pynccl.all_to_all_single(received, sent, [owned] * tp_size, owners)
+        parts = received.view(tp_size, owned, columns)
+        row = 0
+        for start, end in self.split.owned_key_split(self.rank):
+            device_merge.select_top_k(
+                parts[:, row : row + end - start],
+                tp_size,
+                topk_indices_buffer[start:end, :k],
+                k,
+            )
+            row += end - start

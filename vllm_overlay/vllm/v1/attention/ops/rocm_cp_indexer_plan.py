@@ -59,8 +59,16 @@ MIN_SPLIT_GAIN = 0.075
 SPLIT_OVERHEAD = 0.15
 NS_PER_KEY_ROW = 0.072
 # The merge gathers every row's top-k indices (2,048 int32 for
-# DeepSeek-V3.2 and GLM-5.x) into every rank.
-MERGED_ROW_BYTES = 2048 * 4
+# DeepSeek-V3.2 and GLM-5.x) into every rank; int16 where every row has
+# fewer than NARROW_KEYS keys (``rocm_cp_indexer_merge``).
+TOPK = 2048
+MERGED_ROW_BYTES = TOPK * 4
+NARROW_ROW_BYTES = TOPK * 2
+# A key-split row's candidates from one rank: k indices and k float32 scores.
+CANDIDATE_ROW_BYTES = TOPK * 8
+# Rows whose keys are fewer than this travel narrow: each row-local index,
+# and -1, fits in 16 bits.
+NARROW_KEYS = (1 << 16) - 1
 
 
 @dataclass(frozen=True)
@@ -74,12 +82,22 @@ class MergeLink:
     gb_per_s: float
     switched: bool
 
-    def merge_ms(self, rank_rows: list[int]) -> float:
-        """The merge of ranks holding ``rank_rows`` rows each: the rank that
-        receives the most through its port, or the link that carries the
-        largest rank's rows."""
+    def merge_ms(
+        self, rank_rows: list[int], row_bytes: int = MERGED_ROW_BYTES
+    ) -> float:
+        """The all_gatherv of ranks holding ``rank_rows`` rows of
+        ``row_bytes`` each: the rank that receives the most through its
+        port, or the link that carries the largest rank's rows."""
         received = sum(rank_rows) - min(rank_rows) if self.switched else max(rank_rows)
-        return self.latency_ms + received * MERGED_ROW_BYTES / (self.gb_per_s * 1e6)
+        return self.latency_ms + received * row_bytes / (self.gb_per_s * 1e6)
+
+    def exchange_ms(self, owned_rows: list[int], row_bytes: int) -> float:
+        """The all_to_all of every rank's ``row_bytes`` rows to their owners
+        (``owned_rows`` each): the owner that receives the most through its
+        port, or the link that carries the most rows to one owner."""
+        most = max(owned_rows)
+        received = most * (len(owned_rows) - 1) if self.switched else most
+        return self.latency_ms + received * row_bytes / (self.gb_per_s * 1e6)
 
 
 # The all_gather of the merge measured on 2x H200 over NVLink reached 58% of
@@ -94,17 +112,37 @@ XGMI_GFX942 = MergeLink(latency_ms=0.10, gb_per_s=0.58 * 64, switched=False)
 
 
 def split_repays(
-    total_key_rows: int, rank_rows: list[int], link: MergeLink = XGMI_GFX950
+    total_key_rows: int,
+    rank_rows: list[int],
+    link: MergeLink = XGMI_GFX950,
+    narrow: bool = False,
+    key_split_owners: list[int] | None = None,
 ) -> bool:
     """Whether a split of a step costing ``total_key_rows`` in all, whose
     ranks hold ``rank_rows`` prefill rows each, saves more than its merge
-    costs and MIN_SPLIT_GAIN of the replicated op besides (the costliest
-    rank taken as ``1 + SPLIT_OVERHEAD`` times an even share)."""
+    and exchange cost and MIN_SPLIT_GAIN of the replicated op besides (the
+    costliest rank taken as ``1 + SPLIT_OVERHEAD`` times an even share)."""
     if total_key_rows < MIN_SPLIT_KEY_ROWS:
         return False
     rank = total_key_rows * (1 + SPLIT_OVERHEAD) / len(rank_rows)
-    merge = link.merge_ms(rank_rows) * 1e6 / NS_PER_KEY_ROW
-    return rank + merge <= (1 - MIN_SPLIT_GAIN) * total_key_rows
+    links = links_key_rows(link, rank_rows, narrow, key_split_owners)
+    return rank + links <= (1 - MIN_SPLIT_GAIN) * total_key_rows
+
+
+def links_key_rows(
+    link: MergeLink,
+    rank_rows: list[int],
+    narrow: bool,
+    key_split_owners: list[int] | None = None,
+) -> float:
+    """The merge of ``rank_rows`` (``narrow`` or not) and the exchange of
+    the key-split rows' candidates to the ranks that own them
+    (``key_split_owners`` rows each), as key-rows of the op
+    (``NS_PER_KEY_ROW``)."""
+    ms = link.merge_ms(rank_rows, NARROW_ROW_BYTES if narrow else MERGED_ROW_BYTES)
+    if key_split_owners and any(key_split_owners):
+        ms += link.exchange_ms(key_split_owners, CANDIDATE_ROW_BYTES)
+    return ms * 1e6 / NS_PER_KEY_ROW
 
 
 # Where the prefill logits kernel fills the chunk's whole [rows, keys] output
@@ -155,12 +193,66 @@ WAVE_ROWS_PER_CU = 1.8
 LOGITS_SHARE = 0.48
 
 
+# Key split. A request whose rows are long (a new turn over a long cached
+# prefix) is scored by every rank over its own part of each row's keys, the
+# r-th of tp equal parts; each rank keeps its part's top-k with their
+# scores, sends each row's to the rank whose range holds the row (one
+# all_to_all), and that rank selects the row's top-k from them
+# (``rocm_cp_indexer_merge``), which the merge then carries as its own. A
+# rank's calls then hold all such rows, each a tp-th as long: no floor of
+# one long row, no wave of few long rows, the same work on every rank. Each
+# rank pays their fixed row cost and a call per run; their candidates
+# travel once. Candidates: requests whose rows reach
+# KEY_SPLIT_MIN_KEYS_PER_RANK keys a rank (``key_split_candidates``), at
+# most KEY_SPLIT_MAX_ROWS rows in all (their scores take TOPK float32 a row
+# on each rank while the logits are alive: 32 MiB; their exchange, twice
+# CANDIDATE_ROW_BYTES a row, comes after the logits are freed and reuses
+# their memory; both kept within the logits budget,
+# ``key_split_max_rows``). The planner key-splits as many of them, longest
+# rows first, as lower its modelled step (``_key_split_plan``). Not where
+# the logits fill their chunk (gfx942): every rank would fill every row. A
+# candidate costs CANDIDATE_COST_KEYS of a key-row (an estimate; the host
+# bench times the select and the scores).
+KEY_SPLIT_MIN_KEYS_PER_RANK = 2 * TOPK
+KEY_SPLIT_MAX_ROWS = 4096
+KEY_SPLIT_MAX_REQUESTS = 8
+CANDIDATE_COST_KEYS = 0.25
+KEY_SPLIT_BY_MODEL = True
+
+
 @dataclass(frozen=True)
 class CPIndexerSplit:
     """Each TP rank's contiguous range of one step's prefill rows (the same
-    on every rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``."""
+    on every rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``,
+    but for the rows of ``key_split`` (batch row ranges, one per request):
+    every rank scores those over its part of their keys. A rank's range may
+    hold key-split rows: the merge carries them, and every rank holds the
+    same selection of them."""
 
     bounds: tuple[int, ...]
+    key_split: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def key_split_rows(self) -> int:
+        return sum(end - start for start, end in self.key_split)
+
+    def owned_key_split(self, rank: int) -> list[tuple[int, int]]:
+        """The key-split rows in rank ``rank``'s range, which it selects and
+        merges (batch row ranges)."""
+        first, last = self.rows_of(rank)
+        return [
+            (max(start, first), min(end, last))
+            for start, end in self.key_split
+            if start < last and end > first
+        ]
+
+    @property
+    def key_split_owners(self) -> list[int]:
+        """Each rank's count of key-split rows it owns."""
+        return [
+            sum(end - start for start, end in self.owned_key_split(rank))
+            for rank in range(len(self.bounds) - 1)
+        ]
 
     @property
     def sizes(self) -> list[int]:
@@ -222,11 +314,14 @@ def plan_cp_indexer_split(
     call_cost_keys: int = CALL_COST_KEYS,
     wave_rows: int = 0,
     link: MergeLink = XGMI_GFX950,
+    key_split_max_rows: int = KEY_SPLIT_MAX_ROWS,
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
     them), or None to score them replicated, when the split would not repay
-    its merge over ``link`` (``split_repays``).
+    its merge over ``link`` (``split_repays``). Requests whose rows are few
+    and long are key-split where that lowers the modelled step
+    (``_key_split_plan``; none with ``key_split_max_rows`` 0).
 
     Called by the indexer metadata builder on every rank with the same host
     inputs, so every rank takes the same decision and the merge matches."""
@@ -242,24 +337,193 @@ def plan_cp_indexer_split(
     num_rows = costs.numel()
     if num_rows < tp_size:
         return None
-    # before[j]: the cost of the rows before row j.
-    before = torch.zeros(num_rows + 1, dtype=torch.int64)
-    torch.cumsum(costs, 0, out=before[1:])
-    total = int(before[-1])
+    total = int(costs.sum())
+    keys = prefill_row_key_counts(seq_lens_cpu, query_lens_cpu, compress_ratio)
+    # As ``travels_narrow`` decides it from the chunks' longest sequences.
+    narrow = int(keys.max()) < NARROW_KEYS
     # No split merges less than an even one: a step that would not repay
     # that is left before it is planned.
-    if not split_repays(total, [num_rows // tp_size] * tp_size, link):
+    if not split_repays(total, [num_rows // tp_size] * tp_size, link, narrow):
         return None
-    shares = torch.arange(1, tp_size, dtype=torch.int64) * total // tp_size
-    bounds = _cut_at(before, shares)
-    if call_cost_keys or wave_rows:
-        runs = shared_key_runs(chunks, num_decode_tokens)
-        rank_cost = RankCost(
-            before, costs, query_lens_cpu, runs, call_cost_keys, wave_rows
+    runs = shared_key_runs(chunks, num_decode_tokens)
+    planned = RowPlanner(
+        costs, query_lens_cpu, runs, tp_size, call_cost_keys, wave_rows
+    )
+    bounds, key_split = planned.bounds(), ()
+    if fill_divisor is None and key_split_max_rows:
+        bounds, key_split = _key_split_plan(
+            planned, keys, query_lens_cpu, row_cost_keys, link, narrow,
+            key_split_max_rows,
+        )  # fmt: skip
+    split = CPIndexerSplit(
+        tuple(num_decode_tokens + b for b in bounds),
+        tuple((num_decode_tokens + a, num_decode_tokens + b) for a, b in key_split),
+    )
+    repays = split_repays(total, split.sizes, link, narrow, split.key_split_owners)
+    return split if repays else None
+
+
+def travels_narrow(chunks: list[DeepseekV32IndexerPrefillChunkMetadata]) -> bool:
+    """Whether the merge sends the step's rows as int16: every chunk's rows
+    have fewer than NARROW_KEYS keys (its longest sequence, a host bound)."""
+    return max(chunk.max_seqlen_k for chunk in chunks) < NARROW_KEYS
+
+
+class RowPlanner:
+    """The cuts of whole rows among the ranks (``_cut_at``, then
+    ``_least_costly``) for rows of the given costs, and what the costliest
+    rank then costs (``RankCost``)."""
+
+    def __init__(
+        self,
+        costs: torch.Tensor,
+        query_lens_cpu: torch.Tensor,
+        runs: list[tuple[int, int, int]],
+        tp_size: int,
+        call_cost_keys: int,
+        wave_rows: int,
+    ):
+        self.costs = costs
+        self.query_lens_cpu = query_lens_cpu
+        self.runs = runs
+        self.tp_size = tp_size
+        self.call_cost_keys = call_cost_keys
+        self.wave_rows = wave_rows
+
+    def rank_cost(self, costs: torch.Tensor) -> RankCost:
+        # before[j]: the cost of the rows before row j.
+        before = torch.zeros(costs.numel() + 1, dtype=torch.int64)
+        torch.cumsum(costs, 0, out=before[1:])
+        return RankCost(
+            before,
+            costs,
+            self.query_lens_cpu,
+            self.runs,
+            self.call_cost_keys,
+            self.wave_rows,
         )
-        bounds = _least_costly(bounds, rank_cost)
-    split = CPIndexerSplit(tuple(num_decode_tokens + b for b in bounds))
-    return split if split_repays(total, split.sizes, link) else None
+
+    def bounds(self, costs: torch.Tensor | None = None) -> list[int]:
+        """The cuts of rows of ``costs`` (default: the step's own)."""
+        costs = self.costs if costs is None else costs
+        rank_cost = self.rank_cost(costs)
+        total = rank_cost.before[-1]
+        shares = (
+            torch.arange(1, self.tp_size, dtype=torch.int64) * total // self.tp_size
+        )
+        bounds = _cut_at(torch.tensor(rank_cost.before), shares)
+        if self.call_cost_keys or self.wave_rows:
+            bounds = _least_costly(bounds, rank_cost)
+        return bounds
+
+
+def _key_split_plan(
+    planned: RowPlanner,
+    keys: torch.Tensor,
+    query_lens_cpu: torch.Tensor,
+    row_cost_keys: int,
+    link: MergeLink,
+    narrow: bool,
+    max_rows: int,
+) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """The cuts and key-split requests (prefill row ranges) of the least
+    costly plan, modelled per rank in key-rows: the cuts of the rows
+    (``RowPlanner``; a key-split row costs its owner only its select,
+    ``owned_row_cost``), every rank's part of the key-split rows
+    (``_key_split_cost``), and the merge and exchange on ``link``. Tried:
+    none, then the requests with the longest rows, one more each time;
+    with KEY_SPLIT_BY_MODEL off, all of them (``key_split_candidates``)."""
+    tp_size = planned.tp_size
+    eligible = key_split_candidates(keys, query_lens_cpu, tp_size, max_rows)
+    owned = owned_row_cost(tp_size)
+
+    def plan_of(chosen: list[tuple[int, int]]) -> tuple[float, list[int]]:
+        costs = planned.costs.clone()
+        for start, end in chosen:
+            costs[start:end] = owned
+        bounds = planned.bounds(costs)
+        split = CPIndexerSplit(tuple(bounds), tuple(sorted(chosen)))
+        cost = (
+            max(planned.rank_cost(costs).of(bounds))
+            + _key_split_cost(chosen, keys, planned, row_cost_keys)
+            + links_key_rows(link, split.sizes, narrow, split.key_split_owners)
+        )
+        return cost, bounds
+
+    if not KEY_SPLIT_BY_MODEL:
+        return plan_of(eligible)[1], tuple(sorted(eligible))
+    best, best_bounds = plan_of([])
+    best_split: list[tuple[int, int]] = []
+    for count in range(1, len(eligible) + 1):
+        cost, bounds = plan_of(eligible[:count])
+        if cost < best:
+            best, best_bounds, best_split = cost, bounds, eligible[:count]
+    return best_bounds, tuple(sorted(best_split))
+
+
+def key_split_candidates(
+    keys: torch.Tensor, query_lens_cpu: torch.Tensor, tp_size: int, max_rows: int
+) -> list[tuple[int, int]]:
+    """The requests a step may key-split (prefill row ranges), longest rows
+    first: those whose rows reach KEY_SPLIT_MIN_KEYS_PER_RANK keys a rank,
+    KEY_SPLIT_MAX_REQUESTS at most, within ``max_rows`` rows in all."""
+    ends = torch.cumsum(query_lens_cpu.to(torch.int64), 0).tolist()
+    requests = [(end - q, end) for end, q in zip(ends, query_lens_cpu.tolist()) if q]
+    longest_first = sorted(
+        (r for r in requests
+         if int(keys[r[1] - 1]) >= tp_size * KEY_SPLIT_MIN_KEYS_PER_RANK),
+        key=lambda r: -int(keys[r[1] - 1]),
+    )  # fmt: skip
+    chosen: list[tuple[int, int]] = []
+    for start, end in longest_first[:KEY_SPLIT_MAX_REQUESTS]:
+        if sum(b - a for a, b in chosen) + end - start > max_rows:
+            break
+        chosen.append((start, end))
+    return chosen
+
+
+def owned_row_cost(tp_size: int) -> int:
+    """What a key-split row costs the rank that owns it, in key-rows: the
+    select over every rank's candidates (``CANDIDATE_COST_KEYS`` each)."""
+    return int(tp_size * TOPK * CANDIDATE_COST_KEYS)
+
+
+def _key_split_cost(
+    chosen: list[tuple[int, int]],
+    keys: torch.Tensor,
+    planned: RowPlanner,
+    row_cost_keys: int,
+) -> float:
+    """What each rank's part of the key-split rows ``chosen`` (prefill row
+    ranges) costs, in key-rows: a tp-th of each row's keys, each row's
+    fixed cost and its candidates (``CANDIDATE_COST_KEYS``, the select's
+    and the exchange's device work), and each call of a run
+    (``key_split_calls``), at least its floor (``RankCost``)."""
+    tp_size = planned.tp_size
+    before = [0, *accumulate(keys.tolist())]
+    # Its top-k and the scores it keeps; the owner's select is in its cuts.
+    per_row = row_cost_keys + TOPK * CANDIDATE_COST_KEYS
+    cost = 0.0
+    for first, last in key_split_calls(chosen, planned.runs):
+        work = (before[last] - before[first]) / tp_size
+        cost += work + (last - first) * per_row + planned.call_cost_keys
+        if planned.wave_rows:
+            floor = planned.wave_rows * int(keys[last - 1]) / tp_size
+            cost += LOGITS_SHARE * max(0.0, floor - work)
+    return cost
+
+
+def key_split_calls(
+    key_split: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+    runs: list[tuple[int, int, int]],
+) -> Iterator[tuple[int, int]]:
+    """The row ranges of the calls that score the key-split rows (each
+    rank's part of their keys): per run of chunks, its key-split rows in as
+    few equal calls as its largest chunk allows."""
+    for first, last, most in runs:
+        for start, end in key_split:
+            if start < last and end > first:
+                yield from equal_calls(max(start, first), min(end, last), most)
 
 
 def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
@@ -453,6 +717,8 @@ class CPIndexerPlanner:
     wave_rows: int = 0
     # The TP group's link, which prices the merge.
     link: MergeLink = XGMI_GFX950
+    # The most rows a step key-splits (``key_split_max_rows``; 0: none).
+    key_split_max_rows: int = KEY_SPLIT_MAX_ROWS
 
     def plan(
         self,
@@ -475,7 +741,16 @@ class CPIndexerPlanner:
             self.call_cost_keys,
             self.wave_rows,
             self.link,
+            self.key_split_max_rows,
         )
+
+
+def key_split_max_rows(logits_bytes: int) -> int:
+    """KEY_SPLIT_MAX_ROWS, or fewer where their scores (TOPK float32 a row,
+    kept while the logits are alive) would pass a sixteenth of the logits
+    budget; their exchange (CANDIDATE_ROW_BYTES a row sent, as many
+    received, after the logits are freed) stays within it."""
+    return min(KEY_SPLIT_MAX_ROWS, logits_bytes // (16 * TOPK * 4))
 
 
 def runs_of_shared_keys(

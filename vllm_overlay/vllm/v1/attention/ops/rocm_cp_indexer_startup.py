@@ -201,7 +201,11 @@ def cp_indexer_at_startup(
     if reason is not None:
         logger.info_once("CP indexer stays off (replicated prefill): %s.", reason)
         return None
-    logger.info_once("CP indexer on: %d TP ranks, cost-balanced row ranges.", tp_size)
+    logger.info_once(
+        "CP indexer on: %d TP ranks, cost-balanced row ranges%s.",
+        tp_size,
+        "" if fill else ", long rows key-split",
+    )
     # The floor is that of gfx950's logits grid (WAVE_ROWS_PER_CU); the
     # logits that fill their chunk (gfx942's FlyDSL kernel) are not measured.
     wave_rows = 0 if fill else int(plan.WAVE_ROWS_PER_CU * compute_units)
@@ -213,4 +217,5 @@ def cp_indexer_at_startup(
         wave_rows,
         # gfx942 (MI300X, MI325X), whose logits fill, has the slower xGMI.
         plan.XGMI_GFX942 if fill else plan.XGMI_GFX950,
+        plan.key_split_max_rows(envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB * 1024 * 1024),
     )
