@@ -79,6 +79,7 @@ def _build_all(tp_size: int, cp: bool) -> dict:
             monkeypatch.setattr(
                 rocm_cp_indexer_plan, "_key_split_plan", _forced_key_split
             )
+            monkeypatch.setattr(rocm_cp_indexer_plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", 0)
             # The logits budget here is 4 KiB, too small for serving's
             # candidates (k = 2,048): the cap is not what these steps test.
             monkeypatch.setattr(

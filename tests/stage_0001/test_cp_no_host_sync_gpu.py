@@ -57,6 +57,7 @@ def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank, key_split)
         monkeypatch.setattr(
             rocm_cp_indexer_plan, "_key_split_plan", _key_split_the_turn
         )
+        monkeypatch.setattr(rocm_cp_indexer_plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", 0)
     # 8 MiB of logits per chunk: the turn's rows take several chunks.
     monkeypatch.setenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "8")
     monkeypatch.setattr(op, "rocm_fp8_mqa_logits", fast_indexer_kernels.mqa_logits)

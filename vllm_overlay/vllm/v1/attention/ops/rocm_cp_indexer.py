@@ -37,6 +37,7 @@ from vllm.v1.attention.ops import rocm_cp_indexer_merge as device_merge
 from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
     CPIndexerSplit,
     equal_calls,
+    joined,
     runs_of_shared_keys,
     travels_narrow,
 )
@@ -68,6 +69,12 @@ class PrefillWindow:
     @property
     def batch_rows(self) -> slice:
         return slice(self.start, self.end)
+
+
+# The windows of the last step's split on this rank (the split, the rank,
+# and the chunks with their windows): every indexer layer of a step makes
+# the same calls, and their key ranges are device tensors made on the host.
+_STEP_WINDOWS: list = [None, None, (None, [])]
 
 
 def _without(start: int, end: int, holes) -> Iterator[tuple[int, int]]:
@@ -112,7 +119,8 @@ class CPIndexerPrefill:
     def __init__(self, split: CPIndexerSplit | None, has_candidate_blocks: bool):
         self.split = None if has_candidate_blocks else split
         self.start = self.end = 0
-        self.scores: torch.Tensor | None = None
+        # The key-split rows' candidates this rank sends (in their order).
+        self.sent: torch.Tensor | None = None
         self.narrow = False
         if self.split is not None:
             self.rank = get_tensor_model_parallel_rank()
@@ -129,9 +137,9 @@ class CPIndexerPrefill:
         allows (so within the logits budget), of equal size. The builder's
         cuts would otherwise leave a rank a sliver of one chunk beside most
         of the next, two calls where one does, and a small call that fills
-        little of the GPU. Then the run's key-split rows, in calls of the
-        same kind, over this rank's part of their keys. The keys are
-        gathered once per run."""
+        little of the GPU. Then the run's key-split rows (next requests'
+        together), in calls of the same kind, over this rank's part of
+        their keys. The keys are gathered once per run."""
         if self.split is None:
             for chunk in chunks:
                 yield PrefillWindow(
@@ -145,7 +153,15 @@ class CPIndexerPrefill:
                 )
             return
         self.narrow = travels_narrow(chunks)
-        key_split = self.split.key_split
+        # The same on every indexer layer of the step: made for the first.
+        split, rank, made = _STEP_WINDOWS
+        if split is not self.split or rank != self.rank or made[0] is not chunks:
+            made = (chunks, list(self._split_windows(chunks)))
+            _STEP_WINDOWS[:] = [self.split, self.rank, made]
+        yield from made[1]
+
+    def _split_windows(self, chunks) -> Iterator[PrefillWindow]:
+        key_split = joined(self.split.key_split)
         candidate_rows = [0]
         for start, end in key_split:
             candidate_rows.append(candidate_rows[-1] + end - start)
@@ -192,22 +208,22 @@ class CPIndexerPrefill:
         self, window: PrefillWindow, logits: torch.Tensor, topk: torch.Tensor
     ) -> None:
         """After a key-split window's top-k (``topk``, its rows of the top-k
-        buffer, indices from the part's first key): keep their scores, read
-        from ``logits``, and make the indices row-local."""
+        buffer, indices from the part's first key): its rows' candidates
+        for the exchange, row-local indices and their scores read from
+        ``logits`` (``keep_candidates``)."""
         if window.key_offset is None:
             return
         k = topk.shape[1]
-        if self.scores is None:
+        if self.sent is None:
             rows = self.split.key_split_rows
-            self.scores = torch.empty(
-                (rows, k), dtype=torch.float32, device=topk.device
+            columns = device_merge.candidate_columns(k)
+            self.sent = torch.empty(
+                (rows, columns), dtype=torch.int32, device=topk.device
             )
-        valid = topk >= 0
-        columns = (topk + window.ks.unsqueeze(1)).clamp_(min=0).long()
-        scores = self.scores[window.candidate_row :][: topk.shape[0]]
-        torch.gather(logits, 1, columns, out=scores)
-        scores.masked_fill_(~valid, float("-inf"))
-        topk.add_(window.key_offset.unsqueeze(1) * valid)
+        rows = slice(window.candidate_row, window.candidate_row + topk.shape[0])
+        device_merge.keep_candidates(
+            logits, topk, window.ks, window.key_offset, self.sent[rows]
+        )
 
     def merge(self, topk_indices_buffer: torch.Tensor) -> None:
         """Give every rank every prefill row, once per prefill, on every
@@ -255,19 +271,14 @@ class CPIndexerPrefill:
         """The key-split rows' candidates, each row's sent to its owner
         (the rank whose range holds it), and this rank's rows' top-k
         selected from every rank's candidates into the buffer."""
-        assert self.scores is not None, "a key-split row was not scored"
+        assert self.sent is not None, "a key-split row was not scored"
         tp_size = len(self.split.bounds) - 1
-        rows, k = self.scores.shape
-        columns = device_merge.candidate_columns(k)
+        columns = self.sent.shape[1]
+        k = columns // 2
         device = topk_indices_buffer.device
-        # This rank's candidates, in key-split row order: the rows of owner
-        # 0, then of owner 1, ... (owners' ranges are in row order).
-        sent = torch.empty((rows, columns), dtype=torch.int32, device=device)
-        row = 0
-        for start, end in self.split.key_split:
-            sent[row : row + end - start, :k] = topk_indices_buffer[start:end, :k]
-            row += end - start
-        sent[:, k:] = self.scores.view(torch.int32)
+        # In key-split row order: the rows of owner 0, then of owner 1, ...
+        # (the owners' ranges are in row order).
+        sent = self.sent
         owners = self.split.key_split_owners
         owned = owners[self.rank]
         received = torch.empty(
@@ -276,7 +287,7 @@ class CPIndexerPrefill:
         pynccl.all_to_all_single(received, sent, [owned] * tp_size, owners)
         parts = received.view(tp_size, owned, columns)
         row = 0
-        for start, end in self.split.owned_key_split(self.rank):
+        for start, end in joined(self.split.owned_key_split(self.rank)):
             device_merge.select_top_k(
                 parts[:, row : row + end - start],
                 tp_size,

@@ -134,6 +134,71 @@ def select_top_k(
 
 
 @triton.jit
+def _keep_candidates_kernel(
+    logits_ptr,
+    topk_ptr,
+    part_starts_ptr,
+    offsets_ptr,
+    indices_ptr,
+    scores_ptr,
+    logits_stride,
+    topk_stride,
+    candidates_stride,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = at < K
+    index = tl.load(topk_ptr + row.to(tl.int64) * topk_stride + at, mask=mask)
+    valid = mask & (index >= 0)
+    column = tl.load(part_starts_ptr + row) + index
+    score = tl.load(
+        logits_ptr + row.to(tl.int64) * logits_stride + column,
+        mask=valid,
+        other=float("-inf"),
+    )
+    local = tl.where(valid, index + tl.load(offsets_ptr + row), -1)
+    out = row.to(tl.int64) * candidates_stride + at
+    tl.store(indices_ptr + out, local, mask=mask)
+    tl.store(scores_ptr + out, score, mask=mask)
+
+
+def keep_candidates(
+    logits: torch.Tensor,
+    topk: torch.Tensor,
+    part_starts: torch.Tensor,
+    offsets: torch.Tensor,
+    candidates: torch.Tensor,
+) -> None:
+    """A key-split call's candidates, one row each, into ``candidates``
+    ([rows, candidate_columns(k)] int32): its top-k (``topk``, indices from
+    each row's part start ``part_starts``, a column of ``logits``) as
+    row-local indices (the part's ``offsets`` from the row's first key
+    added; -1 stays), then their scores read from ``logits`` (-inf for
+    -1), as float32 bits."""
+    rows, k = topk.shape
+    if rows == 0:
+        return
+    assert candidates.shape == (rows, candidate_columns(k))
+    assert candidates.stride(1) == topk.stride(1) == logits.stride(1) == 1
+    block = min(1024, triton.next_power_of_2(k))
+    _keep_candidates_kernel[(rows, triton.cdiv(k, block))](
+        logits,
+        topk,
+        part_starts,
+        offsets,
+        candidates,
+        candidates[:, k:].view(torch.float32),
+        logits.stride(0),
+        topk.stride(0),
+        candidates.stride(0),
+        K=k,
+        BLOCK=block,
+    )
+
+
+@triton.jit
 def _narrow_kernel(src_ptr, dst_ptr, src_stride, dst_stride, K: tl.constexpr,
                    BLOCK: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)

@@ -202,19 +202,23 @@ LOGITS_SHARE = 0.48
 # rank's calls then hold all such rows, each a tp-th as long: no floor of
 # one long row, no wave of few long rows, the same work on every rank. Each
 # rank pays their fixed row cost and a call per run; their candidates
-# travel once. Candidates: requests whose rows reach
-# KEY_SPLIT_MIN_KEYS_PER_RANK keys a rank (``key_split_candidates``), at
-# most KEY_SPLIT_MAX_ROWS rows in all (their scores take TOPK float32 a row
-# on each rank while the logits are alive: 32 MiB; their exchange, twice
-# CANDIDATE_ROW_BYTES a row, comes after the logits are freed and reuses
-# their memory; both kept within the logits budget,
+# travel once, and each key-split call adds host work (its key ranges, its
+# candidates), which steps under KEY_SPLIT_MIN_STEP_KEY_ROWS do not repay
+# (on one H100 with the stand-ins, steps of 12-19M key-rows took 1.2-1.7 ms
+# of host time key-split, against 0.5-0.9 ms replicated). Candidates:
+# requests whose rows reach KEY_SPLIT_MIN_KEYS_PER_RANK keys a rank
+# (``key_split_candidates``), at most KEY_SPLIT_MAX_ROWS rows in all (the
+# candidates a rank sends, CANDIDATE_ROW_BYTES a row, are kept while the
+# logits are alive: 32 MiB; what it receives comes after the logits are
+# freed and reuses their memory; both kept within the logits budget,
 # ``key_split_max_rows``). The planner key-splits as many of them, longest
 # rows first, as lower its modelled step (``_key_split_plan``). Not where
 # the logits fill their chunk (gfx942): every rank would fill every row. A
 # candidate costs CANDIDATE_COST_KEYS of a key-row (an estimate; the host
 # bench times the select and the scores).
 KEY_SPLIT_MIN_KEYS_PER_RANK = 2 * TOPK
-KEY_SPLIT_MAX_ROWS = 4096
+KEY_SPLIT_MIN_STEP_KEY_ROWS = 50_000_000
+KEY_SPLIT_MAX_ROWS = 2048
 KEY_SPLIT_MAX_REQUESTS = 8
 CANDIDATE_COST_KEYS = 0.25
 KEY_SPLIT_BY_MODEL = True
@@ -350,7 +354,11 @@ def plan_cp_indexer_split(
         costs, query_lens_cpu, runs, tp_size, call_cost_keys, wave_rows
     )
     bounds, key_split = planned.bounds(), ()
-    if fill_divisor is None and key_split_max_rows:
+    if (
+        fill_divisor is None
+        and key_split_max_rows
+        and total >= KEY_SPLIT_MIN_STEP_KEY_ROWS
+    ):
         bounds, key_split = _key_split_plan(
             planned, keys, query_lens_cpu, row_cost_keys, link, narrow,
             key_split_max_rows,
@@ -518,12 +526,24 @@ def key_split_calls(
     runs: list[tuple[int, int, int]],
 ) -> Iterator[tuple[int, int]]:
     """The row ranges of the calls that score the key-split rows (each
-    rank's part of their keys): per run of chunks, its key-split rows in as
-    few equal calls as its largest chunk allows."""
+    rank's part of their keys): per run of chunks, its key-split rows (next
+    requests' joined) in as few equal calls as its largest chunk allows."""
     for first, last, most in runs:
-        for start, end in key_split:
+        for start, end in joined(key_split):
             if start < last and end > first:
                 yield from equal_calls(max(start, first), min(end, last), most)
+
+
+def joined(ranges) -> list[tuple[int, int]]:
+    """Sorted row ranges with the ones that touch joined: one call can
+    score them together."""
+    out: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
 
 
 def _cut_at(before: torch.Tensor, shares: torch.Tensor) -> list[int]:
@@ -746,11 +766,11 @@ class CPIndexerPlanner:
 
 
 def key_split_max_rows(logits_bytes: int) -> int:
-    """KEY_SPLIT_MAX_ROWS, or fewer where their scores (TOPK float32 a row,
-    kept while the logits are alive) would pass a sixteenth of the logits
-    budget; their exchange (CANDIDATE_ROW_BYTES a row sent, as many
-    received, after the logits are freed) stays within it."""
-    return min(KEY_SPLIT_MAX_ROWS, logits_bytes // (16 * TOPK * 4))
+    """KEY_SPLIT_MAX_ROWS, or fewer where the candidates a rank sends
+    (CANDIDATE_ROW_BYTES a row, kept while the logits are alive) would pass
+    a sixteenth of the logits budget; what it receives (as many rows, after
+    the logits are freed) stays within it."""
+    return min(KEY_SPLIT_MAX_ROWS, logits_bytes // (16 * CANDIDATE_ROW_BYTES))
 
 
 def runs_of_shared_keys(
