@@ -29,7 +29,11 @@ Per call:
 - syncs: synchronizing CUDA calls counted by
   ``torch.cuda.set_sync_debug_mode("warn")``.
 
-With ``--variants`` it first calibrates the planner's costs: the logits
+With ``--key-split-all`` the planner key-splits every request it may
+(``KEY_SPLIT_BY_MODEL`` off), to time that policy beside its model's.
+
+With ``--calibrate`` or ``--variants`` it first calibrates the planner's
+costs (the run records the whole op's per-call time, c, as ``call_ms``): the logits
 and top-k are timed on chunks of R rows of L keys each. The whole op on
 chunks of 256 rows and more is fitted as ``ms = a R L + b R + c`` by least
 squares: ``b / a`` is a row's fixed cost in key-rows (``ROW_COST_KEYS``),
@@ -79,7 +83,6 @@ then, with the JSON files in docs/:
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -100,6 +103,9 @@ from scripts.series.contract import TREE_ENV
 TPS = (2, 4, 8)
 # Set by --variants: the calibration, and planner variants on the named steps.
 VARIANTS = False
+# Set by --calibrate (and --variants): the calibration, whose call cost the
+# run records as ``call_ms`` (G2's bound).
+CALIBRATE = False
 # The top-k stand-in's shape (fast_indexer_kernels.TOPK_SHAPES): "wide",
 # AITER's 1,024 threads a row, since Triton's 12-bit histogram ("aiter")
 # takes 8-23x as long on NVIDIA (docs/cp_indexer_topk_shapes.json);
@@ -141,13 +147,19 @@ def main() -> int:
         if (docs / "cp_indexer_min_split.json").exists():
             (docs / "cp_indexer_min_split.md").write_text(crossover_report(docs))
         return 0
-    global VARIANTS, TOPK_SHAPE, RESUME
+    global VARIANTS, CALIBRATE, TOPK_SHAPE, RESUME
     if "--aiter" in sys.argv:
         sys.argv.remove("--aiter")
         timing.ON_AITER = True
     if "--variants" in sys.argv:
         sys.argv.remove("--variants")
         VARIANTS = True
+    if "--calibrate" in sys.argv:
+        sys.argv.remove("--calibrate")
+        CALIBRATE = True
+    if "--key-split-all" in sys.argv:
+        sys.argv.remove("--key-split-all")
+        timing.KEY_SPLIT_ALL = True
     if "--resume" in sys.argv:
         sys.argv.remove("--resume")
         RESUME = True
@@ -179,6 +191,8 @@ def _command(*flags: str) -> str:
         *flags,
         *(["--aiter"] if timing.ON_AITER else []),
         *(["--variants"] if VARIANTS else []),
+        *(["--calibrate"] if CALIBRATE else []),
+        *(["--key-split-all"] if timing.KEY_SPLIT_ALL else []),
         *(["--narrow-topk"] if TOPK_SHAPE == "narrow" else []),
         *(["--resume"] if RESUME else []),
     )
@@ -227,13 +241,20 @@ def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
     return floors
 
 
-def merge_ms(bounds: list[int]) -> dict[str, float]:
-    """The merge's modelled ms per link for a split with ``bounds``."""
-    from vllm.v1.attention.ops import rocm_cp_indexer_plan
+def merge_ms(
+    bounds: list[int], key_split: list[list[int]] = (), narrow: bool = False
+) -> dict[str, float]:
+    """The merge's and the key split's exchange's modelled ms per link for
+    a split with ``bounds`` and ``key_split`` (the stage's own
+    ``links_key_rows``, its rows int16 where ``narrow``)."""
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan as plan
 
-    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    split = plan.CPIndexerSplit(tuple(bounds), tuple(map(tuple, key_split)))
+    owners = split.key_split_owners
     return {
-        name: getattr(rocm_cp_indexer_plan, link).merge_ms(sizes)
+        name: plan.links_key_rows(getattr(plan, link), split.sizes, narrow, owners)
+        * plan.NS_PER_KEY_ROW
+        / 1e6
         for name, link in LINKS.items()
     }
 
@@ -243,9 +264,11 @@ def _variants(runs: int) -> tuple[dict, dict[str, Costs | None]]:
     (``report``'s columns); else none and the shipped planner alone."""
     from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
-    if not VARIANTS:
+    if not (VARIANTS or CALIBRATE):
         return {}, {"shipped": None}
     calibration = calibrate(runs)
+    if not VARIANTS:
+        return calibration, {"shipped": None}
     fit = calibration["fit"]
     wave = calibration["wave"]
     shipped: Costs = (
@@ -308,7 +331,9 @@ def bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict
             "tp": tp,
             "rows": sum(q for _, q in step.prefills),
             "floor_ms": floors,
-            "merge_ms": None if taken is None else merge_ms(taken["bounds"]),
+            "merge_ms": None
+            if taken is None
+            else merge_ms(taken["bounds"], taken["key_split"], result["narrow"]),
         }
         results[f"{step.name} | tp {tp}"] = result
         print(step.name, tp, json.dumps(result), flush=True)
@@ -336,11 +361,14 @@ def _run_steps() -> int:
             rocm_cp_indexer_plan.LOGITS_SHARE,
         ],
         "compute_units": timing.compute_units(),
+        "key_split": "every candidate" if timing.KEY_SPLIT_ALL else "by model",
     }
     if RESUME and out.exists():
         payload = json.loads(out.read_text())
         differs = [key for key, value in setup.items() if payload.get(key) != value]
-        if differs or bool(payload["calibration"]) != VARIANTS:
+        variants = len(payload["variants"]) > 1
+        calibrated = bool(payload["calibration"])
+        if differs or variants != VARIANTS or calibrated != (VARIANTS or CALIBRATE):
             raise SystemExit(
                 f"{out} was run with other settings ({', '.join(differs) or 'variants'}"
                 "): resume it with the same flags, or move it away"
@@ -353,6 +381,10 @@ def _run_steps() -> int:
             "versions": gpu_versions(),
             **setup,
             "calibration": calibration,
+            # c, a call's fixed time (the whole op's fit), for G2's bound.
+            "call_ms": calibration["fit"]["total"]["us_per_call"] / 1e3
+            if calibration
+            else 0.0,
             "variants": variants,
             "results": {},
         }

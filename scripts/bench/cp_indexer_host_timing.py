@@ -18,6 +18,9 @@ HEADS = 32
 K = 1024
 # Set by --aiter: AITER's kernels on this machine's ROCm, not the stand-ins.
 ON_AITER = False
+# Set by --key-split-all: the planner key-splits every candidate request
+# (``KEY_SPLIT_BY_MODEL`` off), to measure that policy beside its model's.
+KEY_SPLIT_ALL = False
 # Where the op runs: a CPU test sets "cpu" to walk the bench's plumbing
 # through Triton's interpreter.
 DEVICE = "cuda"
@@ -150,6 +153,8 @@ def time_step(
                 mp.setattr(rocm_cp_indexer_plan, "LOGITS_SHARE", share)
             if force_split:
                 mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
+            if KEY_SPLIT_ALL:
+                mp.setattr(rocm_cp_indexer_plan, "KEY_SPLIT_BY_MODEL", False)
             config = indexer_batch.make_vllm_config(
                 tp_size=tp,
                 device=DEVICE,
@@ -178,6 +183,7 @@ def time_step(
                 ).sum()
             )
             result["chunks"] = len(prefill.chunks)
+            result["narrow"] = rocm_cp_indexer_plan.travels_narrow(prefill.chunks)
             # The runs of chunks over the same keys: (first row, end, the
             # largest chunk's rows), for the modelled per-call cost.
             result["runs"] = rocm_cp_indexer_plan.shared_key_runs(prefill.chunks, 0)
@@ -185,9 +191,12 @@ def time_step(
                 result["split"][variant] = None  # below the minimum: replicated
                 continue
             # One GPU: no TP group. The merge gathers in place, so it has
-            # no local work to keep.
+            # no local work to keep; the key split's exchange leaves its
+            # output as it found it (the select still runs on it).
             pynccl = SimpleNamespace(
-                disabled=False, all_gatherv=lambda rows, own, sizes: None
+                disabled=False,
+                all_gatherv=lambda rows, own, sizes: None,
+                all_to_all_single=lambda out, sent, out_sizes, sent_sizes: None,
             )
             group = SimpleNamespace(
                 world_size=tp,
@@ -234,6 +243,7 @@ def time_step(
             entry["per_rank_host_ms"] = [r["host_ms"] for r in per_rank]
             if mode == "split":
                 entry["bounds"] = list(split.bounds)
+                entry["key_split"] = [list(rows) for rows in split.key_split]
                 result["split"][variant] = entry
             else:
                 result["replicated"] = entry

@@ -114,19 +114,58 @@ def test_the_goals_fail_where_a_step_misses_them(result, g1, g2, monkeypatch):
     assert (goals["g1"], goals["g2"]) == (g1, g2)
 
 
+def test_g2s_bound_counts_one_call_of_fixed_time(monkeypatch):
+    """LB = max((replicated - c) / tp + c, F1): a rank pays a call's fixed
+    time c whole, however many ranks share the rows."""
+    monkeypatch.setattr(reports, "splits_on", lambda result, split: result["gate"])
+    result = _result(4, 10.0, [3.3, 2.4, 2.3, 2.2], 0.5, 0.1)
+    assert reports.step_goals(result, "aiter")["g2"] is False  # 3.3 / 2.5
+    goals = reports.step_goals(result, "aiter", call_ms=0.5)  # 3.3 / 2.875
+    assert goals["g2"] is True and goals["bound_ms"] == pytest.approx(2.875)
+
+
+@pytest.mark.parametrize(
+    ("key_rows", "ranks", "merge", "splits", "g3"),
+    [
+        # 10 ms replicated, slowest 1.6 + merge 0.2 / 0.4: 5.6x / 5.0x.
+        (150e6, [1.6] * 8, 0.2, (True, True), True),
+        # xGMI's merge (0.6) takes it to 4.5x.
+        (150e6, [1.6] * 8, 0.3, (True, True), False),
+        # Left replicated on NVLink: not 5x there.
+        (150e6, [1.2] * 8, 0.1, (False, True), False),
+        # Below 100M key-rows: no G3.
+        (99e6, [3.0] * 8, 0.1, (True, True), None),
+    ],
+)
+def test_g3_asks_5x_at_tp_8_on_both_links(
+    key_rows, ranks, merge, splits, g3, monkeypatch
+):
+    monkeypatch.setattr(reports, "splits_on", lambda result, split: result["gate"])
+    result = _result(8, 10.0, ranks, 0.5, merge, splits) | {"cost_key_rows": key_rows}
+    assert reports.step_goals(result, "aiter")["g3"] is g3
+
+
 def test_the_shipped_gate_meets_g1_on_the_measured_steps():
     """The stage's gate (``split_repays``) on each step and tp of the
-    committed run, with its timings: G1 on both links. The gate was
-    calibrated on this run, so this holds it there (a change to the gate
-    or its constants that breaks G1 on a measured step fails here), not on
-    other machines."""
+    committed seed-0 run, with its timings: G1 on both links (a change to
+    the gate or its constants that breaks G1 on a measured step fails
+    here), not on other machines, nor on seed 2, where small steps miss it
+    (docs/stage_0001.md)."""
     run = json.loads((DOCS / "cp_indexer_host_bench.json").read_text())
     goals = {key: reports.step_goals(result, run["topk_shape"])
              for key, result in run["results"].items()}  # fmt: skip
     assert [key for key, g in goals.items() if not g["g1"]] == []
-    # The links decide apart: at tp 2 one xGMI link carries a rank's rows.
-    decisions = [tuple(g["splits"].values()) for g in goals.values() if "splits" in g]
-    assert {(True, True), (True, False), (False, False)} <= set(decisions)
+    # The links decide apart: at tp 2 one xGMI link carries a rank's rows
+    # (on any committed run: seed 0's was cut short).
+    decisions = set()
+    for path in sorted(DOCS.glob("cp_indexer_host_bench*/*.json")) + [
+        DOCS / "cp_indexer_host_bench.json"
+    ]:
+        for result in json.loads(path.read_text())["results"].values():
+            goals = reports.step_goals(result, run["topk_shape"])
+            if "splits" in goals:
+                decisions.add(tuple(goals["splits"].values()))
+    assert {(True, True), (True, False), (False, False)} <= decisions
 
 
 class _Event:
