@@ -86,6 +86,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from scripts.bench import cp_indexer_host_timing as timing
@@ -242,7 +243,7 @@ def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
 
 
 def merge_ms(
-    bounds: list[int], key_split: list[list[int]] = (), narrow: bool = False
+    bounds: list[int], key_split: Sequence[Sequence[int]] = (), narrow: bool = False
 ) -> dict[str, float]:
     """The merge's and the key split's exchange's modelled ms per link for
     a split with ``bounds`` and ``key_split`` (the stage's own
@@ -366,9 +367,9 @@ def _run_steps() -> int:
     if RESUME and out.exists():
         payload = json.loads(out.read_text())
         differs = [key for key, value in setup.items() if payload.get(key) != value]
-        variants = len(payload["variants"]) > 1
+        had_variants = len(payload["variants"]) > 1
         calibrated = bool(payload["calibration"])
-        if differs or variants != VARIANTS or calibrated != (VARIANTS or CALIBRATE):
+        if differs or had_variants != VARIANTS or calibrated != (VARIANTS or CALIBRATE):
             raise SystemExit(
                 f"{out} was run with other settings ({', '.join(differs) or 'variants'}"
                 "): resume it with the same flags, or move it away"
