@@ -161,6 +161,7 @@ class CPIndexerPrefill:
         yield from made[1]
 
     def _split_windows(self, chunks) -> Iterator[PrefillWindow]:
+        assert self.split is not None
         key_split = joined(self.split.key_split)
         candidate_rows = [0]
         for start, end in key_split:
@@ -186,6 +187,7 @@ class CPIndexerPrefill:
     def _key_part(self, run, first: int, last: int, gather: bool, row: int):
         """The call that scores rows ``first:last`` of ``run`` over this
         rank's part of each row's keys: the r-th of tp equal parts."""
+        assert self.split is not None
         ks, ke, longest = _key_ranges_of(run, first, last)
         tp_size = len(self.split.bounds) - 1
         keys = ke - ks
@@ -213,6 +215,7 @@ class CPIndexerPrefill:
         ``logits`` (``keep_candidates``)."""
         if window.key_offset is None:
             return
+        assert self.split is not None
         k = topk.shape[1]
         if self.sent is None:
             rows = self.split.key_split_rows
@@ -220,9 +223,13 @@ class CPIndexerPrefill:
             self.sent = torch.empty(
                 (rows, columns), dtype=torch.int32, device=topk.device
             )
-        rows = slice(window.candidate_row, window.candidate_row + topk.shape[0])
+        first = window.candidate_row
         device_merge.keep_candidates(
-            logits, topk, window.ks, window.key_offset, self.sent[rows]
+            logits,
+            topk,
+            window.ks,
+            window.key_offset,
+            self.sent[first : first + topk.shape[0]],
         )
 
     def merge(self, topk_indices_buffer: torch.Tensor) -> None:
@@ -271,6 +278,7 @@ class CPIndexerPrefill:
         """The key-split rows' candidates, each row's sent to its owner
         (the rank whose range holds it), and this rank's rows' top-k
         selected from every rank's candidates into the buffer."""
+        assert self.split is not None
         assert self.sent is not None, "a key-split row was not scored"
         tp_size = len(self.split.bounds) - 1
         columns = self.sent.shape[1]

@@ -353,7 +353,8 @@ def plan_cp_indexer_split(
     planned = RowPlanner(
         costs, query_lens_cpu, runs, tp_size, call_cost_keys, wave_rows
     )
-    bounds, key_split = planned.bounds(), ()
+    bounds = planned.bounds()
+    key_split: tuple[tuple[int, int], ...] = ()
     if (
         fill_divisor is None
         and key_split_max_rows
