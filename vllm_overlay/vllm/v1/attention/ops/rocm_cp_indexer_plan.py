@@ -221,6 +221,8 @@ KEY_SPLIT_MIN_STEP_KEY_ROWS = 50_000_000
 KEY_SPLIT_MAX_ROWS = 2048
 KEY_SPLIT_MAX_REQUESTS = 8
 CANDIDATE_COST_KEYS = 0.25
+# Off: every candidate request is key-split, model or not (the host bench's
+# --key-split-all, which measured that policy worse).
 KEY_SPLIT_BY_MODEL = True
 
 
@@ -229,9 +231,9 @@ class CPIndexerSplit:
     """Each TP rank's contiguous range of one step's prefill rows (the same
     on every rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``,
     but for the rows of ``key_split`` (batch row ranges, one per request):
-    every rank scores those over its part of their keys. A rank's range may
-    hold key-split rows: the merge carries them, and every rank holds the
-    same selection of them."""
+    every rank scores those over its part of their keys, and the rank whose
+    range holds such a row selects its top-k (``owned_key_split``), which
+    the merge then carries as that rank's own."""
 
     bounds: tuple[int, ...]
     key_split: tuple[tuple[int, int], ...] = ()
@@ -323,9 +325,10 @@ def plan_cp_indexer_split(
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
     them), or None to score them replicated, when the split would not repay
-    its merge over ``link`` (``split_repays``). Requests whose rows are few
-    and long are key-split where that lowers the modelled step
-    (``_key_split_plan``; none with ``key_split_max_rows`` 0).
+    its merge over ``link`` (``split_repays``). In a step of at least
+    KEY_SPLIT_MIN_STEP_KEY_ROWS, requests with long rows are key-split
+    where that lowers the modelled step (``_key_split_plan``; none with
+    ``key_split_max_rows`` 0).
 
     Called by the indexer metadata builder on every rank with the same host
     inputs, so every rank takes the same decision and the merge matches."""
