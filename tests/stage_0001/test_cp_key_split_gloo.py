@@ -6,7 +6,8 @@ and every rank holds the same selection of a key-split row.
 
 The steps mix key-split turns (one across several chunks of the same
 keys), rows shorter than k and parts shorter than k, tied scores at the
-k-th (cached keys that repeat), and decodes. The top-k stand-ins choose
+k-th (cached keys that repeat), decodes, and on trees with stage 0004 a
+zero-length request among them. The top-k stand-ins choose
 order and tied columns adversarially (``scripts.harness.adversary``).
 Which requests are key-split is forced here (the planner's model weighs
 serving-sized steps); the exchange and the merge are PyNccl's all_to_all
@@ -16,6 +17,8 @@ that keeps tied candidates before larger ones."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -23,6 +26,7 @@ from scripts.harness import indexer_batch, topk_reference
 from scripts.harness.multiproc import GlooPyNccl, run_ranks
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
+from scripts.series.contract import STAGES_ENV
 
 TREE = applied_tree("0001")
 
@@ -40,9 +44,7 @@ KEY_SPLIT_CACHED = 40
 SCENARIOS = {
     "a long turn alone": ([(300, 24)], 0),
     # Decodes, a key-split turn and a fresh prompt (its first rows shorter
-    # than k), whole rows. (A zero-length request joins the decodes, whose
-    # padded path needs stage 0004; the planner's tests cover one among
-    # the prefills.)
+    # than k), whole rows.
     "a turn beside a prompt and decodes": ([(30, 1), (41, 1), (400, 20), (0, 40)], 0),
     # Cached keys repeating every 7: scores tie in groups of ~70 at the
     # k-th, across the ranks' parts.
@@ -52,6 +54,14 @@ SCENARIOS = {
     # 41-46 keys a row: at tp 8 each part is shorter than k.
     "parts shorter than k": ([(40, 6), (0, 20)], 0),
 }
+# A zero-length request joins vLLM's decode group and pads it, a path stage
+# 0004 mends (the 0001 tree alone writes over prefill rows there): on the
+# trees with stage 0004 only.
+if "0004" in os.environ.get(STAGES_ENV, "").split(","):
+    SCENARIOS["a zero-length request among the decodes"] = (
+        [(30, 1), (25, 0), (41, 1), (400, 20), (0, 40)],
+        0,
+    )
 
 
 def _forced_key_split(planned, keys, query_lens_cpu, *_):
