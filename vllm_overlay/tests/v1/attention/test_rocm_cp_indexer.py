@@ -1074,3 +1074,117 @@ def test_env_vars_are_registered_and_mirrored(rocm_aiter):
     rocm_aiter.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "true")
     rocm_aiter_ops.refresh_env_variables()
     assert rocm_aiter_ops.is_cp_indexer_enabled()
+
+
+# Key split: the rows of a long turn are scored by every rank over its part
+# of their keys, and selected by the rank whose range holds them.
+TURN_BESIDE_A_PROMPT = [(100 * 1024, 512), (0, 8192)]
+
+
+def _plan_turn_beside_a_prompt(tp: int, **settings) -> CPIndexerSplit | None:
+    """A 512-row turn over 100K cached keys beside a fresh 8K prompt (92M
+    key-rows), on gfx950 (no fill), on a GPU that scores 240 rows at once."""
+    seq = torch.tensor([c + n for c, n in TURN_BESIDE_A_PROMPT])
+    query = torch.tensor([n for _, n in TURN_BESIDE_A_PROMPT])
+    chunks = [_chunk_of(0, 512), _chunk_of(512, 8704)]
+    for chunk, (cached, new) in zip(chunks, TURN_BESIDE_A_PROMPT, strict=True):
+        chunk.total_seq_lens = chunk.max_seqlen_k = cached + new
+    settings = {"fill_divisor": None, "wave_rows": 240, **settings}
+    return plan_cp_indexer_split(tp, 0, seq, query, 1, chunks, **settings)
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_a_long_turn_is_key_split_where_its_rows_are_few(tp):
+    """In whole rows each rank would hold a sliver of the turn's 100K-key
+    rows; key-split, every rank scores the turn's 512 rows over a tp-th of
+    their keys, and the prompt's rows are cut by cost."""
+    split = _plan_turn_beside_a_prompt(tp)
+    assert split is not None and split.key_split == ((0, 512),)
+    assert sum(split.key_split_owners) == 512
+    assert split.bounds[0] == 0 and split.bounds[-1] == 8704
+
+
+def test_no_key_split_where_it_is_not_allowed(monkeypatch):
+    """Below the step's minimum, where the logits fill their chunk (gfx942),
+    or with fewer rows allowed than the turn has: whole rows only."""
+    shipped = _plan_turn_beside_a_prompt(8)
+    assert shipped is not None and shipped.key_split
+    filled = _plan_turn_beside_a_prompt(8, fill_divisor=8)
+    assert filled is not None and filled.key_split == ()
+    capped = _plan_turn_beside_a_prompt(8, key_split_max_rows=511)
+    assert capped is not None and capped.key_split == ()
+    monkeypatch.setattr(rocm_cp_indexer_plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", 10**9)
+    small = _plan_turn_beside_a_prompt(8)
+    assert small is not None and small.key_split == ()
+
+
+def test_a_key_split_row_is_owned_by_the_rank_whose_range_holds_it():
+    # One request across a cut, one starting at a cut, one inside a range.
+    split = CPIndexerSplit((0, 10, 20, 30), key_split=((5, 12), (20, 25), (28, 30)))
+    assert [split.owned_key_split(r) for r in range(3)] == [
+        [(5, 10)],
+        [(10, 12)],
+        [(20, 25), (28, 30)],
+    ]
+    assert split.key_split_owners == [5, 2, 7]
+    assert split.key_split_rows == 14
+
+
+def test_the_exchange_is_priced_per_link():
+    """Each owner receives its rows' candidates (16 KiB a row) from every
+    other rank: through NVLink's one port all of them, over xGMI's link per
+    pair one rank's at a time."""
+    owners = [100, 300, 0, 50]
+    row = rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
+    nvlink, xgmi = rocm_cp_indexer_plan.NVLINK, rocm_cp_indexer_plan.XGMI_GFX950
+    assert nvlink.exchange_ms(owners, row) == pytest.approx(
+        0.1 + 3 * 300 * row / (nvlink.gb_per_s * 1e6)
+    )
+    assert xgmi.exchange_ms(owners, row) == pytest.approx(
+        0.1 + 300 * row / (xgmi.gb_per_s * 1e6)
+    )
+    # The gate adds it to the merge's price.
+    merge_only = rocm_cp_indexer_plan.links_key_rows(xgmi, [1000, 1000], True)
+    with_exchange = rocm_cp_indexer_plan.links_key_rows(
+        xgmi, [1000, 1000], True, [300, 0]
+    )
+    assert with_exchange - merge_only == pytest.approx(
+        xgmi.exchange_ms([300, 0], row) * 1e6 / rocm_cp_indexer_plan.NS_PER_KEY_ROW
+    )
+
+
+@pytest.mark.parametrize(("longest", "narrow"), [(65534, True), (65535, False)])
+def test_rows_merge_as_int16_below_65535_keys(longest, narrow):
+    chunks = [_chunk_of(0, 4), _chunk_of(4, 8)]
+    chunks[1].max_seqlen_k = longest
+    assert rocm_cp_indexer_plan.travels_narrow(chunks) is narrow
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4, 8])
+def test_the_ranks_parts_of_a_key_split_row_cover_its_keys_once(monkeypatch, tp):
+    """Every rank's part of each key-split row, over a run of two chunks of
+    the same keys and rows of 1 to 60 keys (shorter than tp too): the parts
+    are disjoint and cover the row's keys, and the offsets say where each
+    part starts in the row."""
+    chunks = [_chunk_of(0, 30), _chunk_of(30, 60, skip=True)]
+    split = CPIndexerSplit(
+        tuple(r * 60 // tp for r in range(tp + 1)), key_split=((0, 60),)
+    )
+    covered = torch.zeros(60, 61, dtype=torch.int32)
+    for rank in range(tp):
+        monkeypatch.setattr(
+            rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
+        )
+        rocm_cp_indexer._STEP_WINDOWS[:] = [None, None, (None, [])]
+        for window in CPIndexerPrefill(split, False).windows(chunks):
+            if window.key_offset is None:
+                continue
+            for i, row in enumerate(range(window.start, window.end)):
+                ks, ke = int(window.ks[i]), int(window.ke[i])
+                start = int(chunks[row // 30].cu_seqlen_ks[row % 30])
+                assert ks - start == int(window.key_offset[i])
+                covered[row, ks:ke] += 1
+    ends = torch.arange(60)
+    for row in range(60):
+        assert covered[row, : ends[row]].eq(1).all(), f"row {row}"
+        assert covered[row, ends[row] :].eq(0).all(), f"row {row}"
