@@ -1188,3 +1188,141 @@ def test_the_ranks_parts_of_a_key_split_row_cover_its_keys_once(monkeypatch, tp)
     for row in range(60):
         assert covered[row, : ends[row]].eq(1).all(), f"row {row}"
         assert covered[row, ends[row] :].eq(0).all(), f"row {row}"
+
+
+def _requests_in_chunks(gen: torch.Generator, first_row: int, budget: int):
+    """Requests of 1-40 rows laid out as vLLM's builder lays them out: whole
+    requests packed into chunks of at most ``budget`` rows, and a request
+    longer than that sliced into a run of chunks over the same keys
+    (skip_kv_gather). Returns the requests' row ranges and the chunks."""
+    requests, chunks, row = [], [], first_row
+    for _ in range(int(torch.randint(1, 12, (1,), generator=gen))):
+        rows = int(torch.randint(1, 41, (1,), generator=gen))
+        requests.append((row, row + rows))
+        if rows > budget:
+            for start in range(row, row + rows, budget):
+                end = min(start + budget, row + rows)
+                chunks.append(_chunk_of(start, end, skip=start > row))
+        elif (
+            chunks
+            and not chunks[-1].skip_kv_gather
+            and (row + rows - chunks[-1].token_start <= budget)
+        ):
+            chunks[-1] = _chunk_of(chunks[-1].token_start, row + rows)
+        else:
+            chunks.append(_chunk_of(row, row + rows))
+        row += rows
+    return requests, chunks
+
+
+def test_the_op_makes_the_calls_the_planner_prices(monkeypatch):
+    """Over generated steps and key splits (none, one, next requests in one
+    chunk or in different runs, all): each rank's calls are the planner's
+    (``rank_calls``: whole rows as ``RankCost`` prices them, key-split rows
+    as ``key_split_calls`` does); every rank scores every key-split row
+    once and puts its candidates in that row's place among the key-split
+    rows, so the candidates it sends are in row order, each once; every
+    other prefill row is scored once, by the rank whose range holds it."""
+    gen = torch.Generator().manual_seed(1)
+    plan = rocm_cp_indexer_plan
+    for case in range(200):
+        tp = int(torch.randint(2, 9, (1,), generator=gen))
+        decode = int(torch.randint(0, 4, (1,), generator=gen))
+        budget = int(torch.randint(4, 48, (1,), generator=gen))
+        requests, chunks = _requests_in_chunks(gen, decode, budget)
+        rows = requests[-1][1] - decode
+        if rows < tp:
+            continue
+        picked = torch.randint(0, 2, (len(requests),), generator=gen).tolist()
+        if case % 4 == 0:
+            picked = [1] * len(requests)
+        key_split = tuple(r for r, p in zip(requests, picked, strict=True) if p)
+        cuts = sorted(torch.randperm(rows - 1, generator=gen)[: tp - 1].tolist())
+        bounds = tuple(decode + b for b in [0, *(c + 1 for c in cuts), rows])
+        split = CPIndexerSplit(bounds, key_split)
+        runs = plan.shared_key_runs(chunks, 0)
+        place = {
+            r: i for i, r in enumerate(r for a, b in key_split for r in range(a, b))
+        }
+        scored = torch.zeros(decode + rows, dtype=torch.int64)
+        for rank in range(tp):
+            monkeypatch.setattr(
+                rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
+            )
+            rocm_cp_indexer._STEP_WINDOWS[:] = [None, None, (None, [])]
+            windows = list(CPIndexerPrefill(split, False).windows(chunks))
+            start, end = split.rows_of(rank)
+            made = [(w.start, w.end, w.candidate_row if w.key_offset is not None
+                     else None) for w in windows]  # fmt: skip
+            planned = list(plan.rank_calls(start, end, runs, key_split))
+            assert made == [(c.first, c.last, c.candidate_row) for c in planned]
+            priced = plan.RankCost(
+                torch.arange(decode + rows + 1), None, None, runs, 1, 0, key_split
+            )
+            whole = [(c.first, c.last) for c in priced.calls(start, end)]
+            assert whole == [(a, b) for a, b, row in made if row is None], case
+            shared = [(c.first, c.last) for c in plan.key_split_calls(runs, key_split)]
+            assert shared == [(a, b) for a, b, row in made if row is not None]
+            sent = torch.zeros(split.key_split_rows, dtype=torch.int64)
+            for first, last, row in made:
+                if row is None:
+                    assert place.keys().isdisjoint(range(first, last))
+                    assert start <= first and last <= end, case
+                    scored[first:last] += 1
+                else:
+                    assert [place[r] for r in range(first, last)] == list(
+                        range(row, row + last - first)
+                    ), f"case {case}: rows {first}:{last} sent to place {row}"
+                    sent[row : row + last - first] += 1
+            assert sent.eq(1).all(), f"case {case}"
+        for row in range(decode, decode + rows):
+            assert scored[row] == (0 if row in place else 1), f"case {case}"
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_no_rank_owns_more_key_split_rows_than_its_cap(tp):
+    """What a rank receives in the exchange grows with the key-split rows it
+    owns: the planner keeps every owner within ``key_split_max_owned``,
+    taking the same plan at the cap and none that passes it."""
+    free = _plan_turn_beside_a_prompt(tp)
+    assert free is not None and free.key_split
+    most = max(free.key_split_owners)
+    at_cap = _plan_turn_beside_a_prompt(tp, key_split_max_owned=most)
+    assert at_cap == free
+    below = _plan_turn_beside_a_prompt(tp, key_split_max_owned=most - 1)
+    assert below is not None
+    assert max(below.key_split_owners) <= most - 1
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("logits_mb", [1, 64, 512])
+def test_the_caps_keep_the_exchange_within_the_logits_budget(tp, logits_mb):
+    """At the caps, the candidates a rank sends beside a call's logits, and
+    beside everything an owner receives once the logits are freed, stay
+    within what the profiling run reserves (``profile_bytes``, with the
+    split on)."""
+    budget = logits_mb << 20
+    row = rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
+    sent = rocm_cp_indexer_plan.key_split_max_rows(budget) * row
+    received = tp * rocm_cp_indexer_plan.key_split_max_owned(budget, tp) * row
+    reserved = budget + sent
+    assert received <= budget
+    assert budget + sent <= reserved and sent + received <= reserved
+
+
+def test_the_profiling_run_reserves_what_the_split_holds(cp_on, monkeypatch):
+    """With the switch off or at TP 1, the logits budget as vLLM reserves
+    it; with the split on, also the candidates a rank sends (up to 32 MiB),
+    or the merge's int16 rows where a step's rows take more."""
+    budget, k = 512 << 20, 2048
+    sent = 2048 * rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
+    profile = rocm_cp_indexer.profile_bytes
+    monkeypatch.setattr(rocm_cp_indexer, "_tp_size", lambda: 8)
+    assert profile(budget, 16384, k) == budget + sent
+    assert profile(budget, 1 << 20, k) == (1 << 20) * k * 2
+    monkeypatch.setattr(rocm_cp_indexer, "_tp_size", lambda: 1)
+    assert profile(budget, 16384, k) == budget
+    monkeypatch.setattr(rocm_cp_indexer, "_tp_size", lambda: 8)
+    cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
+    rocm_aiter_ops.refresh_env_variables()
+    assert profile(budget, 1 << 20, k) == budget

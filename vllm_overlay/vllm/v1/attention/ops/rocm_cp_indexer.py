@@ -32,13 +32,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    model_parallel_is_initialized,
+)
 from vllm.v1.attention.ops import rocm_cp_indexer_merge as device_merge
 from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
+    CANDIDATE_ROW_BYTES,
     CPIndexerSplit,
-    equal_calls,
     joined,
+    key_split_max_rows,
+    rank_calls,
     runs_of_shared_keys,
+    shared_key_runs,
     travels_narrow,
 )
 
@@ -46,6 +54,31 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.indexer import (
         DeepseekV32IndexerPrefillChunkMetadata,
     )
+
+
+def profile_bytes(logits_bytes: int, max_tokens: int, k: int) -> int:
+    """What the profiling run reserves for the indexer prefill's transient
+    tensors, where vLLM reserves one call's logits (``logits_bytes``, the
+    logits budget): with the split on (the switch, TP 2 or more), more
+    where the split holds more at once (``max_tokens`` rows a step, ``k``
+    indices a row). Its peaks: a call's logits beside the candidates this
+    rank sends (at most ``key_split_max_rows``, kept until the exchange);
+    those candidates beside what it receives, after the last call's logits
+    are freed (within the budget: ``key_split_max_owned``); and the merge's
+    int16 copy of every prefill row, after both are freed."""
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    if _tp_size() < 2 or not rocm_aiter_ops.is_cp_indexer_enabled():
+        return logits_bytes
+    sent = key_split_max_rows(logits_bytes) * CANDIDATE_ROW_BYTES
+    return max(logits_bytes + sent, max_tokens * k * 2)
+
+
+def _tp_size() -> int:
+    """The TP group's size; 1 before vLLM's model parallel state is made."""
+    if not model_parallel_is_initialized():
+        return 1
+    return get_tensor_model_parallel_world_size()
 
 
 @dataclass(frozen=True)
@@ -75,19 +108,6 @@ class PrefillWindow:
 # and the chunks with their windows): every indexer layer of a step makes
 # the same calls, and their key ranges are device tensors made on the host.
 _STEP_WINDOWS: list = [None, None, (None, [])]
-
-
-def _without(start: int, end: int, holes) -> Iterator[tuple[int, int]]:
-    """Rows ``start:end`` less the (sorted, disjoint) row ranges ``holes``."""
-    for hole_start, hole_end in holes:
-        if hole_start >= end:
-            break
-        if hole_end > start:
-            if hole_start > start:
-                yield start, hole_start
-            start = max(start, hole_end)
-    if start < end:
-        yield start, end
 
 
 def _key_ranges_of(
@@ -161,28 +181,25 @@ class CPIndexerPrefill:
         yield from made[1]
 
     def _split_windows(self, chunks) -> Iterator[PrefillWindow]:
+        """The calls ``rank_calls`` plans for this rank (the planner prices
+        the same), each over the keys its run of chunks gathers first."""
         assert self.split is not None
-        key_split = joined(self.split.key_split)
-        candidate_rows = [0]
-        for start, end in key_split:
-            candidate_rows.append(candidate_rows[-1] + end - start)
-        for run in runs_of_shared_keys(chunks):
-            gather = True
-            run_start, run_end = run[0].token_start, run[-1].token_end
-            most = max(c.token_end - c.token_start for c in run)
-            own = (max(run_start, self.start), min(run_end, self.end))
-            for start, end in _without(*own, key_split):
-                for first, last in equal_calls(start, end, most):
-                    ks, ke, longest = _key_ranges_of(run, first, last)
-                    yield PrefillWindow(run[0], first, last, ks, ke, longest, gather)
-                    gather = False
-            for (start, end), row in zip(key_split, candidate_rows):
-                start, end = max(start, run_start), min(end, run_end)
-                if start >= end:
-                    continue
-                for first, last in equal_calls(start, end, most):
-                    yield self._key_part(run, first, last, gather, row + first - start)
-                    gather = False
+        runs = runs_of_shared_keys(chunks)
+        gathered = None
+        for call in rank_calls(
+            self.start, self.end, shared_key_runs(chunks, 0), self.split.key_split
+        ):
+            run = runs[call.run]
+            gather, gathered = call.run != gathered, call.run
+            if call.candidate_row is None:
+                ks, ke, longest = _key_ranges_of(run, call.first, call.last)
+                yield PrefillWindow(
+                    run[0], call.first, call.last, ks, ke, longest, gather
+                )
+            else:
+                yield self._key_part(
+                    run, call.first, call.last, gather, call.candidate_row
+                )
 
     def _key_part(self, run, first: int, last: int, gather: bool, row: int):
         """The call that scores rows ``first:last`` of ``run`` over this
@@ -293,6 +310,8 @@ class CPIndexerPrefill:
             (tp_size * owned, columns), dtype=torch.int32, device=device
         )
         pynccl.all_to_all_single(received, sent, [owned] * tp_size, owners)
+        del sent
+        self.sent = None  # freed before the merge's int16 rows
         parts = received.view(tp_size, owned, columns)
         row = 0
         for start, end in joined(self.split.owned_key_split(self.rank)):

@@ -129,7 +129,9 @@ def select_top_k(
         out.stride(0),
         parts,
         K=k,
-        BLOCK=min(k, 1024),
+        # As many of a row's parts at a time as divide them (its candidates'
+        # order kept), up to 1,024 candidates.
+        BLOCK=min(k * (parts & -parts), 1024),
     )
 
 

@@ -207,12 +207,16 @@ LOGITS_SHARE = 0.48
 # (on one H100 with the stand-ins, steps of 12-19M key-rows took 1.2-1.7 ms
 # of host time key-split, against 0.5-0.9 ms replicated). Candidates:
 # requests whose rows reach KEY_SPLIT_MIN_KEYS_PER_RANK keys a rank
-# (``key_split_candidates``), at most KEY_SPLIT_MAX_ROWS rows in all (the
-# candidates a rank sends, CANDIDATE_ROW_BYTES a row, are kept while the
-# logits are alive: 32 MiB; what it receives comes after the logits are
-# freed and reuses their memory; both kept within the logits budget,
-# ``key_split_max_rows``). The planner key-splits as many of them, longest
-# rows first, as lower its modelled step (``_key_split_plan``). Not where
+# (``key_split_candidates``), at most KEY_SPLIT_MAX_ROWS rows in all. Their
+# memory is bounded by the logits budget: the candidates a rank sends,
+# CANDIDATE_ROW_BYTES a row, are kept while one call's logits are alive, at
+# most a sixteenth of the budget (``key_split_max_rows``: 32 MiB); what an
+# owner receives, that much from every rank for each row it owns, comes
+# after the logits are freed, within the budget (``key_split_max_owned``);
+# the profiling run reserves the first beside the logits
+# (``rocm_cp_indexer.profile_bytes``). The planner key-splits as many of
+# them, longest rows first, as lower its modelled step and keep every
+# owner within its cap (``_key_split_plan``). Not where
 # the logits fill their chunk (gfx942): every rank would fill every row. A
 # candidate costs CANDIDATE_COST_KEYS of a key-row (an estimate; the host
 # bench times the select and the scores).
@@ -321,6 +325,7 @@ def plan_cp_indexer_split(
     wave_rows: int = 0,
     link: MergeLink = XGMI_GFX950,
     key_split_max_rows: int = KEY_SPLIT_MAX_ROWS,
+    key_split_max_owned: int = KEY_SPLIT_MAX_ROWS,
 ) -> CPIndexerSplit | None:
     """This step's split of the prefill rows (the requests' sequence and
     query lengths, on the host, after the decodes; the builder's chunks of
@@ -328,7 +333,8 @@ def plan_cp_indexer_split(
     its merge over ``link`` (``split_repays``). In a step of at least
     KEY_SPLIT_MIN_STEP_KEY_ROWS, requests with long rows are key-split
     where that lowers the modelled step (``_key_split_plan``; none with
-    ``key_split_max_rows`` 0).
+    ``key_split_max_rows`` 0), no rank owning more than
+    ``key_split_max_owned`` of their rows.
 
     Called by the indexer metadata builder on every rank with the same host
     inputs, so every rank takes the same decision and the merge matches."""
@@ -365,7 +371,7 @@ def plan_cp_indexer_split(
     ):
         bounds, key_split = _key_split_plan(
             planned, keys, query_lens_cpu, row_cost_keys, link, narrow,
-            key_split_max_rows,
+            key_split_max_rows, key_split_max_owned,
         )  # fmt: skip
     split = CPIndexerSplit(
         tuple(num_decode_tokens + b for b in bounds),
@@ -402,7 +408,7 @@ class RowPlanner:
         self.call_cost_keys = call_cost_keys
         self.wave_rows = wave_rows
 
-    def rank_cost(self, costs: torch.Tensor) -> RankCost:
+    def rank_cost(self, costs: torch.Tensor, key_split=()) -> RankCost:
         # before[j]: the cost of the rows before row j.
         before = torch.zeros(costs.numel() + 1, dtype=torch.int64)
         torch.cumsum(costs, 0, out=before[1:])
@@ -413,12 +419,14 @@ class RowPlanner:
             self.runs,
             self.call_cost_keys,
             self.wave_rows,
+            key_split,
         )
 
-    def bounds(self, costs: torch.Tensor | None = None) -> list[int]:
-        """The cuts of rows of ``costs`` (default: the step's own)."""
+    def bounds(self, costs: torch.Tensor | None = None, key_split=()) -> list[int]:
+        """The cuts of rows of ``costs`` (default: the step's own), with the
+        rows of ``key_split`` scored in calls of their own."""
         costs = self.costs if costs is None else costs
-        rank_cost = self.rank_cost(costs)
+        rank_cost = self.rank_cost(costs, key_split)
         total = rank_cost.before[-1]
         shares = (
             torch.arange(1, self.tp_size, dtype=torch.int64) * total // self.tp_size
@@ -437,6 +445,7 @@ def _key_split_plan(
     link: MergeLink,
     narrow: bool,
     max_rows: int,
+    max_owned: int,
 ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     """The cuts and key-split requests (prefill row ranges) of the least
     costly plan, modelled per rank in key-rows: the cuts of the rows
@@ -444,27 +453,36 @@ def _key_split_plan(
     ``owned_row_cost``), every rank's part of the key-split rows
     (``_key_split_cost``), and the merge and exchange on ``link``. Tried:
     none, then the requests with the longest rows, one more each time;
-    with KEY_SPLIT_BY_MODEL off, all of them (``key_split_candidates``)."""
+    with KEY_SPLIT_BY_MODEL off, all of them (``key_split_candidates``).
+    A plan where a rank would own more than ``max_owned`` key-split rows is
+    not taken."""
     tp_size = planned.tp_size
     eligible = key_split_candidates(keys, query_lens_cpu, tp_size, max_rows)
     owned = owned_row_cost(tp_size)
 
     def plan_of(chosen: list[tuple[int, int]]) -> tuple[float, list[int]]:
+        """The modelled cost (infinite past the owners' cap) and cuts."""
         costs = planned.costs.clone()
         for start, end in chosen:
             costs[start:end] = owned
-        bounds = planned.bounds(costs)
-        split = CPIndexerSplit(tuple(bounds), tuple(sorted(chosen)))
+        key_split = tuple(sorted(chosen))
+        bounds = planned.bounds(costs, key_split)
+        split = CPIndexerSplit(tuple(bounds), key_split)
         cost = (
-            max(planned.rank_cost(costs).of(bounds))
+            max(planned.rank_cost(costs, key_split).of(bounds))
             + _key_split_cost(chosen, keys, planned, row_cost_keys)
             + links_key_rows(link, split.sizes, narrow, split.key_split_owners)
         )
+        if max(split.key_split_owners) > max_owned:
+            cost = float("inf")
         return cost, bounds
 
-    if not KEY_SPLIT_BY_MODEL:
-        return plan_of(eligible)[1], tuple(sorted(eligible))
     best, best_bounds = plan_of([])
+    if not KEY_SPLIT_BY_MODEL:
+        cost, bounds = plan_of(eligible)
+        if cost < float("inf"):
+            return bounds, tuple(sorted(eligible))
+        return best_bounds, ()
     best_split: list[tuple[int, int]] = []
     for count in range(1, len(eligible) + 1):
         cost, bounds = plan_of(eligible[:count])
@@ -516,7 +534,8 @@ def _key_split_cost(
     # Its top-k and the scores it keeps; the owner's select is in its cuts.
     per_row = row_cost_keys + TOPK * CANDIDATE_COST_KEYS
     cost = 0.0
-    for first, last in key_split_calls(chosen, planned.runs):
+    for call in key_split_calls(planned.runs, chosen):
+        first, last = call.first, call.last
         work = (before[last] - before[first]) / tp_size
         cost += work + (last - first) * per_row + planned.call_cost_keys
         if planned.wave_rows:
@@ -525,24 +544,100 @@ def _key_split_cost(
     return cost
 
 
-def key_split_calls(
-    key_split: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+@dataclass(frozen=True)
+class PlannedCall:
+    """One logits and top-k call of a rank: rows ``first:last`` of the
+    step's run of chunks number ``run`` (``runs_of_shared_keys``). Whole
+    rows, or with ``candidate_row`` set, key-split rows over the rank's part
+    of their keys, whose candidates go to rows ``candidate_row`` on of the
+    rank's candidates (one row per key-split row of the step, in row
+    order)."""
+
+    run: int
+    first: int
+    last: int
+    candidate_row: int | None = None
+
+
+def rank_calls(
+    start: int,
+    end: int,
     runs: list[tuple[int, int, int]],
-) -> Iterator[tuple[int, int]]:
-    """The row ranges of the calls that score the key-split rows (each
-    rank's part of their keys): per run of chunks, its key-split rows (next
-    requests' joined) in as few equal calls as its largest chunk allows."""
-    for first, last, most in runs:
-        for start, end in joined(key_split):
-            if start < last and end > first:
-                yield from equal_calls(max(start, first), min(end, last), most)
+    key_split: tuple[tuple[int, int], ...] | list[tuple[int, int]],
+) -> Iterator[PlannedCall]:
+    """The calls of the rank whose range is rows ``start:end``, in the order
+    it makes them: per run of chunks (``runs``: its first row, end and
+    largest chunk's rows), its own rows of the run less the key-split rows
+    (``whole_row_calls``), then every key-split row of the run
+    (``key_split_calls``). The op makes exactly these calls
+    (``CPIndexerPrefill.windows``) and the planner prices them."""
+    holes = joined(key_split)
+    for index in range(len(runs)):
+        yield from whole_row_calls(index, runs, start, end, holes)
+        yield from _key_split_run_calls(index, runs, holes)
+
+
+def whole_row_calls(
+    index: int,
+    runs: list[tuple[int, int, int]],
+    start: int,
+    end: int,
+    holes: list[tuple[int, int]],
+) -> Iterator[PlannedCall]:
+    """The calls that score rows ``start:end`` of run ``index`` whole, less
+    the key-split rows (``holes``, joined): each stretch between them in as
+    few equal calls as the run's largest chunk allows."""
+    first, last, most = runs[index]
+    for a, b in _without(max(start, first), min(end, last), holes):
+        for call_first, call_last in equal_calls(a, b, most):
+            yield PlannedCall(index, call_first, call_last)
+
+
+def key_split_calls(
+    runs: list[tuple[int, int, int]],
+    key_split: tuple[tuple[int, int], ...] | list[tuple[int, int]],
+) -> Iterator[PlannedCall]:
+    """The calls that score the key-split rows, the same on every rank."""
+    holes = joined(key_split)
+    for index in range(len(runs)):
+        yield from _key_split_run_calls(index, runs, holes)
+
+
+def _key_split_run_calls(
+    index: int, runs: list[tuple[int, int, int]], holes: list[tuple[int, int]]
+) -> Iterator[PlannedCall]:
+    """Run ``index``'s key-split rows (``holes``, joined: next requests'
+    together) in as few equal calls as its largest chunk allows, each with
+    its first row's place among the step's key-split rows."""
+    first, last, most = runs[index]
+    for start, end in holes:
+        for a, b in equal_calls(max(start, first), min(end, last), most):
+            yield PlannedCall(index, a, b, _rows_before(holes, a))
+
+
+def _rows_before(ranges: list[tuple[int, int]], row: int) -> int:
+    """How many rows of ``ranges`` come before row ``row``."""
+    return sum(min(end, row) - start for start, end in ranges if start < row)
+
+
+def _without(start: int, end: int, holes) -> Iterator[tuple[int, int]]:
+    """Rows ``start:end`` less the (sorted, disjoint) row ranges ``holes``."""
+    for hole_start, hole_end in holes:
+        if hole_start >= end:
+            break
+        if hole_end > start:
+            if hole_start > start:
+                yield start, hole_start
+            start = max(start, hole_end)
+    if start < end:
+        yield start, end
 
 
 def joined(ranges) -> list[tuple[int, int]]:
-    """Sorted row ranges with the ones that touch joined: one call can
+    """Row ranges, sorted, with the ones that touch joined: one call can
     score them together."""
     out: list[tuple[int, int]] = []
-    for start, end in ranges:
+    for start, end in sorted(ranges):
         if out and out[-1][1] == start:
             out[-1] = (out[-1][0], end)
         else:
@@ -591,11 +686,13 @@ def equal_calls(start: int, end: int, most: int) -> Iterator[tuple[int, int]]:
 
 class RankCost:
     """What a rank's rows cost as the planner counts it, in key-rows: each
-    row's cost, each call ``CPIndexerPrefill.windows`` makes for them
-    (``call_cost_keys``), and, where a call's rows cost less than one wave
-    of its costliest row (``wave_rows`` times it; 0: not counted), the
-    logits' share of the difference (``LOGITS_SHARE``): with one program per
-    row, the logits last at least as long as the costliest row.
+    row's cost, each call the rank makes for its whole rows
+    (``whole_row_calls``: not for its rows of ``key_split``, which every
+    rank scores in calls of their own) at ``call_cost_keys``, and, where a
+    call's rows cost less than one wave of its costliest row (``wave_rows``
+    times it; 0: not counted), the logits' share of the difference
+    (``LOGITS_SHARE``): with one program per row, the logits last at least
+    as long as the costliest row.
 
     A rank's cost grows with its rows: vLLM's builder slices only a single
     request into a run of several chunks, so adding a row to a run adds to
@@ -609,9 +706,11 @@ class RankCost:
         runs: list[tuple[int, int, int]],
         call_cost_keys: int,
         wave_rows: int,
+        key_split: tuple[tuple[int, int], ...] | list[tuple[int, int]] = (),
     ):
         # Host ints: a tensor index per call is slow.
         self.before = before.tolist()
+        self.holes = joined(key_split)
         self.call_cost_keys = call_cost_keys
         self.wave_rows = wave_rows
         self.runs = runs
@@ -627,16 +726,22 @@ class RankCost:
         # ``floors`` their floors), summed over the runs before it: a rank's
         # whole runs then cost one subtraction.
         self.whole = {
-            floors: [0, *accumulate(self._added(*run, floors) for run in runs)]
+            floors: [
+                0,
+                *accumulate(
+                    self._added(index, first, last, floors)
+                    for index, (first, last, _) in enumerate(runs)
+                ),
+            ]
             for floors in (False, True)
         }
 
-    def calls(self, start: int, end: int) -> Iterator[tuple[int, int]]:
-        """The row ranges of the calls rows ``start:end`` are scored in."""
-        for first, last, most in self.runs[bisect_right(self.run_ends, start) :]:
-            if first >= end:
+    def calls(self, start: int, end: int) -> Iterator[PlannedCall]:
+        """The calls that score rows ``start:end`` whole."""
+        for index in range(bisect_right(self.run_ends, start), len(self.runs)):
+            if self.run_firsts[index] >= end:
                 return
-            yield from equal_calls(max(start, first), min(end, last), most)
+            yield from whole_row_calls(index, self.runs, start, end, self.holes)
 
     def _costliest(self, first: int, last: int) -> int:
         inside = self.last_of[
@@ -644,11 +749,12 @@ class RankCost:
         ]
         return max(self.before[last] - self.before[last - 1], max(inside, default=0))
 
-    def _added(self, start: int, end: int, most: int, floors: bool) -> int:
-        """What the calls of rows ``start:end`` of one run add to the rows'
-        own cost."""
+    def _added(self, index: int, start: int, end: int, floors: bool) -> int:
+        """What the calls of rows ``start:end`` of run ``index`` add to the
+        rows' own cost."""
         added = 0
-        for first, last in equal_calls(start, end, most):
+        for call in whole_row_calls(index, self.runs, start, end, self.holes):
+            first, last = call.first, call.last
             added += self.call_cost_keys
             if floors and self.wave_rows:
                 work = self.before[last] - self.before[first]
@@ -662,8 +768,7 @@ class RankCost:
         i = bisect_right(self.run_ends, start)
         j = bisect_left(self.run_firsts, end)
         for k in (i, j - 1)[: min(j - i, 2)]:
-            first, last, most = self.runs[k]
-            cost += self._added(max(start, first), min(end, last), most, floors)
+            cost += self._added(k, start, end, floors)
         if j - 1 > i + 1:
             whole = self.whole[floors]
             cost += whole[j - 1] - whole[i + 1]
@@ -741,8 +846,10 @@ class CPIndexerPlanner:
     wave_rows: int = 0
     # The TP group's link, which prices the merge.
     link: MergeLink = XGMI_GFX950
-    # The most rows a step key-splits (``key_split_max_rows``; 0: none).
+    # The most rows a step key-splits (``key_split_max_rows``; 0: none),
+    # and one rank owns (``key_split_max_owned``).
     key_split_max_rows: int = KEY_SPLIT_MAX_ROWS
+    key_split_max_owned: int = KEY_SPLIT_MAX_ROWS
 
     def plan(
         self,
@@ -766,15 +873,22 @@ class CPIndexerPlanner:
             self.wave_rows,
             self.link,
             self.key_split_max_rows,
+            self.key_split_max_owned,
         )
 
 
 def key_split_max_rows(logits_bytes: int) -> int:
     """KEY_SPLIT_MAX_ROWS, or fewer where the candidates a rank sends
-    (CANDIDATE_ROW_BYTES a row, kept while the logits are alive) would pass
-    a sixteenth of the logits budget; what it receives (as many rows, after
-    the logits are freed) stays within it."""
+    (CANDIDATE_ROW_BYTES a row, kept while a call's logits are alive) would
+    pass a sixteenth of the logits budget ``logits_bytes``."""
     return min(KEY_SPLIT_MAX_ROWS, logits_bytes // (16 * CANDIDATE_ROW_BYTES))
+
+
+def key_split_max_owned(logits_bytes: int, tp_size: int) -> int:
+    """The most key-split rows one rank may own: it receives every rank's
+    candidates of each (CANDIDATE_ROW_BYTES a row from each), after the
+    logits are freed, within the logits budget ``logits_bytes``."""
+    return min(KEY_SPLIT_MAX_ROWS, logits_bytes // (tp_size * CANDIDATE_ROW_BYTES))
 
 
 def runs_of_shared_keys(

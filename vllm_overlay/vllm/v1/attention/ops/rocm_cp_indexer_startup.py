@@ -209,6 +209,7 @@ def cp_indexer_at_startup(
     # The floor is that of gfx950's logits grid (WAVE_ROWS_PER_CU); the
     # logits that fill their chunk (gfx942's FlyDSL kernel) are not measured.
     wave_rows = 0 if fill else int(plan.WAVE_ROWS_PER_CU * compute_units)
+    logits_bytes = envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB * 1024 * 1024
     return plan.CPIndexerPlanner(
         tp_size,
         plan.LOGITS_FILL_DIVISOR if fill else None,
@@ -217,5 +218,6 @@ def cp_indexer_at_startup(
         wave_rows,
         # gfx942 (MI300X, MI325X), whose logits fill, has the slower xGMI.
         plan.XGMI_GFX942 if fill else plan.XGMI_GFX950,
-        plan.key_split_max_rows(envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB * 1024 * 1024),
+        plan.key_split_max_rows(logits_bytes),
+        plan.key_split_max_owned(logits_bytes, tp_size),
     )
