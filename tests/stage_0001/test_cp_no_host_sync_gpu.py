@@ -43,7 +43,7 @@ def _key_split_the_turn(planned, keys, query_lens_cpu, *_):
     turn = (0, int(query_lens_cpu[0]))
     costs = planned.costs.clone()
     costs[turn[0] : turn[1]] = 0
-    return planned.bounds(costs), (turn,)
+    return planned.bounds(costs, (turn,)), (turn,)
 
 
 @pytest.mark.parametrize("key_split", [False, True], ids=["whole rows", "key split"])

@@ -28,7 +28,6 @@ from scripts.series.contract import BASE_TREE_ENV, tree_env
 TREE = applied_tree("0001")
 
 from vllm.v1.attention.ops import (  # noqa: E402
-    rocm_cp_indexer,
     rocm_cp_indexer_plan,
 )
 from vllm.v1.attention.ops.rocm_cp_indexer import CPIndexerPrefill  # noqa: E402
@@ -399,36 +398,16 @@ def _profiling_run(buffer: torch.Tensor) -> torch.Tensor:
             )
 
 
-def test_the_profiling_run_makes_no_collective(monkeypatch):
-    """vLLM's profiling (dummy) run calls the op without attention metadata;
-    with the split on it must return before any collective."""
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
-    reduces: list = []
-    monkeypatch.setattr(
-        torch.distributed, "all_reduce", lambda *a, **k: reduces.append(a)
-    )
-    monkeypatch.setattr(
-        rocm_cp_indexer, "get_tp_group", lambda: reduces.append("tp group")
-    )
-    buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
-    out = _profiling_run(buffer)
-    assert reduces == []
-    assert out is buffer and buffer.eq(7).all()  # untouched by the dummy run
-
-
-@pytest.mark.parametrize("cp", [True, False])
-def test_the_profiling_run_reserves_the_logits_only(monkeypatch, cp):
-    """The merge gathers in place into the top-k buffer, so it needs no
-    memory of its own, and the dummy run reserves the logits budget alone,
-    the split on or off (1 MiB, as set here). The op's own torch.empty
-    calls are recorded."""
+def _profiling_run_on_a_rank(rank: int, world_size: int, cp: bool) -> dict:
+    """The profiling run on one rank of a real TP group: the collectives it
+    makes, its output, and the sizes of the op's own uint8 torch.empty calls
+    (the memory it reserves)."""
     import vllm.envs as envs
     from vllm.v1.attention.ops import rocm_aiter_mla_sparse
 
-    monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
-    monkeypatch.setattr(envs, "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", 1, raising=False)
-    real_empty = torch.empty
+    reduces: list = []
     sizes: list[int] = []
+    real_empty = torch.empty
 
     def recording_empty(*args, **kwargs):
         caller = sys._getframe(1).f_globals.get("__name__")
@@ -438,9 +417,31 @@ def test_the_profiling_run_reserves_the_logits_only(monkeypatch, cp):
             sizes.append(int(args[0]))
         return real_empty(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "empty", recording_empty)
-    _profiling_run(torch.full((64, TOPK), 7, dtype=torch.int32))
-    assert sizes == [1 << 20]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
+        monkeypatch.setattr(envs, "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", 1, raising=False)
+        monkeypatch.setattr(
+            torch.distributed, "all_reduce", lambda *a, **k: reduces.append(a)
+        )
+        monkeypatch.setattr(torch, "empty", recording_empty)
+        buffer = torch.full((64, TOPK), 7, dtype=torch.int32)
+        out = _profiling_run(buffer)
+    return {"reduces": reduces, "sizes": sizes, "untouched": out is buffer
+            and bool(buffer.eq(7).all())}  # fmt: skip
+
+
+@pytest.mark.parametrize("cp", [True, False])
+def test_the_profiling_run_reserves_what_the_split_holds(cp):
+    """vLLM's profiling (dummy) run calls the op without attention metadata,
+    on every rank of the TP group: it makes no collective and leaves the
+    top-k buffer as it was. It reserves the logits budget (1 MiB here) and,
+    with the split on, the candidates a rank may send beside a call's
+    logits (``key_split_max_rows`` of the budget: 4 rows of 16 KiB); the
+    merge's int16 rows of 64 tokens take less."""
+    for result in run_ranks(2, _profiling_run_on_a_rank, cp):
+        assert result["reduces"] == [] and result["untouched"]
+        sent = 4 * rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES if cp else 0
+        assert result["sizes"] == [(1 << 20) + sent]
 
 
 # vLLM's chunker at its default 512 MiB logits budget splits a 6,711-row
