@@ -65,6 +65,27 @@ def command_line(module: str) -> str:
     return f"{kind}{wrapper} python3 -m {module} {args}".replace("  ", " ").strip()
 
 
+# The project's commit, for a run on a machine whose copy has no git
+# history (the lent GPUs): set by the command that starts the run.
+COMMIT_ENV = "DSA_COMMIT"
+
+
+def source_commit() -> str | None:
+    """The project commit a result comes from: ``DSA_COMMIT``, else git's
+    HEAD (with "+edits" where the checkout differs from it), else None."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    root = Path(__file__).resolve().parents[2]
+    git = ["git", "-C", str(root)]
+    head = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"], check=False)
+    return head.stdout.strip() + ("+edits" if dirty.returncode else "")
+
+
 def median_ms(
     fn: Callable[[], object],
     runs: int,

@@ -90,8 +90,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from scripts.bench import cp_indexer_host_timing as timing
-from scripts.bench.common import command_line, gpu_versions, parse_args, use_tree
+from scripts.bench.common import (
+    command_line,
+    gpu_versions,
+    parse_args,
+    source_commit,
+    use_tree,
+)
 from scripts.bench.cp_indexer_host_calibration import calibrate, topk_shapes
+from scripts.bench.cp_indexer_host_check import RowsDiffer
 from scripts.bench.cp_indexer_host_report import (
     LINKS,
     crossover_report,
@@ -164,6 +171,9 @@ def main() -> int:
     if "--resume" in sys.argv:
         sys.argv.remove("--resume")
         RESUME = True
+    if "--check-only" in sys.argv:
+        sys.argv.remove("--check-only")
+        timing.CHECK_ONLY = True
     if "--narrow-topk" in sys.argv:
         sys.argv.remove("--narrow-topk")
         TOPK_SHAPE = "narrow"
@@ -183,7 +193,11 @@ def main() -> int:
             json.dumps(payload, indent=1) + "\n"
         )
         return 0
-    return _run_steps()
+    try:
+        return _run_steps()
+    except RowsDiffer as error:
+        print(f"exactness check failed: {error}", file=sys.stderr)
+        return 1
 
 
 def _command(*flags: str) -> str:
@@ -195,6 +209,7 @@ def _command(*flags: str) -> str:
         *(["--calibrate"] if CALIBRATE else []),
         *(["--key-split-all"] if timing.KEY_SPLIT_ALL else []),
         *(["--narrow-topk"] if TOPK_SHAPE == "narrow" else []),
+        *(["--check-only"] if timing.CHECK_ONLY else []),
         *(["--resume"] if RESUME else []),
     )
     return " ".join([command_line("scripts.bench.cp_indexer_host"), *taken])
@@ -306,7 +321,24 @@ def bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict
     depend on tp), split as the shipped planner (and ``variants``) plans it,
     and, where the plan stays replicated, split anyway (``forced_split``),
     to show what it leaves; F1 (``floor_ms``) and the merge modelled per
-    link (``merge_ms``, of the shipped split or else the forced one)."""
+    link (``merge_ms``, of the shipped split or else the forced one).
+    With --check-only, only the splits' exactness check."""
+    try:
+        return _bench_step(step, runs, variants)
+    except RowsDiffer as error:
+        raise RowsDiffer(f"{step.name}: {error}") from None
+
+
+def _bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict:
+    if timing.CHECK_ONLY:
+        return {
+            f"{step.name} | tp {tp}": {
+                **time_step(step.prefills, tp, runs, variants, replicated=False),
+                "step": step.prefills,
+                "tp": tp,
+            }
+            for tp in TPS
+        }
     floors = measure_floor(step.prefills, runs)
     replicated = None
     results = {}
@@ -347,7 +379,11 @@ def _run_steps() -> int:
 
     fast.TOPK_SHAPE = TOPK_SHAPE
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "cp_indexer_host_bench.json"
+    out = args.out / (
+        "cp_indexer_exactness.json"
+        if timing.CHECK_ONLY
+        else "cp_indexer_host_bench.json"
+    )
     from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
     setup = {
@@ -363,6 +399,10 @@ def _run_steps() -> int:
         ],
         "compute_units": timing.compute_units(),
         "key_split": "every candidate" if timing.KEY_SPLIT_ALL else "by model",
+        # Every split step's rows are checked against the replicated op's
+        # (``cp_indexer_host_check``): a run that ends has passed it.
+        "exactness_checked": True,
+        "commit": source_commit(),
     }
     if RESUME and out.exists():
         payload = json.loads(out.read_text())

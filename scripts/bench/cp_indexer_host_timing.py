@@ -13,6 +13,8 @@ import time
 import warnings
 from types import SimpleNamespace
 
+from scripts.bench import cp_indexer_host_check as check
+
 TOPK = 2048
 HEADS = 32
 K = 1024
@@ -24,6 +26,8 @@ KEY_SPLIT_ALL = False
 # Where the op runs: a CPU test sets "cpu" to walk the bench's plumbing
 # through Triton's interpreter.
 DEVICE = "cuda"
+# Set by --check-only: every split step's rows checked, nothing timed.
+CHECK_ONLY = False
 # A planner variant's costs: ROW_COST_KEYS, CALL_COST_KEYS, WAVE_ROWS_PER_CU
 # and LOGITS_SHARE.
 Costs = tuple[int, int, float, float]
@@ -123,7 +127,9 @@ def time_step(
     each planner variant (a name and its ``Costs``; None: the shipped
     planner as it is), the stage's gate (``split_repays``) ignored with
     ``force_split``. The builder is told this GPU's compute units, which
-    the planner's wave is counted in."""
+    the planner's wave is counted in. Every split's rows are checked against
+    the replicated op's (``cp_indexer_host_check``; with CHECK_ONLY, not
+    timed)."""
     import pytest
     import torch
 
@@ -223,8 +229,7 @@ def time_step(
                 (batch.hidden_states.shape[0], TOPK), dtype=torch.int32, device=DEVICE
             )
 
-            def call(rank: int, batch=batch, this_rank=this_rank, buffer=buffer):
-                this_rank[0] = rank
+            def run(buffer, batch=batch):
                 indexer_batch.run_indexer(
                     batch,
                     TOPK,
@@ -233,17 +238,41 @@ def time_step(
                     buffer=buffer,
                 )
 
-            per_rank = timed(call, ranks, runs)
-            entry = {
-                key: max(r[key] for r in per_rank)
-                for key in ("gpu_ms", "host_ms", "syncs")
-            }
-            entry["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
-            entry["per_rank_gpu_ms_timings"] = [r["gpu_ms_timings"] for r in per_rank]
-            entry["per_rank_host_ms"] = [r["host_ms"] for r in per_rank]
+            def call(rank: int, this_rank=this_rank, buffer=buffer, run=run):
+                this_rank[0] = rank
+                run(buffer)
+
+            entry: dict = {}
+            if not CHECK_ONLY:
+                per_rank = timed(call, ranks, runs)
+                entry = {
+                    key: max(r[key] for r in per_rank)
+                    for key in ("gpu_ms", "host_ms", "syncs")
+                }
+                entry["per_rank_gpu_ms"] = [r["gpu_ms"] for r in per_rank]
+                entry["per_rank_gpu_ms_timings"] = [
+                    r["gpu_ms_timings"] for r in per_rank
+                ]
+                entry["per_rank_host_ms"] = [r["host_ms"] for r in per_rank]
             if mode == "split":
                 entry["bounds"] = list(split.bounds)
                 entry["key_split"] = [list(rows) for rows in split.key_split]
+                # Every split timed is checked too (RowsDiffer ends the run).
+                try:
+                    buffers = check.merged_buffers(
+                        run, this_rank, pynccl, tp, buffer.shape, DEVICE
+                    )
+                    entry["checked_rows"] = check.check_split(
+                        batch,
+                        buffers,
+                        lambda replicated, buffer=buffer: run(
+                            torch.empty_like(buffer), replicated
+                        ),
+                        TOPK,
+                        mp,
+                    )
+                except check.RowsDiffer as error:
+                    raise check.RowsDiffer(f"tp {tp}, {variant}: {error}") from None
                 result["split"][variant] = entry
             else:
                 result["replicated"] = entry

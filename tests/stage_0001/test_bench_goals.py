@@ -4,14 +4,10 @@ family of serving steps is what it says (seeded, within each budget, every
 kind), its merge model reproduces the 2x H200 fit it comes from, and G1 and
 G2 fail where a step misses them. The GPU run itself is checked on a GPU."""
 
-import functools
 import json
-import os
 import sys
-import time
 
 import pytest
-import torch
 
 from scripts.bench import cp_indexer_host as bench
 from scripts.bench import cp_indexer_host_calibration as calibration
@@ -19,7 +15,7 @@ from scripts.bench import cp_indexer_host_report as reports
 from scripts.bench import cp_indexer_host_timing as timing
 from scripts.bench import serving_steps
 from scripts.bench.common import DOCS
-from scripts.harness import fast_indexer_kernels, indexer_batch
+from scripts.harness import fast_indexer_kernels
 from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
@@ -168,42 +164,9 @@ def test_the_shipped_gate_meets_g1_on_the_measured_steps():
     assert {(True, True), (True, False), (False, False)} <= decisions
 
 
-class _Event:
-    """A CUDA event's timing calls, on the host clock."""
-
-    def __init__(self, enable_timing: bool = True):
-        self.at = 0.0
-
-    def record(self) -> None:
-        self.at = time.perf_counter()
-
-    def elapsed_time(self, end: "_Event") -> float:
-        return (end.at - self.at) * 1e3
-
-
-def _on_this_machine(monkeypatch) -> None:
-    """The bench on the CPU, through Triton's interpreter, where there is no
-    GPU: CUDA's timing calls stood in, so that its plumbing runs whole."""
-    if torch.cuda.is_available():
-        return
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the stand-in kernels run on the CPU only in the interpreter")
-    monkeypatch.setattr(timing, "DEVICE", "cpu")
-    monkeypatch.setattr(timing, "compute_units", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
-    monkeypatch.setattr(timing, "_SLEEP_CYCLES_PER_MS", [1.0])
-    # vLLM's Triton K gather is slow in the interpreter: its torch twin.
-    run = functools.partial(indexer_batch.run_indexer, torch_gather=True)
-    monkeypatch.setattr(indexer_batch, "run_indexer", run)
-
-
-def test_the_bench_records_what_the_goals_need(monkeypatch):
+def test_the_bench_records_what_the_goals_need(monkeypatch, bench_here):
     """One small step at tp 2 and 4, as the GPU run makes it: on a GPU, or
     on the CPU through the interpreter."""
-    _on_this_machine(monkeypatch)
     monkeypatch.setattr(bench, "TPS", (2, 4))
     step = serving_steps.Step("24 over 300 + fresh 40", [(300, 24), (0, 40)])
     launched = _shapes_launched(monkeypatch)
@@ -230,10 +193,9 @@ def test_the_bench_records_what_the_goals_need(monkeypatch):
         assert reports.step_goals(result, "aiter")["g2"] is None
 
 
-def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path):
+def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path, bench_here):
     """The JSON is written after each step; --resume runs only the steps it
     lacks, and refuses a file run with other settings."""
-    _on_this_machine(monkeypatch)
     monkeypatch.setattr(bench, "TPS", (2,))
     steps = [
         serving_steps.Step("fresh 48", [(0, 48)]),
@@ -293,8 +255,7 @@ def _shapes_launched(monkeypatch) -> list[str]:
     return shapes
 
 
-def test_the_topk_shapes_are_timed_on_each_chunk(monkeypatch):
-    _on_this_machine(monkeypatch)
+def test_the_topk_shapes_are_timed_on_each_chunk(monkeypatch, bench_here):
     monkeypatch.setattr(calibration, "SHAPE_CHUNKS", ((3, 2500),))
     launched = _shapes_launched(monkeypatch)
     results = calibration.topk_shapes(runs=1)
