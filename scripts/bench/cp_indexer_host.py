@@ -331,14 +331,18 @@ def bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict
 
 def _bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict:
     if timing.CHECK_ONLY:
-        return {
-            f"{step.name} | tp {tp}": {
-                **time_step(step.prefills, tp, runs, variants, replicated=False),
+        results = {}
+        for tp in TPS:
+            result = time_step(step.prefills, tp, runs, variants, replicated=False)
+            results[f"{step.name} | tp {tp}"] = result | {
                 "step": step.prefills,
                 "tp": tp,
             }
-            for tp in TPS
-        }
+            checked = {
+                name: s and s["checked_rows"] for name, s in result["split"].items()
+            }
+            print(step.name, tp, "rows checked:", checked, flush=True)
+        return results
     floors = measure_floor(step.prefills, runs)
     replicated = None
     results = {}
