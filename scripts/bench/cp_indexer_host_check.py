@@ -99,11 +99,15 @@ def compare_window(window, logits, topk, buffers: list, k: int) -> int:
         wrong = ~shape_ok | repeats | ~same
         if bool(wrong.any()):
             row = int(torch.nonzero(wrong)[0])
-            why = (
-                "not min(L, k) distinct row-local indices then -1"
-                if not bool(shape_ok[row]) or bool(repeats[row])
-                else "a different selection"
-            )
+            why = "not min(L, k) distinct row-local indices then -1"
+            if bool(shape_ok[row]) and not bool(repeats[row]):
+                scores = _scores(logits, window.ks, got, valid)[row]
+                at = int(torch.nonzero(scores != expected[row])[0])
+                why = (
+                    f"a different selection: its {at + 1}-th score "
+                    f"{float(scores[at])!r} against {float(expected[row, at])!r}, "
+                    f"the k-th {float(expected[row, int(lengths[row]) - 1])!r}"
+                )
             raise RowsDiffer(f"rank {rank}, batch row {window.start + row}: {why}")
     return rows
 

@@ -257,7 +257,15 @@ def time_step(
             if mode == "split":
                 entry["bounds"] = list(split.bounds)
                 entry["key_split"] = [list(rows) for rows in split.key_split]
-                # Every split timed is checked too (RowsDiffer ends the run).
+                # Every split timed is checked too (RowsDiffer ends the run),
+                # with one row a logits program in every call: a key's score
+                # then has the same bits whichever call scores it (the
+                # kernel's dot rounds by its rows a program, which no
+                # selection can undo). AITER's kernel is run as it is.
+                if not ON_AITER:
+                    from scripts.harness import fast_indexer_kernels as fast
+
+                    mp.setattr(fast, "logits_rows_per_program", lambda *_: 1)
                 try:
                     buffers = check.merged_buffers(
                         run, this_rank, pynccl, tp, buffer.shape, DEVICE

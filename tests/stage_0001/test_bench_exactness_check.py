@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from scripts.harness import indexer_batch
+from scripts.harness import indexer_batch, plants
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
 
@@ -25,7 +25,7 @@ from scripts.bench import cp_indexer_host as bench  # noqa: E402
 from scripts.bench import cp_indexer_host_timing as timing  # noqa: E402
 from scripts.bench.cp_indexer_host_check import RowsDiffer  # noqa: E402
 from scripts.bench.serving_steps import Step  # noqa: E402
-from vllm.v1.attention.ops import rocm_cp_indexer, rocm_cp_indexer_plan  # noqa: E402
+from vllm.v1.attention.ops import rocm_cp_indexer_plan  # noqa: E402
 
 STEP = Step("two turns key-split + fresh 30", [(300, 24), (400, 20), (0, 30)])
 
@@ -80,28 +80,10 @@ def test_every_split_step_is_checked_and_recorded(check_only, monkeypatch):
         assert "gpu_ms" not in split  # nothing timed
 
 
-def _candidate_rows_from_the_run(monkeypatch):
-    """e4a57df's bug: the next request's candidates on the first one's."""
-    plan = rocm_cp_indexer_plan
-
-    def rank_calls(start, end, runs, key_split):
-        holes = plan.joined(key_split)
-        for index, (first, last, most) in enumerate(runs):
-            yield from plan.whole_row_calls(index, runs, start, end, holes)
-            place = 0
-            for a, b in holes:
-                lo, hi = max(a, first), min(b, last)
-                for c, d in plan.equal_calls(lo, hi, most):
-                    yield plan.PlannedCall(index, c, d, place + c - lo)
-                place += b - a
-
-    monkeypatch.setattr(rocm_cp_indexer, "rank_calls", rank_calls)
-
-
 def test_rows_that_differ_end_the_run_with_the_steps_name(
     check_only, monkeypatch, capsys
 ):
-    _candidate_rows_from_the_run(monkeypatch)
+    plants.e4a57df_rank_calls(monkeypatch)
     assert bench.main() == 1
     error = capsys.readouterr().err
     assert f"exactness check failed: {STEP.name}: tp 2, shipped: rank" in error

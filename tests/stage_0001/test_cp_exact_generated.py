@@ -34,7 +34,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from scripts.harness import indexer_batch, topk_reference
+from scripts.harness import indexer_batch, plants, topk_reference
 from scripts.harness.multiproc import GlooPyNccl, run_ranks
 from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
@@ -401,26 +401,6 @@ def test_the_steps_hold_what_they_claim(split_ranks):
 # Planted bugs. Each must fail the comparison at tp 4 on the CI seeds.
 
 
-def _candidate_rows_from_the_run(monkeypatch):
-    """The bug of e4a57df: each run's calls of joined key-split ranges
-    counted their candidate rows from where the range enters the run, so
-    the next request's candidates landed on the first one's."""
-    plan = rocm_cp_indexer_plan
-
-    def rank_calls(start, end, runs, key_split):
-        holes = plan.joined(key_split)
-        for index, (first, last, most) in enumerate(runs):
-            yield from plan.whole_row_calls(index, runs, start, end, holes)
-            place = 0
-            for a, b in holes:
-                lo, hi = max(a, first), min(b, last)
-                for c, d in plan.equal_calls(lo, hi, most):
-                    yield plan.PlannedCall(index, c, d, place + c - lo)
-                place += b - a
-
-    monkeypatch.setattr(rocm_cp_indexer, "rank_calls", rank_calls)
-
-
 def _owner_one_row_off(monkeypatch):
     """Each rank selects the key-split rows one row past its range."""
     split_class = rocm_cp_indexer_plan.CPIndexerSplit
@@ -487,7 +467,7 @@ def _ties_before_larger(monkeypatch):
 @pytest.mark.parametrize(
     "plant",
     [
-        _candidate_rows_from_the_run,
+        plants.e4a57df_rank_calls,
         _owner_one_row_off,
         _part_one_key_late,
         _drop_a_rank,

@@ -7,13 +7,14 @@ indexer op reserves one call's logits (the logits budget,
 ``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``) and, with this stage, what the split
 holds beside them (``rocm_cp_indexer.profile_bytes``). The step here is
 the key split at its heaviest for a 64 MiB budget at tp 8: a 256-row turn
-over 60K cached keys, whose calls' logits nearly fill the budget, every
+over 64K cached keys, whose call's logits nearly fill the budget, every
 row of it owned by rank 0, which receives 8 x 256 rows of candidates
-(32 MiB) in the exchange. Rank 0's share of the real op (one GPU: the
-exchange's stand-in writes its output, the merge's does nothing) must
-peak no higher than the op's own profiling branch. Two planted mistakes
-must each fail it: the profiling run reserving the logits alone, and the
-last call's logits kept alive through the exchange."""
+(32 MiB) in the exchange right after that call. Rank 0's share of the
+real op (one GPU: the exchange's stand-in writes its output, the merge's
+does nothing) must peak no higher than the op's own profiling branch.
+Two planted mistakes must each pass that reservation: the profiling run
+reserving the logits alone, and the last call's logits kept alive
+through the exchange."""
 
 from __future__ import annotations
 
@@ -41,16 +42,18 @@ pytestmark = pytest.mark.skipif(
 WORLD = 8
 TOPK = 2048
 LOGITS_MB = 64
-REQUESTS = [(60_000, 256), (0, 2048)]
+# The turn's 256 rows over 64,256 keys fill 98% of a 64 MiB chunk, and a
+# fresh prompt gives the other ranks rows.
+REQUESTS = [(64_000, 256), (0, 2048)]
 
 
 def _key_split_the_turn(planned, keys, query_lens_cpu, *_):
-    """The planner's choice, forced: the turn, whose rows cost nothing in
-    the cuts, so rank 0's range holds all of them."""
-    turn = (0, int(query_lens_cpu[0]))
-    costs = planned.costs.clone()
-    costs[turn[0] : turn[1]] = 0
-    return planned.bounds(costs, (turn,)), (turn,)
+    """The planner's choice, forced: the turn, as rank 0's whole range (so
+    it owns every key-split row, and its last call is the turn's), the
+    prompt's rows cut evenly among the other ranks."""
+    turn, rows = int(query_lens_cpu[0]), int(query_lens_cpu.sum())
+    others = [turn + (rows - turn) * r // (WORLD - 1) for r in range(WORLD)]
+    return [0, *others], ((0, turn),)
 
 
 def _peak(fn) -> int:
@@ -142,7 +145,7 @@ def _peaks(monkeypatch) -> tuple[int, int, dict]:
         )
         split = batch.metadata.prefill.cp_split
         assert split is not None and split.key_split == ((0, 256),)
-        assert split.key_split_owners[0] == 256
+        assert split.key_split_owners[0] == 256 and split.bounds[1] == 256
         buffer = torch.empty(
             (batch.hidden_states.shape[0], TOPK), dtype=torch.int32, device="cuda"
         )
