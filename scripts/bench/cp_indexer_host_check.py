@@ -55,7 +55,7 @@ def merged_buffers(
             if peer != this_rank[0]:
                 part.copy_(merged[peer])
 
-    buffers = []
+    buffers: list[torch.Tensor] = []
     for exchange, merge in (
         (record_sent, lambda *_: None),
         (deliver, record_merged),
