@@ -81,7 +81,7 @@ def test_a_checkout_whose_remote_has_the_commit_pins_its_url(
     assert check.returncode == 1
     assert (
         f"error: main pins a vLLM git commit ({url}, at {commit[:12]}), but "
-        "install and the Dockerfile take a release: undo the merge"
+        "install and the Dockerfile take a release: only the tool's rebase/"
     ) in check.stdout
     site = tmp_path / "site"
     (site / "vllm").mkdir(parents=True)
@@ -141,3 +141,35 @@ def test_a_url_pin_the_network_cannot_reach_says_so(on_main: Project, tmp_path):
     assert applied.returncode == 1
     assert f"\nerror: cannot fetch commit {'a' * 40} from {gone} (" in applied.stderr
     assert "connect to the network" in applied.stderr
+
+
+@pytest.mark.parametrize("where", ["a pull request's merge commit", "master"])
+def test_a_git_pin_is_refused_off_the_tools_own_branches(
+    on_main: Project, tmp_path: Path, where: str
+):
+    """CI checks a pull request on its merge commit, detached, and a default
+    branch may be named otherwise: a git pin passes check only on the
+    branches rebase and its rehearsal make."""
+    checkout = tmp_path / "vllm-checkout"
+    sh(tmp_path, "git", "clone", "-q", on_main.upstream.as_uri(), str(checkout))
+    branch, _ = _rebase_onto(on_main, checkout)
+    ci = tmp_path / "ci"
+    sh(tmp_path, "git", "clone", "-q", "-b", "main", str(on_main.root), str(ci))
+    if where == "master":
+        sh(ci, "git", "merge", "-q", "--ff-only", f"origin/{branch}")
+        sh(ci, "git", "branch", "-M", "master")
+    else:
+        # As a forge makes it: a merge commit of the branch into main,
+        # checked out by its commit.
+        sh(ci, "git", "merge", "-q", "--no-ff", "-m", "Merge PR", f"origin/{branch}")
+        sh(ci, "git", "checkout", "-q", "--detach", "HEAD")
+    series_file = ci / "patches/series.toml"
+    assert _cli(series_file, "apply").returncode == 0
+    check = _cli(series_file, "check")
+    assert check.returncode == 1
+    head = "master" if where == "master" else "a detached HEAD"
+    assert f"error: {head}" in check.stdout
+    assert "pins a vLLM git commit" in check.stdout
+    for allowed in (branch, "rehearsal/vllm-git-x"):
+        sh(ci, "git", "checkout", "-q", "-B", allowed)
+        assert "pins a vLLM git commit" not in _cli(series_file, "check").stdout

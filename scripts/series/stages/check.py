@@ -29,6 +29,8 @@ from scripts.series.stages.state import read_chain
 HUNK_BUDGET = 15
 # The branch users clone, CI tests and the image is built from.
 MAIN_BRANCH = "main"
+# The branches a vLLM git pin may live on: what rebase and its rehearsal make.
+GIT_PIN_BRANCHES = ("rebase/", "rehearsal/")
 
 
 def stale_files(series: Series) -> list[str]:
@@ -148,20 +150,25 @@ def format_hunk_sizes(sizes: list[HunkSize]) -> str:
 
 
 def pin_problems(series: Series) -> list[str]:
-    """A git pin on the main branch: users install and build the image from
-    main, and both take a release. A rebase/vllm-git-* branch may pin a git
-    commit (by URL for CI, or by a folder for testing where it was made)."""
+    """A git pin anywhere but on the tool's own branches (``rebase/`` and
+    ``rehearsal/``, which test against vLLM main): users install and build
+    the image from main, which take a release, and CI checks a pull request
+    on a detached merge commit, so only the branch's name can tell."""
     base = series.base
     if not isinstance(base, GitBase):
         return []
     branch = git(series.root, "symbolic-ref", "--short", "-q", "HEAD", check=False)
-    if branch.stdout.decode().strip() != MAIN_BRANCH:
+    name = branch.stdout.decode().strip()
+    if name.startswith(GIT_PIN_BRANCHES):
         return []
+    head = name or "a detached HEAD (as CI checks out a pull request)"
     where = base.url or f"the folder {base.path}, on this machine only"
     return [
-        f"{MAIN_BRANCH} pins a vLLM git commit ({where}, at {base.rev[:12]}), "
-        "but install and the Dockerfile take a release: undo the merge "
-        "(`git reset --hard ORIG_HEAD`, or `git revert -m 1 MERGE`), keep the "
-        "rebase/vllm-git-* branch for testing against vLLM main, and adopt a "
+        f"{head} pins a vLLM git commit ({where}, at {base.rev[:12]}), "
+        "but install and the Dockerfile take a release: only the tool's "
+        "rebase/ and rehearsal/ branches may pin a git commit, to test the "
+        "series against vLLM main there; do not merge them. If this is "
+        f"{MAIN_BRANCH} after such a merge, undo it (`git reset --hard "
+        "ORIG_HEAD` right after it, or `git revert` its commit); adopt a "
         "release with `nox -s rebase -- --version V --sha256 H`"
     ]
