@@ -173,3 +173,36 @@ def test_a_git_pin_is_refused_off_the_tools_own_branches(
     for allowed in (branch, "rehearsal/vllm-git-x"):
         sh(ci, "git", "checkout", "-q", "-B", allowed)
         assert "pins a vLLM git commit" not in _cli(series_file, "check").stdout
+
+
+@pytest.mark.parametrize("damage", ["its objects deleted", "half its files"])
+def test_a_damaged_pin_cache_says_to_delete_it(
+    on_main: Project, tmp_path: Path, damage: str
+):
+    """A URL pin's commit is fetched once into the download cache; a cache
+    folder left part way (by hand, a disk, a kill) is named, with the way
+    on: delete it, and the next command fetches the commit again."""
+    checkout = tmp_path / "vllm-checkout"
+    sh(tmp_path, "git", "clone", "-q", on_main.upstream.as_uri(), str(checkout))
+    branch, _ = _rebase_onto(on_main, checkout)
+    commit = sh(checkout, "git", "rev-parse", "main").strip()
+    clone = tmp_path / "clone"
+    sh(tmp_path, "git", "clone", "-q", "-b", branch, str(on_main.root), str(clone))
+    series_file = clone / "patches/series.toml"
+    assert _cli(series_file, "apply").returncode == 0
+    (cache,) = (tmp_path / "cache/git").glob("*/*.git")
+    if damage == "its objects deleted":
+        shutil.rmtree(cache / "objects")
+        (cache / "objects").mkdir()
+    else:
+        for path in sorted(p for p in cache.rglob("*") if p.is_file())[::2]:
+            path.unlink()
+    shutil.rmtree(clone / "build")
+    applied = _cli(series_file, "apply")
+    assert applied.returncode == 1
+    said = " ".join(applied.stderr.split())
+    assert f"the cache of the pinned commit {commit[:12]}, {cache}, is damaged" in said
+    assert "delete that folder and run the command again" in said
+    assert "A pin to a folder" not in said
+    shutil.rmtree(cache)
+    assert _cli(series_file, "apply").returncode == 0

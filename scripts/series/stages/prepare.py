@@ -50,6 +50,7 @@ def base_id(base: Base) -> str:
 def resolve_git_rev(base: GitBase) -> str:
     if base.url is not None:
         fetch_git_commit(base)
+        return _cached_commit(base)
     if not is_repo(base.path) and not (base.path / "HEAD").exists():
         raise SeriesError(
             f"base.git: {base.path} is not a git repository. A pin to a folder "
@@ -71,6 +72,28 @@ def resolve_git_rev(base: GitBase) -> str:
             raise SeriesError(refused)
         raise SeriesError(f"base.rev: {base.rev!r} is not a commit in {base.path}")
     return result.stdout.decode().strip()
+
+
+def _cached_commit(base: GitBase) -> str:
+    """A URL pin's commit from its cache repository, every object of it
+    there; a cache a kill or a hand left part way is named, with the way
+    on (the next command fetches the commit again)."""
+    walked = git(
+        base.path, "rev-list", "--objects", "-n", "1", f"{base.rev}^{{commit}}",
+        check=False,
+    )  # fmt: skip
+    if walked.returncode != 0:
+        refused = ownership_refusal(walked.stderr)
+        if refused:
+            raise SeriesError(refused)
+        said = walked.stderr.decode(errors="replace").strip().splitlines()
+        raise SeriesError(
+            f"the cache of the pinned commit {base.rev[:12]}, {base.path}, is "
+            f"damaged ({said[-1] if said else 'not a git repository'}): delete "
+            "that folder and run the command again, which fetches the commit "
+            f"from {base.url} anew"
+        )
+    return base.rev
 
 
 def _extract_sdist(sdist: Path, dest: Path) -> None:
