@@ -225,16 +225,53 @@ def test_an_unreachable_index_is_one_sentence_naming_it(
     assert sh(project.root, "git", "branch", "--list", "rebase/*") == ""
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [
-        lambda raw: raw[: len(raw) // 2],
-        lambda raw: raw.replace('"version": "0.11.0"', '"version": "0.11.0/../../.."'),
-        lambda raw: raw.replace('"old_tip": "', '"old_tip": "x'),
-        lambda raw: raw.replace('"rehearsal": false', '"rehearsal": "no"'),
-    ],
-    ids=["cut short", "a version out of build/", "a commit not a commit", "a flag"],
-)
+def _field(name, value):
+    """A damage: the state file's field ``name`` set to ``value`` (or, for
+    ``...``, left out)."""
+
+    def damage(raw: str) -> str:
+        state = json.loads(raw)
+        if value is ...:
+            del state[name]
+        else:
+            state[name] = value
+        return json.dumps(state)
+
+    return damage
+
+
+DAMAGES = {
+    "cut short": lambda raw: raw[: len(raw) // 2],
+    "a version out of build/": lambda raw: raw.replace(
+        '"version": "0.11.0"', '"version": "0.11.0/../../.."'
+    ),
+    "a commit not a commit": lambda raw: raw.replace('"old_tip": "', '"old_tip": "x'),
+    "a flag": lambda raw: raw.replace('"rehearsal": false', '"rehearsal": "no"'),
+    # Field by field, each of the wrong type or range.
+    "reports an object": _field("reports", {}),
+    "a report's hunk a number": _field(
+        "reports",
+        [{"id": "0001", "title": "t", "outcome": "o", "evidence": "", "hunks": [3]}],
+    ),
+    "drop a string": _field("drop", "0001"),
+    "test_python a number": _field("test_python", 3),
+    "next beyond the stages": _field("next", 99),
+    "next negative": _field("next", -1),
+    "next a flag": _field("next", True),
+    "pending a string": _field("pending", "yes"),
+    "commits not commits": _field("commits", {"0001": "HEAD"}),
+    "regression_gone a string": _field("regression_gone", "tests/x.py"),
+    "target_commit short": _field("target_commit", "abc123"),
+    "branch_commit a list": _field("branch_commit", []),
+    "project_head a number": _field("project_head", 7),
+    "series_digest empty": _field("series_digest", ""),
+    "old_tip missing": _field("old_tip", ...),
+    "a field it never writes": _field("stage", 1),
+    "not an object": lambda raw: "[1, 2]",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES.values()), ids=list(DAMAGES))
 def test_a_damaged_state_file_is_named_and_nothing_is_touched(released, damage):
     """The state of a stopped rebase is read back as untrusted: damaged, or
     with a target whose folder would lead out of build/rebase/, --continue,

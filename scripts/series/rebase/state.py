@@ -94,15 +94,8 @@ def load_state(series: Series) -> RebaseState:
         )
     try:
         raw = json.loads(path.read_text())
-        # The name this field had before the rehearsal's branch had its own.
-        raw["rehearsal"] = raw.pop("allow_uncommitted", raw.get("rehearsal", False))
-        reports = [
-            StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})
-            for r in raw.pop("reports")
-        ]
-        state = RebaseState(**raw, reports=reports)
-        problem = _state_problem(state)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        problem = _state_problem(raw, len(series.stages))
+    except (OSError, ValueError) as exc:
         problem = f"cannot be read ({type(exc).__name__}: {exc})"
     if problem:
         raise SeriesError(
@@ -111,17 +104,99 @@ def load_state(series: Series) -> RebaseState:
             "its work area; recorded conflict resolutions stay), then rebase "
             "again. Your checkout and branches are untouched"
         )
-    return state
+    reports = [
+        StageReport(**{**r, "hunks": [HunkReport(**h) for h in r["hunks"]]})
+        for r in raw.pop("reports")
+    ]
+    return RebaseState(**raw, reports=reports)
 
 
-def _state_problem(state: RebaseState) -> str | None:
-    """What in a state file the tool did not write: its paths and commits
-    name what --continue and --abort change and delete."""
-    target = state.target
-    if not isinstance(target, dict) or set(target) not in (
-        {"name", "version", "sha256"},
-        {"name", "git", "rev"},
-    ):
+def _is_text(value) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def _is_commit(value) -> bool:
+    return isinstance(value, str) and bool(_COMMIT.match(value))
+
+
+def _is_texts(value) -> bool:
+    return isinstance(value, list) and all(_is_text(v) for v in value)
+
+
+def _is_report(value) -> bool:
+    """A stage's report: its id, title and outcome, evidence, and per hunk
+    its file, header and outcome, all text."""
+    return (
+        isinstance(value, dict)
+        and set(value) == {"id", "title", "outcome", "evidence", "hunks"}
+        and all(
+            isinstance(value[k], str) for k in ("id", "title", "outcome", "evidence")
+        )
+        and isinstance(value["hunks"], list)
+        and all(
+            isinstance(h, dict)
+            and set(h) == {"path", "header", "outcome"}
+            and all(isinstance(v, str) for v in h.values())
+            for h in value["hunks"]
+        )
+    )
+
+
+# Every field of the state file: what it must be, and how a message says it.
+_FIELDS = {
+    "target": (lambda v: isinstance(v, dict), "a release or a git checkout"),
+    "old_tip": (_is_commit, "a commit (40 hex digits)"),
+    "series_digest": (_is_text, "text"),
+    "next": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "a count of stages",
+    ),
+    "pending": (lambda v: isinstance(v, bool), "true or false"),
+    "reports": (
+        lambda v: isinstance(v, list) and all(map(_is_report, v)),
+        "stage reports",
+    ),
+    "test_python": (lambda v: v is None or _is_text(v), "a Python's path or null"),
+    "drop": (_is_texts, "a list of stage ids"),
+    "target_commit": (lambda v: v is None or _is_commit(v), "a commit or null"),
+    "commits": (
+        lambda v: isinstance(v, dict) and all(map(_is_commit, v.values())),
+        "stage ids and their commits",
+    ),
+    "regression_gone": (_is_texts, "a list of test paths"),
+    "rehearsal": (lambda v: isinstance(v, bool), "true or false"),
+    "project_head": (lambda v: v == "" or _is_commit(v), "a commit or empty"),
+    "branch_commit": (lambda v: v is None or _is_commit(v), "a commit or null"),
+}
+_REQUIRED = ("target", "old_tip", "series_digest", "reports")
+
+
+def _state_problem(raw, stages: int) -> str | None:
+    """What in a state file the tool did not write, field by field (its
+    paths and commits name what --continue and --abort change and delete;
+    ``next`` indexes the series' ``stages``), or None."""
+    if not isinstance(raw, dict):
+        return "is damaged: it holds no fields"
+    # The name this field had before the rehearsal's branch had its own.
+    if "allow_uncommitted" in raw:
+        raw["rehearsal"] = raw.pop("allow_uncommitted")
+    missing = [name for name in _REQUIRED if name not in raw]
+    if missing:
+        return f"is damaged: it has no {', '.join(missing)}"
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        return f"is damaged: it has fields the tool never writes ({', '.join(unknown)})"
+    for name, value in raw.items():
+        valid, what = _FIELDS[name]
+        if not valid(value):
+            return f"is damaged: its {name} is not {what}"
+    if raw.get("next", 0) > stages:
+        return f"is damaged: its next stage, {raw['next']}, is past the {stages} stages"
+    return _target_problem(raw["target"])
+
+
+def _target_problem(target: dict) -> str | None:
+    if set(target) not in ({"name", "version", "sha256"}, {"name", "git", "rev"}):
         return "is damaged: its target is neither a release nor a git checkout"
     if not all(isinstance(v, str) and v for v in target.values()):
         return "is damaged: its target has an empty or non-text field"
@@ -132,15 +207,6 @@ def _state_problem(state: RebaseState) -> str | None:
         is_version(target["version"]) and _SHA256.match(target["sha256"])
     ):
         return "is damaged: its release is no version with a sha256"
-    commits = [state.old_tip, *state.commits.values()]
-    commits += [c for c in (state.target_commit, state.branch_commit) if c]
-    commits += [state.project_head] if state.project_head else []
-    if not all(isinstance(c, str) and _COMMIT.match(c) for c in commits):
-        return "is damaged: a commit in it is not 40 hex digits"
-    if not (isinstance(state.next, int) and state.next >= 0):
-        return "is damaged: its next stage is not a count"
-    if not all(isinstance(v, bool) for v in (state.pending, state.rehearsal)):
-        return "is damaged: a flag in it is not true or false"
     return None
 
 
