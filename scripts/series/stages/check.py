@@ -150,12 +150,16 @@ def format_hunk_sizes(sizes: list[HunkSize]) -> str:
 
 
 def pin_problems(series: Series) -> list[str]:
-    """A git pin anywhere but on the tool's own branches (``rebase/`` and
-    ``rehearsal/``, which test against vLLM main): users install and build
-    the image from main, which take a release, and CI checks a pull request
-    on a detached merge commit, so only the branch's name can tell."""
+    """A git pin anywhere in a git checkout but on the tool's own branches
+    (``rebase/`` and ``rehearsal/``, which test against vLLM main): users
+    install and build the image from main, which take a release, and CI
+    checks a pull request on a detached merge commit, so only the branch's
+    name can tell. A project that is no git checkout has no branch to tell
+    by (every clone, CI's included, is one)."""
     base = series.base
     if not isinstance(base, GitBase):
+        return []
+    if git(series.root, "rev-parse", "--git-dir", check=False).returncode != 0:
         return []
     branch = git(series.root, "symbolic-ref", "--short", "-q", "HEAD", check=False)
     name = branch.stdout.decode().strip()
