@@ -32,6 +32,13 @@ Per call:
 With ``--key-split-all`` the planner key-splits every request it may
 (``KEY_SPLIT_BY_MODEL`` off), to time that policy beside its model's.
 
+Every split it runs is also checked: each simulated rank's rows, with the
+exchange and the merge emulated between the ranks, against the replicated
+op's by score (``cp_indexer_host_check``); a step whose rows differ ends
+the run with its name (exit 1). ``--check-only`` checks the steps without
+timing them (``cp_indexer_exactness.json``). The JSON records the
+project's commit (``DSA_COMMIT`` where the copy has no git history).
+
 With ``--calibrate`` or ``--variants`` it first calibrates the planner's
 costs (the run records the whole op's per-call time, c, as ``call_ms``): the logits
 and top-k are timed on chunks of R rows of L keys each. The whole op on
