@@ -175,13 +175,13 @@ def test_a_git_pin_is_refused_off_the_tools_own_branches(
         assert "pins a vLLM git commit" not in _cli(series_file, "check").stdout
 
 
-@pytest.mark.parametrize("damage", ["its objects deleted", "half its files"])
+@pytest.mark.parametrize("damage", ["empty", "its objects deleted", "half its files"])
 def test_a_damaged_pin_cache_says_to_delete_it(
     on_main: Project, tmp_path: Path, damage: str
 ):
     """A URL pin's commit is fetched once into the download cache; a cache
-    folder left part way (by hand, a disk, a kill) is named, with the way
-    on: delete it, and the next command fetches the commit again."""
+    folder left empty or part way (by hand, a disk, a kill) is named, with
+    the way on: delete it, and the next command fetches the commit again."""
     checkout = tmp_path / "vllm-checkout"
     sh(tmp_path, "git", "clone", "-q", on_main.upstream.as_uri(), str(checkout))
     branch, _ = _rebase_onto(on_main, checkout)
@@ -191,7 +191,14 @@ def test_a_damaged_pin_cache_says_to_delete_it(
     series_file = clone / "patches/series.toml"
     assert _cli(series_file, "apply").returncode == 0
     (cache,) = (tmp_path / "cache/git").glob("*/*.git")
-    if damage == "its objects deleted":
+    if damage == "empty":
+        shutil.rmtree(cache)
+        cache.mkdir()
+        # Inside a repository that has the commit (a home folder kept in
+        # git, say): the emptied cache must not borrow it.
+        sh(tmp_path / "cache", "git", "init", "-q")
+        sh(tmp_path / "cache", "git", "fetch", "-q", str(checkout), "main")
+    elif damage == "its objects deleted":
         shutil.rmtree(cache / "objects")
         (cache / "objects").mkdir()
     else:

@@ -77,9 +77,12 @@ def resolve_git_rev(base: GitBase) -> str:
 def _cached_commit(base: GitBase) -> str:
     """A URL pin's commit from its cache repository, every object of it
     there; a cache a kill or a hand left part way is named, with the way
-    on (the next command fetches the commit again)."""
+    on (the next command fetches the commit again). The cache is a bare
+    repository, named as one: git must not look above an emptied folder
+    for another repository."""
     walked = git(
-        base.path, "rev-list", "--objects", "-n", "1", f"{base.rev}^{{commit}}",
+        base.path, "--git-dir", str(base.path),
+        "rev-list", "--objects", "-n", "1", f"{base.rev}^{{commit}}",
         check=False,
     )  # fmt: skip
     if walked.returncode != 0:
