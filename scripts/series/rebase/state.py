@@ -94,7 +94,7 @@ def load_state(series: Series) -> RebaseState:
         )
     try:
         raw = json.loads(path.read_text())
-        problem = _state_problem(raw, len(series.stages))
+        problem = _state_problem(raw, [stage.id for stage in series.stages])
     except (OSError, ValueError) as exc:
         problem = f"cannot be read ({type(exc).__name__}: {exc})"
     if problem:
@@ -156,7 +156,11 @@ _FIELDS = {
         lambda v: isinstance(v, list) and all(map(_is_report, v)),
         "stage reports",
     ),
-    "test_python": (lambda v: v is None or _is_text(v), "a Python's path or null"),
+    # The Python --continue runs the stages' tests with: as the tool wrote it.
+    "test_python": (
+        lambda v: v is None or (_is_text(v) and Path(v).is_absolute()),
+        "a Python's absolute path or null",
+    ),
     "drop": (_is_texts, "a list of stage ids"),
     "target_commit": (lambda v: v is None or _is_commit(v), "a commit or null"),
     "commits": (
@@ -171,10 +175,11 @@ _FIELDS = {
 _REQUIRED = ("target", "old_tip", "series_digest", "reports")
 
 
-def _state_problem(raw, stages: int) -> str | None:
+def _state_problem(raw, stages: list[str]) -> str | None:
     """What in a state file the tool did not write, field by field (its
-    paths and commits name what --continue and --abort change and delete;
-    ``next`` indexes the series' ``stages``), or None."""
+    paths and commits name what --continue and --abort change and delete,
+    ``test_python`` what it runs; ``next`` indexes the series' ``stages``,
+    ``drop`` and ``commits`` name them), or None."""
     if not isinstance(raw, dict):
         return "is damaged: it holds no fields"
     # The name this field had before the rehearsal's branch had its own.
@@ -190,8 +195,15 @@ def _state_problem(raw, stages: int) -> str | None:
         valid, what = _FIELDS[name]
         if not valid(value):
             return f"is damaged: its {name} is not {what}"
-    if raw.get("next", 0) > stages:
-        return f"is damaged: its next stage, {raw['next']}, is past the {stages} stages"
+    if raw.get("next", 0) > len(stages):
+        return (
+            f"is damaged: its next stage, {raw['next']}, is past the "
+            f"{len(stages)} stages"
+        )
+    named = set(raw.get("drop", [])) | set(raw.get("commits", {}))
+    if not named <= set(stages):
+        unknown = ", ".join(sorted(named - set(stages)))
+        return f"is damaged: it names stages the series has not ({unknown})"
     return _target_problem(raw["target"])
 
 
