@@ -202,8 +202,8 @@ def _state_problem(raw, stages: list[str]) -> str | None:
         )
     named = set(raw.get("drop", [])) | set(raw.get("commits", {}))
     if not named <= set(stages):
-        unknown = ", ".join(sorted(named - set(stages)))
-        return f"is damaged: it names stages the series has not ({unknown})"
+        strangers = ", ".join(sorted(named - set(stages)))
+        return f"is damaged: it names stages the series has not ({strangers})"
     return _target_problem(raw["target"])
 
 
