@@ -392,8 +392,8 @@ def mutate(session: nox.Session) -> None:
     """Mutation-test a module with cosmic-ray and print its score (not CI).
 
     -- MODULE [--since REV | --lines A-B ...] -- PYTEST-ARGS: the tests that
-    should kill its mutants; a module under vllm_overlay/ is mutated in the
-    top stage's test tree (scripts/mutate.py).
+    should kill its mutants; they run in a scratch worktree, never in the
+    checkout (scripts/mutate.py).
     """
     if not session.posargs:
         session.error(
@@ -402,5 +402,4 @@ def mutate(session: nox.Session) -> None:
         )
     _series(session, "apply")
     _install_cpu_deps(session)
-    session.install("cosmic-ray==8.7.0")
     session.run(_python(session), "-m", "scripts.mutate", *session.posargs)

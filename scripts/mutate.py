@@ -6,11 +6,15 @@
 MODULE is a file of the project; one under ``vllm_overlay/`` is mutated in
 the top stage's test tree, where its tests run with the stage tree's
 environment, as the test runner runs them. ``--since REV`` mutates only the
-lines changed since REV, ``--lines`` only the ranges given. cosmic-ray
-changes the file in place while a mutant's tests run and puts it back; a
-module with uncommitted edits is refused, so that a run stopped part way is
-undone with ``git checkout -- MODULE`` (in the test tree for an overlay).
-The session is kept in build/mutate/ (``cr-report`` reads it again).
+lines changed since REV, ``--lines`` only the ranges given.
+
+cosmic-ray writes each mutant into the file it mutates, so the mutants run
+in a scratch copy (build/mutate/work/): a git worktree of the project (or
+of the test tree) holding its uncommitted edits and untracked files, with
+the project's ``build/`` linked. The checkout is never written, whatever
+happens meanwhile (a commit, an editor's save, a kill); the next run
+clears what a killed one left. The session is kept in build/mutate/
+(``cr-report`` reads it again).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -38,16 +43,48 @@ def _series(*args: str) -> str:
 
 
 def _where(module: str) -> tuple[Path, Path, dict[str, str]]:
-    """The folder the tests run in, the file to mutate, and their env."""
+    """The checkout the module lives in, the module's path in it, and the
+    environment its tests run with."""
     if not module.startswith(OVERLAY):
-        return REPO_ROOT, REPO_ROOT / module, dict(os.environ)
+        return REPO_ROOT, Path(module), dict(os.environ)
     top = _series("stages").split()[-1]
     tree = Path(_series("tree", top).strip())
     env = dict(os.environ)
     for line in _series("env", top).splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
         env[name] = shlex.split(value)[0] if value else ""
-    return tree, tree / module.removeprefix(OVERLAY), env
+    return tree, Path(module.removeprefix(OVERLAY)), env
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, capture_output=True, text=True, check=True
+    ).stdout
+
+
+def _drop_scratch(checkout: Path, scratch: Path) -> None:
+    """Remove a scratch copy, and the worktree entry a killed run left."""
+    if scratch.is_symlink() or scratch.is_file():
+        scratch.unlink()
+    elif scratch.exists():
+        shutil.rmtree(scratch)
+    _git(checkout, "worktree", "prune")
+
+
+def _scratch_copy(checkout: Path, scratch: Path) -> None:
+    """A worktree of ``checkout`` at what it holds now: its commit, its
+    uncommitted edits (``git stash create`` records them without touching
+    the checkout) and its untracked files; the project's build/ linked."""
+    _drop_scratch(checkout, scratch)
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    snapshot = _git(checkout, "stash", "create").strip() or "HEAD"
+    _git(checkout, "worktree", "add", "--detach", str(scratch), snapshot)
+    untracked = _git(checkout, "ls-files", "-z", "--others", "--exclude-standard")
+    for name in filter(None, untracked.split("\0")):
+        (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(checkout / name, scratch / name, follow_symlinks=False)
+    if checkout == REPO_ROOT:
+        (scratch / "build").symlink_to(REPO_ROOT / "build", target_is_directory=True)
 
 
 def _changed_lines(module: str, since: str) -> list[str]:
@@ -75,14 +112,18 @@ def main(argv: list[str]) -> int:
     args, tests = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not tests:
         parser.error("give the pytest arguments that should kill its mutants after --")
-    cwd, target, env = _where(args.module)
-    edited = subprocess.run(["git", "diff", "--quiet", "--", target], cwd=cwd)
-    if edited.returncode:
-        sys.exit(f"error: {target} has uncommitted edits; commit or drop them first")
+    checkout, relative, env = _where(args.module)
+    if not (checkout / relative).is_file():
+        parser.error(f"{args.module} is no file of the project")
     lines = args.lines + (_changed_lines(args.module, args.since) if args.since else [])
     out = REPO_ROOT / "build" / "mutate"
     out.mkdir(parents=True, exist_ok=True)
     name = args.module.replace("/", "_")
+    scratch = out / "work" / name
+    _scratch_copy(checkout, scratch)
+    target = scratch / relative
+    if checkout != REPO_ROOT:
+        env["DSA_VLLM_TREE"] = str(scratch)
     config, session = out / f"{name}.toml", out / f"{name}.sqlite"
     command = shlex.join([sys.executable, "-m", "pytest", "-x", "-q", *tests])
     toml = [
@@ -109,12 +150,17 @@ def main(argv: list[str]) -> int:
         ["cosmic-ray", "exec", str(config), str(session)],
         ["cr-report", "--surviving-only", "--show-diff", str(session)],
     ]
-    print(f"mutating {target} ({', '.join(lines) or 'every line'}); tests: {command}")
-    print(f"if this run is stopped, `git -C {cwd} checkout -- {target}` undoes it")
-    for step in steps:
-        subprocess.run(
-            [str(bin_dir / step[0]), *step[1:]], cwd=cwd, env=env, check=True
-        )
+    print(
+        f"mutating {args.module} ({', '.join(lines) or 'every line'}) in the "
+        f"scratch copy {scratch}; tests: {command}"
+    )
+    try:
+        for step in steps:
+            subprocess.run(
+                [str(bin_dir / step[0]), *step[1:]], cwd=scratch, env=env, check=True
+            )
+    finally:
+        _drop_scratch(checkout, scratch)
     # cosmic-ray 8's session: one result per mutant run (the line filter's
     # skipped ones have none); cr-rate would count those as not surviving.
     with sqlite3.connect(session) as db:

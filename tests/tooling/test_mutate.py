@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``nox -s mutate`` never writes the user's checkout: cosmic-ray's mutants
+run in a scratch worktree, so a kill while a mutant is in its file leaves
+the checkout byte for byte as it was, and the next run clears the scratch.
+
+The project here is a small git repository holding the real
+``scripts/mutate.py`` and one module whose test can be held running."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import sh, write_files
+
+from scripts.series.config import REPO_ROOT
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.skipif(
+    not (BIN / "cosmic-ray").exists(),
+    reason="cosmic-ray is not installed beside this Python (tests/requirements-cpu.txt)",
+)
+
+DECIDE = """\
+def grant(age, limit):
+    if age >= limit:
+        return "yes"
+    return "no"
+"""
+# A test that writes a marker and, while HOLD names a file that does not
+# exist yet, waits: the test sees a mutant sitting in the scratch's file.
+TEST = """\
+import os
+import time
+from pathlib import Path
+
+from toy.decide import grant
+
+
+def test_grant():
+    marker = os.environ.get("HOLD")
+    if marker:
+        Path(marker + ".running").write_text(Path("toy/decide.py").read_text())
+        while not Path(marker).exists():
+            time.sleep(0.1)
+    assert grant(18, 18) == "yes"
+    assert grant(17, 18) == "no"
+"""
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every file of the work tree but build/ (where the tool keeps its own
+    work), hashed; git's refs are compared apart."""
+    files = {}
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith(("build/", ".git/")):
+            continue
+        if path.is_file() and not path.is_symlink():
+            files[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return files
+
+
+@pytest.fixture
+def toy(tmp_path: Path) -> Path:
+    root = tmp_path / "project"
+    for name in ("scripts/__init__.py", "scripts/mutate.py",
+                 "scripts/series/__init__.py", "scripts/series/config.py"):  # fmt: skip
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, root / name)
+    write_files(root, {".gitignore": "/build/\n__pycache__/\n", "toy/__init__.py": ""})
+    write_files(root, {"toy/decide.py": DECIDE.replace(">=", ">")})
+    sh(root, "git", "init", "-q", "-b", "main")
+    sh(root, "git", "add", "-A")
+    sh(root, "git", "commit", "-qm", "toy")
+    # An uncommitted edit (the fix) and an untracked test: both are what the
+    # user has, and the mutants must be tested with them.
+    write_files(root, {"toy/decide.py": DECIDE, "tests/test_decide.py": TEST})
+    return root
+
+
+def _mutate(root: Path, hold: Path | None) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if hold:
+        env["HOLD"] = str(hold)
+    return subprocess.Popen(
+        [sys.executable, "-m", "scripts.mutate", "toy/decide.py", "--",
+         "tests/test_decide.py", "-p", "no:cacheprovider"],
+        cwd=root, env=env, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def test_a_kill_mid_mutant_leaves_the_checkout_as_it_was(toy: Path) -> None:
+    before = _snapshot(toy)
+    status = sh(toy, "git", "status", "--porcelain")
+    refs = sh(toy, "git", "show-ref", "--head")
+    hold = toy.parent / "hold"
+    run = _mutate(toy, hold)
+    try:
+        deadline = time.monotonic() + 120
+        # The first test run is cosmic-ray's baseline on the unmutated
+        # module; wait for one that holds a mutant.
+        while True:
+            seen = Path(f"{hold}.running")
+            if seen.exists() and seen.read_text() not in ("", DECIDE):
+                break
+            if seen.exists():
+                seen.unlink()
+                hold.write_text("")
+                time.sleep(0.2)
+                hold.unlink(missing_ok=True)
+            assert run.poll() is None, run.communicate()[0]
+            assert time.monotonic() < deadline, "no mutant was ever tested"
+            time.sleep(0.05)
+        assert (toy / "toy/decide.py").read_text() == DECIDE
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert _snapshot(toy) == before
+    assert sh(toy, "git", "status", "--porcelain") == status
+    assert sh(toy, "git", "show-ref", "--head") == refs
+
+    # The next run clears what the killed one left, tests the checkout's
+    # own edits (the fixed module kills mutants the committed one would
+    # not), and removes its scratch when done.
+    again = _mutate(toy, None)
+    out = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, out
+    assert "mutation score of toy/decide.py" in out, out
+    assert " 0 of " not in out and "(0 of" not in out, out
+    killed = out.split("mutation score of toy/decide.py: ")[1]
+    assert not killed.startswith("0.0%"), out
+    assert _snapshot(toy) == before
+    assert sh(toy, "git", "worktree", "list", "--porcelain").count("worktree ") == 1
+    assert not (toy / "build/mutate/work/toy_decide.py").exists()
