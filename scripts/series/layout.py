@@ -89,6 +89,12 @@ def export_dir(series: Series) -> Path:
     return build_dir(series) / "export" / series.base.label
 
 
+def pr_check_dir(series: Series) -> Path:
+    """The vLLM worktrees ``export --test-python`` checks its PRs in; each
+    export clears what a killed one left."""
+    return build_dir(series) / "pr-checks" / series.base.label
+
+
 def carry_path(repo: Path) -> Path:
     """A stage carried by a three-way merge and waiting for its conflicts to
     be resolved (``apply --carry``, then ``--continue``)."""

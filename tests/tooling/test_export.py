@@ -16,7 +16,7 @@ from scripts.series import SeriesError
 from scripts.series.config import REPO_ROOT, load_series
 from scripts.series.export import pr_check
 from scripts.series.export.export import export_stages
-from scripts.series.export.pr_check import check_prs, review_path
+from scripts.series.export.pr_check import check_prs
 from scripts.series.git import Identity, changed_files, git_out
 from scripts.series.stages.apply import apply
 from tests.tooling.conftest import Project, sh, write_files
@@ -431,7 +431,7 @@ def test_the_targets_own_precommit_fails_a_pr_with_the_hooks_message(
     ) as failed:
         check_prs(project.series(), prs, sys.executable)
     assert "\x1b" not in str(failed.value), "the hook's colour codes are dropped"
-    review = review_path(prs[0]).read_text()
+    review = prs[0].review.read_text()
     assert "| pre-commit `no-print` | FAILED |" in review
     assert re.search(r"\| pre-commit `ruff-check` \| FAILED \|.*F401", review)
     assert re.search(

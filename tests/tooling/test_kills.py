@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 from conftest import Project, add_two_stages, run_cli, sh
+from test_export import _stage_with_a_pr_test
 from test_rebase import _conflicting_target
 
 from scripts.series import SeriesError
 from scripts.series.config import REPO_ROOT
-from scripts.series.layout import rebase_dir, workdir
+from scripts.series.layout import export_dir, pr_check_dir, rebase_dir, workdir
 from scripts.series.rebase import rehearsal
 from scripts.series.rebase.state import state_file
 from scripts.series.stages.fetch import CACHE_ENV
@@ -466,3 +467,36 @@ def test_a_rebase_killed_as_it_rebuilds_stale_stages_leaves_the_tree_at_its_stag
     tag = sh(workdir(series), "git", "rev-parse", "refs/tags/stage/0001").strip()
     assert sh(workdir(series), "git", "rev-parse", "HEAD").strip() == tag
     assert "0001  applied" in _cli(project, "status").stdout
+
+
+# -- 6. an export killed while it checks its PRs ------------------------------
+
+
+def test_an_export_killed_mid_check_leaves_no_review_and_the_next_clears_it(
+    project: Project, tmp_path: Path
+):
+    """Killed after its check made a vLLM worktree: the last export's review
+    ("ok" for a patch it never checked) is gone beside the new patch, and
+    the next export removes the worktree and its registration."""
+    _stage_with_a_pr_test(project, "def test_on():\n    assert envs.CP_INDEXER\n")
+    series = project.series()
+    check = ["export", "--signoff", "Eve <eve@example.org>", "--test-python",
+             sys.executable]  # fmt: skip
+    assert _cli(project, "apply").returncode == 0
+    first = _cli(project, *check)
+    assert first.returncode == 0, first.stderr
+    (review,) = export_dir(series).glob("*.review.md")
+    worktrees = sh(workdir(series), "git", "worktree", "list")
+
+    blocked = Blocked(tmp_path, "worktree add -q --detach", "after")
+    assert blocked.run(*_tool(project, *check)), blocked.output
+    blocked.signal()
+    assert review.with_name(review.name.replace(".review.md", ".patch")).exists()
+    assert not review.exists(), "a review of the last export's patch"
+    assert list(pr_check_dir(series).iterdir()), "the kill left no worktree"
+
+    again = subprocess.run(_tool(project, *check), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert "| `git am` | ok |" in review.read_text()
+    assert sh(workdir(series), "git", "worktree", "list") == worktrees
+    assert list(pr_check_dir(series).iterdir()) == []

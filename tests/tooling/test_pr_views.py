@@ -19,7 +19,7 @@ import pytest
 
 from scripts.series import SeriesError
 from scripts.series.export.export import export_stages
-from scripts.series.export.pr_check import check_prs, review_path
+from scripts.series.export.pr_check import check_prs
 from scripts.series.export.pr_views import AMD_CI, CPU, run_view, verdict
 from scripts.series.git import Identity
 from scripts.series.stages.apply import apply
@@ -121,7 +121,7 @@ def test_the_fixed_test_passes_or_skips_with_a_reason_in_every_view(
 ):
     (pr,) = _export(project, FIXED)
     check_prs(project.series(), [pr], sys.executable)
-    review = review_path(pr).read_text()
+    review = pr.review.read_text()
     rows = [line for line in review.splitlines() if "its tests" in line]
     assert len(rows) == 5, review
     assert rows[0].startswith(
@@ -149,7 +149,7 @@ def test_reverting_the_fix_fails_the_export_under_every_amd_view(
     for view in AMD_CI:
         assert f"its tests as {view.label} runs them" in message
     assert "1 passed, 1 failed" in message
-    review = review_path(pr).read_text()
+    review = pr.review.read_text()
     assert "| its tests with plain pytest on a CPU (tests/v1/test_mxfp4.py) | ok |" in (
         review
     )

@@ -38,6 +38,11 @@ class PullRequest:
     patch: Path
     description: Path
 
+    @property
+    def review(self) -> Path:
+        """The maintainer's first pass over ``patch`` (``export --test-python``)."""
+        return self.patch.with_name(f"{self.patch.stem}.review.md")
+
 
 def _slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:60]
@@ -381,13 +386,16 @@ def export_stage(
     out = export_dir(series)
     out.mkdir(parents=True, exist_ok=True)
     name = f"{stage.id}-{_slug(stage.title)}"
-    patch = out / f"{name}.patch"
-    patch.write_bytes(
+    pr = PullRequest(stage, branch, pr_commit, needs, out / f"{name}.patch",
+                     out / f"{name}.md")  # fmt: skip
+    # The last export's review checked the last patch: gone before the new
+    # patch is written, so a killed check never leaves it beside the new one.
+    pr.review.unlink(missing_ok=True)
+    pr.patch.write_bytes(
         git(repo, "format-patch", *FORMAT_PATCH_FLAGS, f"{parent}..{pr_commit}").stdout
     )
-    description_file = out / f"{name}.md"
-    description_file.write_text(description, encoding="utf-8")
-    return PullRequest(stage, branch, pr_commit, needs, patch, description_file)
+    pr.description.write_text(description, encoding="utf-8")
+    return pr
 
 
 def export_stages(

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,7 @@ from scripts.series.export.vllm_precommit import (
     run_in_project,
 )
 from scripts.series.git import git, git_out
-from scripts.series.layout import workdir
+from scripts.series.layout import pr_check_dir, workdir
 from scripts.series.stages.state import read_chain
 
 
@@ -94,13 +93,13 @@ def check_pr(
     repo = workdir(series)
     base = read_chain(series, repo).base
     items: list[Item] = []
-    with tempfile.TemporaryDirectory(prefix=f"pr-{pr.stage.id}-") as tmp:
-        tree = Path(tmp) / "vllm"
-        git(repo, "worktree", "add", "-q", "--detach", str(tree), base)
-        try:
-            _first_pass(series, pr, by_id, python, repo, tree, items)
-        finally:
-            git(repo, "worktree", "remove", "--force", str(tree))
+    tree = pr_check_dir(series) / pr.stage.id / "vllm"  # its logs beside it
+    git(repo, "worktree", "add", "-q", "--detach", str(tree), base)
+    try:
+        _first_pass(series, pr, by_id, python, repo, tree, items)
+    finally:
+        git(repo, "worktree", "remove", "--force", str(tree))
+        shutil.rmtree(tree.parent)
     return items
 
 
@@ -241,10 +240,6 @@ def with_checks(description: str, base: str, items: list[Item]) -> str:
     return f"{head.rstrip()}\n\n{block}{marker}{tail}"
 
 
-def review_path(pr: PullRequest) -> Path:
-    return pr.patch.with_name(f"{pr.patch.stem}.review.md")
-
-
 def check_prs(series: Series, prs: Sequence[PullRequest], python: str) -> None:
     """Write each PR's first pass beside its patch; raise SeriesError naming
     every item that fails."""
@@ -253,6 +248,9 @@ def check_prs(series: Series, prs: Sequence[PullRequest], python: str) -> None:
         raise SeriesError(f"--test-python {python}: no such Python")
     python = os.path.abspath(found)  # the checks run in other folders
     by_id = {pr.stage.id: pr for pr in prs}
+    # What a killed check left: its worktrees, then their registrations.
+    shutil.rmtree(pr_check_dir(series), ignore_errors=True)
+    pr_check_dir(series).mkdir(parents=True)
     git(workdir(series), "worktree", "prune")
     # The PRs side by side: one's pre-commit runs while another's tests do,
     # at most one process per CPU (_CPUS).
@@ -260,7 +258,7 @@ def check_prs(series: Series, prs: Sequence[PullRequest], python: str) -> None:
         checked = list(pool.map(lambda pr: check_pr(series, pr, by_id, python), prs))
     problems = []
     for pr, items in zip(prs, checked, strict=True):
-        review_path(pr).write_text(format_review(pr, items))
+        pr.review.write_text(format_review(pr, items))
         pr.description.write_text(
             with_checks(pr.description.read_text(), series.base.label, items)
         )
