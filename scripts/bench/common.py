@@ -5,7 +5,7 @@ the versions a result is stated with.
 The tree is the test contract's (scripts/series/contract.py): under
 ``scripts/gpu_run.sh`` or a nox session it is set already; ``--tree`` names
 one by hand. Run a benchmark from the project root as a module,
-``python -m scripts.bench.<name>``.
+``python3 -m scripts.bench.<name>``.
 """
 
 from __future__ import annotations

@@ -83,9 +83,9 @@ Usage (on the device, under scripts/gpu_run.sh; see docs/gpu_runs.md):
     python3 -m scripts.bench.cp_indexer_host --out DIR [--resume]
     python3 -m scripts.bench.cp_indexer_host --crossover --out DIR
 on an MI355X (docs/serving.md, "Stage 0001's host bench on an MI355X"):
-    python -m scripts.bench.cp_indexer_host --aiter --tree TREE --out DIR
+    python3 -m scripts.bench.cp_indexer_host --aiter --tree TREE --out DIR
 then, with the JSON files in docs/:
-    python -m scripts.bench.cp_indexer_host --report docs
+    python3 -m scripts.bench.cp_indexer_host --report docs
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Each run's per-run times are the tool's own (``timings.md`` beside the
 summary: wall time, and CPU time with the run's children). Writes
 ``docs/test_suite_time.{md,json}``.
 
-    python -m scripts.bench.test_suite_time [--warm 3] [--cold 3] [--out docs]
+    python3 -m scripts.bench.test_suite_time [--warm 3] [--cold 3] [--out docs]
 
 Run it on an otherwise idle machine: the figures are that machine's.
 """
@@ -159,7 +159,7 @@ def main() -> None:
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} "
             f"GiB, {platform.machine()}, Python {platform.python_version()}"
         ),
-        "command": "python -m scripts.bench.test_suite_time "
+        "command": "python3 -m scripts.bench.test_suite_time "
         f"--warm {args.warm} --cold {args.cold}",
         "warm": [],
         "cold": [],

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The series tool (``python -m scripts.series --help``): patches/ and
+"""The series tool (``python3 -m scripts.series --help``): patches/ and
 vllm_overlay/ turned into tested vLLM trees. Packages by job: stages/,
 rebase/, export/, install/, testing/; docs/tooling.md describes the layout."""
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Command line of the series tool: python -m scripts.series COMMAND. The
+"""Command line of the series tool: python3 -m scripts.series COMMAND. The
 commands, their arguments and what each runs are the table in
 ``commands.py``."""
 
@@ -19,7 +19,7 @@ from scripts.series.rebase.state import rebase_command
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.series",
+        prog="python3 -m scripts.series",
         description="The DSA indexer patch series for vLLM: fetch the pinned "
         "vLLM, apply the stages, test them, write them back to patches/, "
         "export them as upstream PRs, install them into a vLLM, or rebase them "

@@ -35,7 +35,7 @@ def project_lock(series: Series, command: str) -> Iterator[None]:
         )
         handle.seek(0)
         handle.truncate()
-        handle.write(f"`python -m scripts.series {command}` (pid {os.getpid()})")
+        handle.write(f"`python3 -m scripts.series {command}` (pid {os.getpid()})")
         handle.flush()
         yield
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The MI355X validation kit's command line: python -m scripts.validate."""
+"""The MI355X validation kit's command line: python3 -m scripts.validate."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def dry_run(stage: str, config: Path, out: Path, site: Path | None = None) -> st
         lines.append(f"# {variant.name}")
         if variant.install:
             command = install_command(where, variant.install)
-            lines.append(shell_line(["python", *command[1:]]))
+            lines.append(shell_line(["python3", *command[1:]]))
         serve = experiment.serve_command(variant)
         lines.append(shell_line(serve, experiment.serve_env(variant)) + " &")
         lines += [
@@ -55,14 +55,14 @@ def default_site() -> Path | None:
 
 
 def _report(experiment: Experiment, out: Path) -> Path:
-    command = "python -m scripts.validate " + " ".join(sys.argv[1:])
+    command = "python3 -m scripts.validate " + " ".join(sys.argv[1:])
     variants = [v.name for v in experiment.variants]
     return write_report(experiment.stage, out, variants, command)
 
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.validate",
+        prog="python3 -m scripts.validate",
         description="Reproduce a stage's PR experiments on an MI355X machine: "
         "per variant, install its code into the machine's vLLM, serve the "
         "model, run the benchmark sweep and the accuracy tasks, check every "

@@ -131,7 +131,8 @@ def test_a_users_mistakes_are_one_line_errors(two_stages: Project, tmp_path):
         text=True,
     )
     assert old_python.returncode == 1
-    assert old_python.stderr.startswith("error: the series tool needs Python 3.11.4")
+    assert old_python.stderr.startswith("error: the series tool needs Python 3.11")
+    assert "sudo apt install python3.11 python3.11-venv" in old_python.stderr
 
 
 def test_a_failed_extraction_leaves_nothing_half_made(two_stages: Project, monkeypatch):
@@ -316,7 +317,7 @@ def test_two_first_applies_at_once_build_one_good_base(two_stages: Project):
         outputs.append((out, before + err))
     assert [run.returncode for run in runs] == [0, 0], outputs
     assert all(
-        "waiting for `python -m scripts.series test holder`" in e for _, e in outputs
+        "waiting for `python3 -m scripts.series test holder`" in e for _, e in outputs
     )
     # One applied, the other found its work done.
     assert sorted("stage 0002: up to date" in out for out, _ in outputs) == [
@@ -345,7 +346,7 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
         assert waiting.poll() is None, "apply ran while another held the lock"
     out, err = waiting.communicate(timeout=120)
     assert waiting.returncode == 0, said + err
-    assert "waiting for `python -m scripts.series test holder`" in said
+    assert "waiting for `python3 -m scripts.series test holder`" in said
 
 
 def test_adding_a_stage_in_the_readmes_order(project: Project):

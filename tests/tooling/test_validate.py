@@ -95,11 +95,15 @@ def test_the_dry_run_is_the_seeds_matrix_for_stage_0001(tmp_path):
     installs = [
         line
         for line in lines
-        if line[:4] == ["python", "-m", "scripts.series", "install"]
+        if line[:4] == ["python3", "-m", "scripts.series", "install"]
     ]
     assert [line[-1] for line in installs] == ["base", "0001"]
     assert lines[1] == installs[0] and lines[2] == serves[0]
-    evals = [line for line in lines[:18] if line[0] in ("lm_eval", "python3")]
+    evals = [
+        line
+        for line in lines[:18]
+        if line[0] == "lm_eval" or line[:3] == ["python3", "-m", "sglang.test.run_eval"]
+    ]
     assert [
         line[line.index("--tasks") + 1] if "--tasks" in line else line[4]
         for line in evals
@@ -123,7 +127,7 @@ def test_the_dry_run_is_the_seeds_matrix_for_stage_0003(tmp_path):
     ]
     assert "--attention-config" not in serves[0]
     # The seed's baseline: the FP8 indexer with AITER top-k, without the stage.
-    installs = [line[-1] for line in lines if line[:2] == ["python", "-m"]]
+    installs = [line[-1] for line in lines if line[:2] == ["python3", "-m"]]
     assert installs == ["0001", "0003"]
     benches = [line for line in lines if line[:3] == ["vllm", "bench", "serve"]]
     first = _without(benches[0], "--save-result", "--result-dir", "--result-filename")

@@ -61,7 +61,7 @@ def _split_message(message: str) -> tuple[str, str, list[str]]:
 
 
 _SERIES_ONLY = re.compile(
-    r"`((?:nox |python -m scripts|scripts/|tests/(?:stage_|base/|tooling/)"
+    r"`((?:nox |python3? -m scripts|scripts/|tests/(?:stage_|base/|tooling/)"
     r"|vllm_overlay/|docs/)[^`]*)`"
 )
 

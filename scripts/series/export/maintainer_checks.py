@@ -12,7 +12,7 @@ the hooks' virtualenv (``vllm_precommit``) on a PR applied to its target:
   ``vllm/config/``; imports inside functions or ``if TYPE_CHECKING:`` are
   lazy and fine.
 
-``python -m scripts.series.export.maintainer_checks TREE BASE_REV FILE...`` prints
+``python3 -m scripts.series.export.maintainer_checks TREE BASE_REV FILE...`` prints
 ``[{"check", "ok", "detail"}]`` as JSON.
 """
 

@@ -34,6 +34,7 @@ from scripts.series.layout import (
     staging_dir,
     workdir,
 )
+from scripts.series.stages.extract import extract
 from scripts.series.stages.fetch import fetch_git_commit, fetch_sdist
 
 BASE_DATE = "2000-01-01T00:00:00+00:00"
@@ -109,14 +110,14 @@ def _extract_sdist(sdist: Path, dest: Path) -> None:
         inside = [m for m in members if m.name.startswith(prefix)]
         for member in inside:
             member.name = member.name[len(prefix) :]
-        archive.extractall(dest, members=inside, filter="data")
+        extract(archive, dest, inside, sdist.name)
 
 
 def extract_commit(repo: Path, commit: str, dest: Path) -> None:
     """The files of ``commit`` in ``repo`` into ``dest`` (no .git)."""
     archive = git(repo, "archive", "--format=tar", commit).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(dest, filter="data")
+        extract(tar, dest, tar.getmembers(), f"git archive of {commit[:12]}")
 
 
 def _extract_git(base: GitBase, commit: str, dest: Path) -> None:
