@@ -234,8 +234,9 @@ def rebase(session: nox.Session) -> None:
 
     -- --version V --sha256 H (a release; --version alone prints the hash
     the package index lists), or -- --git PATH --rev REV; then -- --continue
-    or --abort. It ends on a project branch, rebase/<target>: merge it to
-    adopt the new pin.
+    or --abort. It ends on a project branch, rebase/<target>: merge a
+    release's branch to adopt its pin; a git checkout's is for testing,
+    never merged.
     """
     python = _python(session)
     parsed = _check_args(session, "rebase", "--test-python", python, *session.posargs)

@@ -442,7 +442,9 @@ COMMANDS = (
         description="Targets: --version V --sha256 H (a release's PyPI sdist) or "
         "--git PATH --rev REV (a local checkout). Then --continue after "
         "resolving conflicts, or --abort to drop it. The rebased series is a "
-        "commit on a new project branch, rebase/<target>: merge it to adopt it.",
+        "commit on a new project branch, rebase/<target>: merge a release's "
+        "branch to adopt its pin; a git checkout's branch is for testing "
+        "against vLLM main, never merged.",
         stage_ids=rebase_commands.stage_ids,
     ),
 )

@@ -6,12 +6,16 @@ check-patches and the Dockerfile's install refuse it with what to do."""
 
 from __future__ import annotations
 
+import ast
+import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from scripts.series.config import GitBase, SeriesFileError, load_series
+from scripts.series.config import REPO_ROOT, GitBase, SeriesFileError, load_series
 from scripts.series.stages.fetch import CACHE_ENV
 from tests.tooling.conftest import Project, run_cli, sh
 
@@ -60,7 +64,7 @@ def test_a_checkout_whose_remote_has_the_commit_pins_its_url(
     branch, said = _rebase_onto(on_main, checkout)
     commit = sh(checkout, "git", "rev-parse", "main").strip()
     assert f"it pins {url} at the commit" in said
-    assert "do not merge it into main" in said
+    assert "never merge it" in said
     pin = sh(on_main.root, "git", "show", f"{branch}:patches/series.toml")
     assert f'git = "{url}"\nrev = "{commit}"\n' in pin
     shutil.rmtree(checkout)
@@ -170,6 +174,15 @@ def test_a_git_pin_is_refused_off_the_tools_own_branches(
     head = "master" if where == "master" else "a detached HEAD"
     assert f"error: {head}" in check.stdout
     assert "pins a vLLM git commit" in check.stdout
+    # The undo it prints runs as typed, after a fast-forward or a merge.
+    (undo,) = re.findall(r"`(git revert [^`]*)`", " ".join(check.stdout.split()))
+    merged = series_file.read_text()
+    who = {f"GIT_{w}_{f}": v for w in ("AUTHOR", "COMMITTER")
+           for f, v in (("NAME", "Ada"), ("EMAIL", "ada@example.com"))}  # fmt: skip
+    subprocess.run(undo, shell=True, cwd=ci, check=True, env={**os.environ, **who})
+    sh(ci, "git", "diff", "--quiet", "origin/main", "--", "patches")
+    sh(ci, "git", "reset", "-q", "--hard", "HEAD~1")
+    assert series_file.read_text() == merged
     for allowed in (branch, "rehearsal/vllm-git-x"):
         sh(ci, "git", "checkout", "-q", "-B", allowed)
         assert "pins a vLLM git commit" not in _cli(series_file, "check").stdout
@@ -213,3 +226,29 @@ def test_a_damaged_pin_cache_says_to_delete_it(
     assert "A pin to a folder" not in said
     shutil.rmtree(cache)
     assert _cli(series_file, "apply").returncode == 0
+
+
+def test_every_text_says_a_git_branch_is_never_merged(on_main: Project, tmp_path):
+    """The branch's commit message, the rebase's last line, ``rebase --help``,
+    the nox session and the README agree with what check enforces: a
+    release's branch is merged to adopt its pin, a git checkout's never."""
+    checkout = tmp_path / "vllm-checkout"
+    sh(tmp_path, "git", "clone", "-q", on_main.upstream.as_uri(), str(checkout))
+    branch, said = _rebase_onto(on_main, checkout)
+    session = next(
+        node
+        for node in ast.walk(ast.parse((REPO_ROOT / "noxfile.py").read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "rebase"
+    )
+    readme = (REPO_ROOT / "README.md").read_text()
+    texts = {
+        "the branch's commit": sh(on_main.root, "git", "log", "-1", "--format=%B", branch),
+        "the rebase's last line": said.strip().splitlines()[-1],
+        "rebase --help": run_cli(["rebase", "--help"]).stdout,
+        "nox -s rebase": ast.get_docstring(session) or "",
+        "the README": readme.split("### Test the series on vLLM main")[1].split("###")[0],
+    }
+    for where, text in texts.items():
+        flat = " ".join(text.split())
+        assert re.search(r"never (merge|merged)\b", flat), where
+        assert not re.search(r"merg\w+ (it|this branch) (to )?adopts?", flat), where

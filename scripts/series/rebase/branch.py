@@ -3,7 +3,8 @@
 one commit on the project's HEAD holding the rebased patches/, overlays and
 series.toml, the rebase's report (docs/rebased_onto_<label>.md), the kept
 conflict resolutions, the README's stage table and the files that name the
-pin. Test it as any branch; merging it adopts the new pin.
+pin. Test it as any branch; merging a release's branch adopts its pin, and
+a git checkout's branch is for testing only.
 
 The commit is made in a git worktree under build/, and the branch is created
 last, in one ref update: the project's checkout is never touched, and a run
@@ -149,8 +150,15 @@ def finish(series: Series, state: RebaseState) -> str:
         f"Rebase the series onto {target.label}",
         "-m",
         "Written by `nox -s rebase`; the report is "
-        f"docs/rebased_onto_{target.label}.md. Merging this branch adopts "
-        "the new pin.\n\n" + format_report(state.reports),
+        f"docs/rebased_onto_{target.label}.md. "
+        + (
+            "It is for testing against vLLM main: never merge it (install "
+            "and the Dockerfile take a release)."
+            if isinstance(target, GitBase)
+            else "Merging this branch adopts the new pin."
+        )
+        + "\n\n"
+        + format_report(state.reports),
         identity=Identity(*TOOL_IDENTITY, now),
     )
     state.branch_commit = git_out(tree, "rev-parse", "HEAD")

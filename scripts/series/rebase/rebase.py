@@ -7,7 +7,8 @@ applied, merged, conflicted, was already upstream or was dropped (never
 silently). Resolutions are recorded with git rerere and replay. A stage
 whose changes, or whose upstream probe, the target already has is left
 out. The result is a commit on a new project branch, rebase/<target>
-(branch.py); merging it adopts the new pin (docs/maintaining.md)."""
+(branch.py); merging a release's branch adopts its pin, a git checkout's
+branch is never merged (docs/maintaining.md)."""
 
 from __future__ import annotations
 

@@ -197,8 +197,8 @@ def git_pin_note(pinned: GitBase) -> str:
     url = fetchable_url(pinned.path, pinned.rev)
     keep = (
         ". It is for testing against vLLM main: install and the Dockerfile "
-        "take a release, so do not merge it into main (check-patches refuses a "
-        "git pin there)"
+        "take a release, so never merge it (check-patches refuses a git pin "
+        "outside the tool's rebase/ and rehearsal/ branches)"
     )
     if url is not None:
         return f" (or push it for CI: it pins {url} at the commit){keep}"

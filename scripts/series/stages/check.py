@@ -16,7 +16,7 @@ from pathlib import Path
 
 from scripts.series import SeriesError
 from scripts.series.config import GitBase, LargeHunk, Series, Stage
-from scripts.series.git import changed_files, git, rev_parse
+from scripts.series.git import changed_files, git, git_out, rev_parse
 from scripts.series.layout import workdir
 from scripts.series.stages.patchfile import Hunk, read_patch
 from scripts.series.stages.refresh import (
@@ -167,12 +167,17 @@ def pin_problems(series: Series) -> list[str]:
         return []
     head = name or "a detached HEAD (as CI checks out a pull request)"
     where = base.url or f"the folder {base.path}, on this machine only"
+    series_file = (series.patches_dir / "series.toml").relative_to(series.root)
+    pinned = git_out(
+        series.root, "log", "-1", "--no-merges", "--format=%h", "-G", "^git = ",
+        "--", str(series_file),
+    )  # fmt: skip
+    undo = f" (`git revert --no-edit {pinned}` undoes the commit that pinned it)"
     return [
         f"{head} pins a vLLM git commit ({where}, at {base.rev[:12]}), "
         "but install and the Dockerfile take a release: only the tool's "
         "rebase/ and rehearsal/ branches may pin a git commit, to test the "
-        "series against vLLM main there; do not merge them. If this is "
-        f"{MAIN_BRANCH} after such a merge, undo it (`git reset --hard "
-        "ORIG_HEAD` right after it, or `git revert` its commit); adopt a "
-        "release with `nox -s rebase -- --version V --sha256 H`"
+        "series against vLLM main there; never merge them. If one was merged"
+        f"{undo if pinned else ''}, adopt a release with `nox -s roll`, which "
+        "rebases onto the newest one"
     ]
