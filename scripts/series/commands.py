@@ -46,7 +46,11 @@ from scripts.series.stages.refresh import refresh
 from scripts.series.stages.state import read_chain
 from scripts.series.stages.status import format_status, tree_status
 from scripts.series.stages.trees import stage_tree
-from scripts.series.testing.results import format_summary, format_timings
+from scripts.series.testing.results import (
+    format_summary,
+    format_timings,
+    format_verdict,
+)
 from scripts.series.testing.testrun import compile_summary, run_tests
 
 Run = Callable[[Series, argparse.Namespace, list[str]], int | None]
@@ -334,10 +338,7 @@ def _test(series: Series, args: argparse.Namespace, extra: list[str]) -> int:
     out.write_text(f"{summary}\n")
     timings = format_timings(rows, results.wall_s)
     (results_dir(series) / "timings.md").write_text(f"{timings}\n")
-    print(
-        f"\n{series.base.label}\n\n{summary}\n\nwritten to {out} (per-run times: "
-        "timings.md beside it)"
-    )
+    print("\n" + format_verdict(series.base.label, rows, compiled, out))
     return 1 if any(tally.failed for _, tally in rows) else 0
 
 

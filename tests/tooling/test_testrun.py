@@ -10,7 +10,12 @@ import pytest
 
 from scripts.series.config import load_series
 from scripts.series.testing import testrun
-from scripts.series.testing.results import Tally, format_summary, read_junit
+from scripts.series.testing.results import (
+    Tally,
+    format_summary,
+    format_verdict,
+    read_junit,
+)
 from scripts.series.testing.testrun import stage_runs, tooling_runs
 from tests.tooling.conftest import Project
 
@@ -272,3 +277,34 @@ def test_with_no_earlier_results_the_longest_runs_start_first(
     testrun.run_tests(series, ["base", "0001", "0002"], tooling=True)
     assert started[0].startswith("tooling: ")
     assert started[1].startswith("0002: series tests")
+
+
+def test_the_console_ends_with_the_verdict_per_stage_in_one_screen(tmp_path):
+    good = Tally(passed=5, skipped=2)
+    good.skip_reasons.update({"needs a gfx950 GPU (MI355X) with AITER " * 5: 2})
+    bad = Tally(passed=1, failed=12, failures=[f"t::x{i}" for i in range(12)])
+    kernels = [
+        {"target": t, "kernel": f"k{i}", "compiled": 2, "failed": 0}
+        for t in ("gfx942", "gfx950")
+        for i in range(20)
+    ]
+    text = format_verdict(
+        "vllm-9.9.9", [("base", good), ("0001", bad)], [("0001", kernels)],
+        tmp_path / "summary.md",
+    )  # fmt: skip
+    lines = text.splitlines()
+    assert len(lines) <= 24, text
+    assert max(len(line) for line in lines if "summary.md" not in line) <= 100, text
+    assert lines[-3:] == [
+        "| base | ok | 5 | 0 | 2 |",
+        "| 0001 | FAILED | 1 | 12 | 0 |",
+        "FAILED: 0001",
+    ]
+    assert "- ... and 2 more" in lines
+    assert (
+        "Triton kernels compiled for gfx942/gfx950: 80 variants of 40 "
+        "kernel-targets, 0 failed." in lines
+    )
+    assert f"  {tmp_path / 'summary.md'}" in lines
+    passed = format_verdict("v", [("base", good)], [], tmp_path / "s.md")
+    assert passed.endswith("| base | ok | 5 | 0 | 2 |\nEvery test passed or skipped with a reason.")

@@ -143,6 +143,54 @@ def format_summary(
     return "\n".join(lines)
 
 
+def format_verdict(
+    label: str,
+    rows: list[tuple[str, Tally]],
+    compiled: Sequence[tuple[str, list[dict]]],
+    details: Path,
+    most: int = 10,
+) -> str:
+    """What the console ends with, in one screen: the failures (at most
+    ``most``), the kernels compiled in one line, where the details are, and
+    last the verdict per stage."""
+    lines = []
+    failures = [f for _, tally in rows for f in tally.failures]
+    if failures:
+        lines += ["Failed:", *(f"- {f[:200]}" for f in failures[:most])]
+        if len(failures) > most:
+            lines.append(f"- ... and {len(failures) - most} more")
+        lines.append("")
+    kernels = [k for _, each in compiled for k in each]
+    if kernels:
+        targets = "/".join(sorted({k["target"] for k in kernels}))
+        broken = sum(k["failed"] for k in kernels)
+        lines.append(
+            f"Triton kernels compiled for {targets}: "
+            f"{sum(k['compiled'] for k in kernels)} variants of {len(kernels)} "
+            f"kernel-targets, {broken} failed."
+        )
+    lines += [
+        "Skip reasons, each kernel and each failure (per-run times in "
+        "timings.md beside it):",
+        f"  {details}",
+        "",
+        f"{label}:",
+        "| stage | verdict | passed | failed | skipped |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for stage, tally in rows:
+        verdict = "FAILED" if tally.failed else "ok"
+        lines.append(
+            f"| {stage} | {verdict} | {tally.passed} | {tally.failed} | {tally.skipped} |"
+        )
+    failed = [stage for stage, tally in rows if tally.failed]
+    lines.append(
+        f"FAILED: {', '.join(failed)}" if failed else
+        "Every test passed or skipped with a reason."
+    )  # fmt: skip
+    return "\n".join(lines)
+
+
 def junit_suite(path: Path) -> dict[str, str]:
     """The attributes of a JUnit file's (first) test suite: its time,
     timestamp and counts; empty if there is no readable file."""
