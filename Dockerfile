@@ -3,10 +3,11 @@
 # vLLM (README.md, "Serve it on an MI355X"):
 #
 #   docker build -t dsa-vllm:0.34.0 .
-#   docker build --build-arg INSTALL_ARGS="--upto 0001" -t dsa-vllm:0.34.0-0001 .
+#   docker build --build-arg INSTALL_ARGS="--stages 0001,0004" -t dsa-vllm:0.34.0-0001 .
 #
-# (--upto 0001 installs stage 0001 alone: the later stages, the fix 0004
-# among them, are left out, and install's output names them.)
+# (--stages 0001,0004 installs stage 0001 and the fix 0004, without 0003;
+# --upto 0001 installs stage 0001 alone; install's output names the stages
+# left out.)
 #
 # The tag is the vLLM release the series is pinned to (patches/series.toml;
 # a rebase's branch moves it with the pin); install refuses any other vLLM. The build downloads that release's sdist
@@ -14,7 +15,8 @@
 # needs network access and git (installed if the image lacks it).
 FROM vllm/vllm-openai-rocm:v0.34.0
 
-# Passed on to install: empty for every stage, "--upto 0001" for fewer.
+# Passed on to install: empty for every stage, "--stages ..." or "--upto ..."
+# for fewer.
 ARG INSTALL_ARGS=""
 
 # Before the project is copied in: an edit of the project reuses this layer.

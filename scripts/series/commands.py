@@ -275,17 +275,26 @@ def _install_args(parser: argparse.ArgumentParser) -> None:
     which.add_argument(
         "--undo", action="store_true", help="restore SITE as vLLM shipped it"
     )
+    which.add_argument(
+        "--stages",
+        type=lambda text: [part for part in text.split(",") if part],
+        metavar="ID,ID",
+        help="install only these stages (0001,0004: stage 0001 and the fix, "
+        "without 0003), where each applies without those left out",
+    )
 
 
 def _install(series: Series, args: argparse.Namespace, extra: list[str]) -> None:
-    want = None if args.undo else stage_files(series, args.upto)
+    want = None if args.undo else stage_files(series, args.upto, args.stages)
     outcome = install(args.into, want)
     print(outcome.note)
-    if want is not None and (
-        left := series.stages[len(series.stages_upto(want.stage)) :]
-    ):
+    left = [s for s in series.stages if want is not None and s.id not in want.commits]
+    if left:
+        how = f"--stages {','.join(args.stages)}" if args.stages else (
+            f"after --upto {want.stage}"  # type: ignore[union-attr]
+        )
         print(
-            f"not installed (after --upto {want.stage}): "
+            f"not installed ({how}): "
             + ", ".join(f"{s.id} ({s.title})" for s in left)
         )
     if want is not None and want.outside and outcome.changed:
@@ -409,7 +418,7 @@ COMMANDS = (
         "file it changes is the release's own; records what it wrote in "
         f"SITE/{INSTALL_RECORD_DIR}/; all or nothing. Files of the tree outside "
         "the package (tests/, .buildkite/) are not written.",
-        stage_ids=lambda args: [args.upto] if args.upto else [],
+        stage_ids=lambda args: [args.upto] if args.upto else (args.stages or []),
     ),
     Command(
         "env",

@@ -25,6 +25,7 @@ import pytest
 
 from scripts.series import SeriesError
 from scripts.series.config import SERIES_FILE, load_series
+from scripts.series.git import git_out
 from scripts.series.install import install as install_module
 from scripts.series.install.install import install, installed_record, stage_files
 from scripts.series.layout import (
@@ -895,3 +896,70 @@ def test_a_damaged_staged_file_stops_the_finish_of_an_interrupted_install(
     assert install(site, None).note.startswith("finished an interrupted install")
     assert _not_as_shipped(site, wheel_site) == {}
     assert not (site / INSTALL_RECORD_DIR).exists()
+
+
+def test_install_of_named_stages_writes_them_and_not_the_ones_left_out(
+    installed_vllm, wheel_site
+):
+    """`--stages 0001,0004`: stage 0001 with the fix, without 0003. A file
+    0003 changes is as after 0001 (or as shipped), every other one as in
+    the top tree; the output names 0003 as not installed."""
+    from tests.tooling.conftest import run_cli
+
+    done = run_cli(["install", "--into", str(installed_vllm), "--stages", "0001,0004"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("installed stages 0001, 0004: ")
+    left = SERIES.stage("0003")
+    assert f"not installed (--stages 0001,0004): 0003 ({left.title})" in done.stdout
+    record = installed_record(installed_vllm)
+    assert record is not None and record["stage"] == "0001,0004"
+    assert list(record["commits"]) == ["0001", "0004"]
+    top, first = _tree_package("0004"), _tree_package("0001")
+    repo = workdir(SERIES)
+    only_0003 = set(
+        git_out(repo, "diff", "--name-only", "stage/0003^", "stage/0003").split()
+    )
+    expected = {
+        rel: (first.get(rel) if rel in only_0003 else sha)
+        for rel, sha in top.items()
+        if rel not in only_0003 or rel in first
+    }
+    assert _not_as_shipped(installed_vllm, wheel_site) == expected
+    assert "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py" in expected
+    assert not any("mxfp4" in rel for rel in expected)
+    assert run_cli(["install", "--into", str(installed_vllm), "--undo"]).returncode == 0
+    assert _not_as_shipped(installed_vllm, wheel_site) == {}
+
+
+@pytest.mark.parametrize(
+    ("stages", "said"),
+    [
+        ("0003", "stage 0003 needs stage 0001 (its depends_on"),
+        ("0003,0004", "stage 0003 needs stage 0001 (its depends_on"),
+    ],
+)
+def test_install_of_stages_that_need_one_left_out_is_refused(
+    installed_vllm, wheel_site, stages, said
+):
+    from tests.tooling.conftest import run_cli
+
+    done = run_cli(["install", "--into", str(installed_vllm), "--stages", stages])
+    assert done.returncode == 1
+    assert said in done.stderr, done.stderr
+    assert _not_as_shipped(installed_vllm, wheel_site) == {}
+
+
+def test_a_stage_that_does_not_apply_without_one_left_out_is_refused(two_stages):
+    """Stage 0002 of this series changes a line stage 0001 wrote: without
+    0001 it is refused with git's reason (the check behind --stages, below
+    its depends_on check)."""
+    from scripts.series.stages.apply import apply
+
+    series = two_stages.series()
+    apply(series)
+    repo = workdir(series)
+    chain = read_chain(series, repo)
+    with pytest.raises(SeriesError, match=r"stage 0002 does not apply without stage 0001 \(.*vllm/envs.py"):
+        install_module._tree_of(series, repo, chain, [series.stage("0002")])
+    both = install_module._tree_of(series, repo, chain, list(series.stages))
+    assert both == chain.current_commit("0002")

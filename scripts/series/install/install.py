@@ -9,13 +9,14 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.series import SeriesError
-from scripts.series.config import SdistBase, Series
+from scripts.series.config import SdistBase, Series, Stage
 from scripts.series.files import lock, sha256_of, write_synced, write_whole
 from scripts.series.git import git
 from scripts.series.install.record import (
@@ -33,7 +34,7 @@ from scripts.series.layout import (
     install_staged,
     workdir,
 )
-from scripts.series.stages.state import read_chain
+from scripts.series.stages.state import Chain, read_chain
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,63 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def stage_files(series: Series, upto: str | None) -> StageFiles:
-    """The package files the stages up to ``upto`` (default: all) change,
-    read from the work repo's stage commits."""
+def chosen_stages(
+    series: Series, upto: str | None, only: list[str] | None
+) -> list[Stage]:
+    """The stages to install: those up to ``upto`` (default: all), or the
+    ones named in ``only``, in the series' order, refused where one needs
+    a stage left out (its ``depends_on``)."""
+    if only is None:
+        stage_id = upto or (series.stages[-1].id if series.stages else "base")
+        return [] if stage_id == "base" else series.stages_upto(stage_id)
+    chosen = [stage for stage in series.stages if stage.id in only]
+    for stage in chosen:
+        needed = [dep for dep in stage.depends_on if dep not in only]
+        if needed:
+            raise SeriesError(
+                f"stage {stage.id} needs stage {', '.join(needed)} (its "
+                "depends_on in patches/series.toml): name it too, or leave "
+                f"{stage.id} out"
+            )
+    return chosen
+
+
+def _tree_of(series: Series, repo: Path, chain: Chain, chosen: list[Stage]) -> str:
+    """The commit or tree holding the base with ``chosen`` applied: the
+    stage commit where they are the series' first stages, else each stage's
+    own change applied in turn, refused where one does not apply without
+    the stages left out."""
+    if not chosen:
+        return chain.base
+    if [s.id for s in chosen] == [s.id for s in series.stages[: len(chosen)]]:
+        return chain.current_commit(chosen[-1].id)
+    with tempfile.TemporaryDirectory() as tmp:
+        index = Path(tmp) / "index"
+        git(repo, "read-tree", chain.base, index_file=index)
+        for stage in chosen:
+            commit = chain.current_commit(stage.id)
+            diff = git(repo, "diff", "--full-index", "--binary", f"{commit}^", commit)
+            applied = git(
+                repo, "apply", "--cached", "-", input=diff.stdout, index_file=index,
+                check=False,
+            )  # fmt: skip
+            if applied.returncode != 0:
+                before = series.stages[: series.stages.index(stage)]
+                left = [s.id for s in before if s not in chosen]
+                said = applied.stderr.decode(errors="replace").strip().splitlines()
+                raise SeriesError(
+                    f"stage {stage.id} does not apply without stage "
+                    f"{', '.join(left)} ({said[-1] if said else 'git apply failed'}): "
+                    "install it with the stages before it"
+                )
+        return git(repo, "write-tree", index_file=index).stdout.decode().strip()
+
+
+def stage_files(
+    series: Series, upto: str | None, only: list[str] | None = None
+) -> StageFiles:
+    """The package files the chosen stages change (``chosen_stages``), read
+    from the work repo's stage commits."""
     if not isinstance(series.base, SdistBase):
         raise SeriesError(
             "install writes the stages into a released vLLM, checked against "
@@ -64,12 +119,15 @@ def stage_files(series: Series, upto: str | None) -> StageFiles:
             "from a checkout pinned to a release (main), or build vLLM from "
             "the stage tree (docs/serving.md, 'A build of your own, from source')"
         )
-    stage_id = upto or (series.stages[-1].id if series.stages else "base")
-    stages = [] if stage_id == "base" else series.stages_upto(stage_id)
+    stages = chosen_stages(series, upto, only)
     repo = workdir(series)
     chain = read_chain(series, repo)
     commits = {s.id: chain.current_commit(s.id) for s in stages}
-    tip = commits[stages[-1].id] if stages else chain.base
+    tip = _tree_of(series, repo, chain, stages)
+    if only is None:
+        stage_id = stages[-1].id if stages else "base"
+    else:
+        stage_id = ",".join(commits) or "base"
     raw = git(
         repo, "diff", "--raw", "--no-renames", "--no-abbrev", "-z", chain.base, tip
     )
@@ -518,8 +576,13 @@ def _drop_bytecode(source: Path) -> None:
 def _summary(want: StageFiles | None, changed: tuple[str, ...]) -> str:
     if want is None or want.stage == "base":
         return f"undone: {len(changed)} files back as vLLM shipped them"
+    which = (
+        f"stages {want.stage.replace(',', ', ')}"
+        if "," in want.stage
+        else f"up to stage {want.stage}"
+    )
     return (
-        f"installed up to stage {want.stage}: {len(changed)} files changed; "
+        f"installed {which}: {len(changed)} files changed; "
         f"{len(want.files)} of the package's files now carry the series"
     )
 
