@@ -63,7 +63,7 @@ def test_a_checkout_whose_remote_has_the_commit_pins_its_url(
     sh(tmp_path, "git", "clone", "-q", url, str(checkout))
     branch, said = _rebase_onto(on_main, checkout)
     commit = sh(checkout, "git", "rev-parse", "main").strip()
-    assert f"it pins {url} at the commit" in said
+    assert f"it pins {url}, the checkout's remote, a repository on this machine" in said
     assert "never merge it" in said
     pin = sh(on_main.root, "git", "show", f"{branch}:patches/series.toml")
     assert f'git = "{url}"\nrev = "{commit}"\n' in pin
@@ -97,27 +97,43 @@ def test_a_checkout_whose_remote_has_the_commit_pins_its_url(
     assert sorted(p.name for p in site.iterdir()) == ["vllm"]
 
 
-def test_a_checkout_without_the_commit_on_a_remote_pins_the_folder(
-    on_main: Project, tmp_path: Path
+@pytest.mark.parametrize("remote", ["none", "a folder", "a relative folder"])
+def test_a_checkout_whose_commit_is_on_this_machine_pins_a_file_url(
+    on_main: Project, tmp_path: Path, remote: str
 ):
-    """Then the branch works where it was made and says so; another clone
-    is told why it cannot apply it, and main refuses it."""
-    branch, said = _rebase_onto(on_main, on_main.upstream)
-    assert f"no remote of {on_main.upstream} has" in said
+    """No remote, or a remote that is a folder (a clone of a local mirror):
+    the branch pins an absolute file:// URL and says it is local; a clone
+    at another depth applies it; main refuses it."""
+    checkout = tmp_path / "vllm-checkout"
+    if remote == "none":
+        checkout = on_main.upstream
+    else:
+        sh(tmp_path, "git", "clone", "-q", str(on_main.upstream), str(checkout))
+        if remote == "a relative folder":
+            sh(checkout, "git", "remote", "set-url", "origin", "../upstream")
+        assert not sh(checkout, "git", "remote", "get-url", "origin").startswith("file:")
+    branch, said = _rebase_onto(on_main, checkout)
+    said = " ".join(said.split())
+    url = on_main.upstream.resolve().as_uri()
     pin = sh(on_main.root, "git", "show", f"{branch}:patches/series.toml")
-    assert 'git = "../../upstream"' in pin
+    if remote == "none":
+        url = checkout.resolve().as_uri()
+        assert f"no remote of {checkout} has" in said
+        assert f"so it pins the checkout itself, {url}" in said
+    else:
+        assert f"it pins {url}, the checkout's remote, a repository on this machine" in said
+    assert "every clone on this machine applies it" in said
+    assert f'git = "{url}"' in pin
 
-    (tmp_path / "elsewhere").mkdir()
-    merged = _clone(on_main, tmp_path / "elsewhere", branch, "clone")
+    deeper = tmp_path / "elsewhere" / "and" / "deeper"
+    deeper.mkdir(parents=True)
+    merged = _clone(on_main, deeper, branch, "clone")
     series_file = merged / "patches/series.toml"
     applied = _cli(series_file, "apply")
-    assert applied.returncode == 1
-    assert "is not a git repository. A pin to a folder works only" in applied.stderr
-    sh(on_main.root, "git", "merge", "-q", "--ff-only", branch)
-    assert _cli(on_main.series_file, "apply").returncode == 0
-    check = _cli(on_main.series_file, "check")
+    assert applied.returncode == 0, applied.stderr
+    check = _cli(series_file, "check")
     assert check.returncode == 1
-    assert f"main pins a vLLM git commit (the folder {on_main.upstream}" in check.stdout
+    assert f"main pins a vLLM git commit ({url}, at" in check.stdout
 
 
 def test_a_url_pin_names_a_full_commit(on_main: Project):
@@ -134,9 +150,16 @@ def test_a_url_pin_names_a_full_commit(on_main: Project):
         assert isinstance(base, GitBase) and base.url == where
 
 
-def test_a_url_pin_the_network_cannot_reach_says_so(on_main: Project, tmp_path):
+@pytest.mark.parametrize("kind", ["network", "local"])
+def test_a_url_pin_that_cannot_be_fetched_says_why(on_main: Project, tmp_path, kind):
+    """A URL no host answers (a closed port) is a network matter; a file://
+    URL that is gone is another machine's folder."""
     text = on_main.series_file.read_text()
-    gone = (tmp_path / "no-such-repo").as_uri()
+    gone = (
+        "https://127.0.0.1:9/vllm.git"
+        if kind == "network"
+        else (tmp_path / "no-such-repo").as_uri()
+    )
     old_pin = f'git = "{on_main.upstream}"\nrev = "v1"'
     on_main.series_file.write_text(
         text.replace(old_pin, f'git = "{gone}"\nrev = "{"a" * 40}"')
@@ -144,7 +167,12 @@ def test_a_url_pin_the_network_cannot_reach_says_so(on_main: Project, tmp_path):
     applied = _cli(on_main.series_file, "apply")
     assert applied.returncode == 1
     assert f"\nerror: cannot fetch commit {'a' * 40} from {gone} (" in applied.stderr
-    assert "connect to the network" in applied.stderr
+    said = " ".join(applied.stderr.split())
+    if kind == "network":
+        assert "connect to the network" in said
+    else:
+        assert "that folder is on the machine the branch was made on" in said
+        assert "network" not in said
 
 
 @pytest.mark.parametrize("where", ["a pull request's merge commit", "master"])

@@ -17,22 +17,29 @@ from scripts.series.git import git
 
 
 def base_fields(base: Base, folder: Path) -> dict[str, str]:
-    """The [base] table's pin. A git commit is named by a URL any clone can
-    fetch when the checkout has one (``fetchable_url``); otherwise by the
-    checkout's path relative to ``folder`` (the series file's), which works
-    on this machine only (``check`` refuses it)."""
+    """The [base] table's pin. A git commit is named by the URL of a remote
+    of the checkout that has it (``fetchable_url``), else by the checkout's
+    own ``file://`` URL, which every clone on this machine fetches from, at
+    any depth; a folder pinned by hand stays as written."""
     if isinstance(base, SdistBase):
         return {"version": base.version, "sha256": base.sha256}
-    url = base.url or fetchable_url(base.path, base.rev)
-    if url is not None:
-        return {"git": url, "rev": base.rev}
-    return {"git": os.path.relpath(base.path, folder), "rev": base.rev}
+    full_commit = re.fullmatch(r"[0-9a-f]{40}", base.rev)
+    if base.url is None and not (full_commit and base.path.is_dir()):
+        return {"git": os.path.relpath(base.path, folder), "rev": base.rev}
+    url = base.url or fetchable_url(base.path, base.rev) or local_url(base.path)
+    return {"git": url, "rev": base.rev}
+
+
+def local_url(checkout: Path) -> str:
+    return checkout.resolve().as_uri()
 
 
 def fetchable_url(checkout: Path, commit: str) -> str | None:
     """The URL of a remote of ``checkout`` that has ``commit`` (one of its
     remote-tracking branches contains it), ``upstream`` and ``origin``
-    first; None when no remote with a URL has it."""
+    first; None when no remote has it. A remote that is a folder (a clone
+    of a local mirror) is named by its absolute ``file://`` URL, which every
+    clone on this machine fetches from, at any depth."""
     found = git(
         checkout,
         "for-each-ref",
@@ -51,8 +58,13 @@ def fetchable_url(checkout: Path, commit: str) -> str | None:
     for remote in sorted(remotes, key=lambda r: (r != "upstream", r != "origin", r)):
         url = git(checkout, "remote", "get-url", remote, check=False)
         where = url.stdout.decode().strip()
-        if url.returncode == 0 and is_git_url(where):
+        if url.returncode != 0 or not where:
+            continue
+        if is_git_url(where):
             return where
+        folder = (checkout / Path(where).expanduser()).resolve()
+        if folder.is_dir():
+            return folder.as_uri()
     return None
 
 
@@ -200,10 +212,20 @@ def git_pin_note(pinned: GitBase) -> str:
         "take a release, so never merge it (check-patches refuses a git pin "
         "outside the tool's rebase/ and rehearsal/ branches)"
     )
-    if url is not None:
-        return f" (or push it for CI: it pins {url} at the commit){keep}"
-    return (
-        f" here: no remote of {pinned.path} has {pinned.rev[:12]}, so it pins "
-        "that folder, which other clones and CI cannot use (`git fetch` the "
-        f"commit from a remote there and rebase again to pin its URL){keep}"
+    local = (
+        "every clone on this machine applies it, other machines and CI "
+        "cannot"
     )
+    if url is None:
+        return (
+            f" here: no remote of {pinned.path} has {pinned.rev[:12]}, so it "
+            f"pins the checkout itself, {local_url(pinned.path)}: {local} (push "
+            "the commit to a remote of the checkout, fetch it there, and rebase "
+            f"again to pin that remote's URL){keep}"
+        )
+    if url.startswith("file://"):
+        return (
+            f" here: it pins {url}, the checkout's remote, a repository on this "
+            f"machine: {local}{keep}"
+        )
+    return f" (or push it for CI: it pins {url} at the commit){keep}"

@@ -245,11 +245,17 @@ def fetch_git_commit(base: GitBase) -> None:
         )
         if fetched.returncode != 0:
             said = fetched.stderr.decode(errors="replace").strip().splitlines()
+            way_on = (
+                "that folder is on the machine the branch was made on; apply "
+                "it there, or rebase again from a checkout whose remote is a URL"
+                if base.url.startswith("file://")
+                else "connect to the network, or check that the repository has "
+                "that commit"
+            )
             raise SeriesError(
                 f"cannot fetch commit {base.rev} from {base.url} "
                 f"({said[-1] if said else 'git fetch failed'}); the pin in "
-                "patches/series.toml names it: connect to the network, or check "
-                "that the repository has that commit"
+                f"patches/series.toml names it: {way_on}"
             )
         try:
             scratch.rename(repo)
