@@ -288,14 +288,12 @@ def _install(series: Series, args: argparse.Namespace, extra: list[str]) -> None
     want = None if args.undo else stage_files(series, args.upto, args.stages)
     outcome = install(args.into, want)
     print(outcome.note)
-    left = [s for s in series.stages if want is not None and s.id not in want.commits]
-    if left:
-        how = f"--stages {','.join(args.stages)}" if args.stages else (
-            f"after --upto {want.stage}"  # type: ignore[union-attr]
-        )
+    if want is not None and (
+        left := [s for s in series.stages if s.id not in want.commits]
+    ):
+        how = f"--stages {want.stage}" if args.stages else f"after --upto {want.stage}"
         print(
-            f"not installed ({how}): "
-            + ", ".join(f"{s.id} ({s.title})" for s in left)
+            f"not installed ({how}): " + ", ".join(f"{s.id} ({s.title})" for s in left)
         )
     if want is not None and want.outside and outcome.changed:
         print("not written (outside the installed package): " + ", ".join(want.outside))

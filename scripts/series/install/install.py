@@ -62,7 +62,7 @@ def chosen_stages(
     a stage left out (its ``depends_on``)."""
     if only is None:
         stage_id = upto or (series.stages[-1].id if series.stages else "base")
-        return [] if stage_id == "base" else series.stages_upto(stage_id)
+        return [] if stage_id == "base" else list(series.stages_upto(stage_id))
     chosen = [stage for stage in series.stages if stage.id in only]
     for stage in chosen:
         needed = [dep for dep in stage.depends_on if dep not in only]
