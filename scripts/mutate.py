@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Mutation-test one module with cosmic-ray, and print its score.
 
-``python -m scripts.mutate MODULE [--since REV | --lines A-B ...] -- PYTEST...``
+``python3 -m scripts.mutate MODULE [--since REV | --lines A-B ...] -- PYTEST...``
 (``nox -s mutate`` installs cosmic-ray and the test dependencies first).
 MODULE is a file of the project; one under ``vllm_overlay/`` is mutated in
 the top stage's test tree, where its tests run with the stage tree's
@@ -103,7 +103,7 @@ def _changed_lines(module: str, since: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.mutate", usage="%(prog)s MODULE [options] -- PYTEST"
+        prog="python3 -m scripts.mutate", usage="%(prog)s MODULE [options] -- PYTEST"
     )
     parser.add_argument("module")
     parser.add_argument("--since", help="only the lines changed since this commit")

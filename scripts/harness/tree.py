@@ -3,7 +3,7 @@
 
 The tool names the tree of the stage under test in ``DSA_VLLM_TREE`` and
 what it holds in ``DSA_STAGES`` ("base,0001,..."): the test contract of
-scripts/series/contract.py, set by ``python -m scripts.series test`` and
+scripts/series/contract.py, set by ``python3 -m scripts.series test`` and
 printed by ``... env STAGE``. tests/conftest.py puts the tree first on
 ``sys.path``. A test module asks for the stage it needs; without such a tree
 it is skipped with the reason, never run against some other vLLM.

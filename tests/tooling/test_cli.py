@@ -180,7 +180,7 @@ def test_rebase_onto_a_git_checkout_from_the_command_line(two_stages: Project):
     sh(two_stages.root, "git", "merge", "-q", "--ff-only", branch)
     merged = two_stages.series_file.read_text()
     assert f'rev = "{main}"' in merged
-    assert 'git = "../../upstream"' in merged
+    assert f'git = "{two_stages.upstream.resolve().as_uri()}"' in merged
     assert merged.startswith("# A comment of the user's\n")
     sh(two_stages.upstream, "git", "commit", "-q", "--allow-empty", "-m", "moves on")
     assert _cli(two_stages, "apply").returncode == 0
@@ -228,16 +228,16 @@ def test_test_runs_each_stage_tree_side_by_side_and_sums_them(two_stages: Projec
     assert result.returncode == 1
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == [
-        "| base | 1 | 0 | 0 | - |",
-        "| 0001 | 2 | 0 | 0 | - |",  # stage 0001's own: 0002 patches its files
-        "| 0002 | 4 | 1 | 0 | - |",
+        "| base | ok | 1 | 0 | 0 |",
+        "| 0001 | ok | 2 | 0 | 0 |",  # stage 0001's own: 0002 patches its files
+        "| 0002 | FAILED | 4 | 1 | 0 |",
     ]
     assert "test_two::test_fails" in result.stdout.split("Failed:")[1]
     assert "=== 0002: series tests" in result.stdout
     # Arguments after -- go to every pytest run.
     only = _cli(two_stages, "test", "0002", "--", "-k", "not test_fails")
     assert only.returncode == 0, only.stdout
-    assert "| 0002 | 4 | 0 | 0 | - |" in only.stdout
+    assert "| 0002 | ok | 4 | 0 | 0 |" in only.stdout
     assert _cli(two_stages, "test", "0009").returncode == 1
 
 
@@ -569,7 +569,7 @@ def test_every_test_runs_every_time(two_stages: Project):
     for times in (1, 2):
         result = _cli(two_stages, "test", "base")
         assert result.returncode == 0, result.stdout
-        assert "| base | 1 | 0 | 0 | - |" in result.stdout
+        assert "| base | ok | 1 | 0 | 0 |" in result.stdout
         assert len(marker.read_text().splitlines()) == times
 
 

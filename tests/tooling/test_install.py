@@ -959,7 +959,10 @@ def test_a_stage_that_does_not_apply_without_one_left_out_is_refused(two_stages)
     apply(series)
     repo = workdir(series)
     chain = read_chain(series, repo)
-    with pytest.raises(SeriesError, match=r"stage 0002 does not apply without stage 0001 \(.*vllm/envs.py"):
+    with pytest.raises(
+        SeriesError,
+        match=r"stage 0002 does not apply without stage 0001 \(.*vllm/envs.py",
+    ):
         install_module._tree_of(series, repo, chain, [series.stage("0002")])
     both = install_module._tree_of(series, repo, chain, list(series.stages))
     assert both == chain.current_commit("0002")

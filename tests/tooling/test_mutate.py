@@ -25,7 +25,7 @@ from scripts.series.config import REPO_ROOT
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.skipif(
     not (BIN / "cosmic-ray").exists(),
-    reason="cosmic-ray is not installed beside this Python (tests/requirements-cpu.txt)",
+    reason="no cosmic-ray beside this Python (tests/requirements-cpu.txt has it)",
 )
 
 DECIDE = """\

@@ -307,4 +307,6 @@ def test_the_console_ends_with_the_verdict_per_stage_in_one_screen(tmp_path):
     )
     assert f"  {tmp_path / 'summary.md'}" in lines
     passed = format_verdict("v", [("base", good)], [], tmp_path / "s.md")
-    assert passed.endswith("| base | ok | 5 | 0 | 2 |\nEvery test passed or skipped with a reason.")
+    assert passed.endswith(
+        "| base | ok | 5 | 0 | 2 |\nEvery test passed or skipped with a reason."
+    )

@@ -25,7 +25,7 @@ until the next rehearsal). Unlike a real rebase, the rehearsal runs on a
 project with uncommitted edits (the branch is made from the last commit
 plus the rebased series).
 
-``python -m scripts.series.rebase.rehearsal --test-python PY`` (``nox -s
+``python3 -m scripts.series.rebase.rehearsal --test-python PY`` (``nox -s
 rehearse-rebase`` passes its own); exits 1 with the reason when the
 rehearsal fails. It shares a real rebase's work area, so it refuses to run
 while one is stopped, and never touches it. A rebase it stopped (a
@@ -272,7 +272,7 @@ def rehearse(series: Series, test_python: str, keep: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.series.rebase.rehearsal", description=__doc__
+        prog="python3 -m scripts.series.rebase.rehearsal", description=__doc__
     )
     parser.add_argument("--series", type=Path, default=SERIES_FILE)
     parser.add_argument("--test-python", required=True)

@@ -212,10 +212,7 @@ def git_pin_note(pinned: GitBase) -> str:
         "take a release, so never merge it (check-patches refuses a git pin "
         "outside the tool's rebase/ and rehearsal/ branches)"
     )
-    local = (
-        "every clone on this machine applies it, other machines and CI "
-        "cannot"
-    )
+    local = "every clone on this machine applies it, other machines and CI cannot"
     if url is None:
         return (
             f" here: no remote of {pinned.path} has {pinned.rev[:12]}, so it "

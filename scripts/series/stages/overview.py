@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The README's stage table, generated from series.toml and the patch files
-(``python -m scripts.series overview``); ``check`` fails when the README's
+(``python3 -m scripts.series overview``); ``check`` fails when the README's
 copy differs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from scripts.series.config import Series, Stage
 
-BEGIN = "<!-- stage table: python -m scripts.series overview -->"
+BEGIN = "<!-- stage table: python3 -m scripts.series overview -->"
 END = "<!-- end of stage table -->"
 
 # An upstream PR named as GitHub writes it: owner/repo#number.

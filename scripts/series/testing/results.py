@@ -180,9 +180,8 @@ def format_verdict(
     ]
     for stage, tally in rows:
         verdict = "FAILED" if tally.failed else "ok"
-        lines.append(
-            f"| {stage} | {verdict} | {tally.passed} | {tally.failed} | {tally.skipped} |"
-        )
+        counts = f"{tally.passed} | {tally.failed} | {tally.skipped}"
+        lines.append(f"| {stage} | {verdict} | {counts} |")
     failed = [stage for stage, tally in rows if tally.failed]
     lines.append(
         f"FAILED: {', '.join(failed)}" if failed else
