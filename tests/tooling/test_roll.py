@@ -305,5 +305,45 @@ def test_a_damaged_state_file_is_named_and_nothing_is_touched(released, damage):
     assert "has conflicts" in again.stderr, "the next rebase starts afresh"
 
 
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        # Exactly the stages the series has not, none of those it has.
+        (
+            _field("drop", ["0001", "0009", "0008"]),
+            "names stages the series has not (0008, 0009)",
+        ),
+        # No folder name (a space), with no ".." in it; and ".." inside a
+        # name that is otherwise one: each refused for what it is.
+        (
+            lambda raw: raw.replace('"0.11.0"', '"0.11.0 x"'),
+            "is no folder name of build/rebase/",
+        ),
+        (
+            lambda raw: raw.replace('"0.11.0"', '"0.11..0"'),
+            "is no folder name of build/rebase/",
+        ),
+        (_field("next", 3), "its next stage, 3, is past the 2 stages"),
+    ],
+)
+def test_the_state_file_damage_is_named_exactly(released, damage, said):
+    """What the message says is wrong is what is wrong (a mutant that lists
+    every stage, or lets a half-valid name through, says otherwise)."""
+    project, index = released
+    ops = project.upstream / "vllm/envs.py"
+    ops.write_text(ops.read_text().replace("VAR_3 = 3\n", "VAR_3 = 33\n", 1))
+    sh(project.upstream, "git", "commit", "-qam", "upstream 0.11.0")
+    index.sdists["0.11.0"] = _sdist(project, "HEAD", "0.11.0")
+    stopped = _cli(
+        project, "rebase", "--version", "0.11.0", "--sha256", index.sha("0.11.0")
+    )
+    assert "has conflicts" in stopped.stderr
+    state = state_file(project.series())
+    state.write_text(damage(state.read_text()))
+    done = _cli(project, "rebase", "--continue")
+    assert done.returncode == 1
+    assert said in " ".join(done.stderr.split()), done.stderr
+
+
 def _cli(project, *args: str):
     return run_cli(["--series", str(project.series_file), *args])
