@@ -11,12 +11,13 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from scripts.series.config import REPO_ROOT, GitBase, SeriesFileError, load_series
-from scripts.series.stages.fetch import CACHE_ENV
+from scripts.series.stages.fetch import CACHE_ENV, fetch_git_commit
 from tests.tooling.conftest import Project, run_cli, sh
 
 
@@ -142,17 +143,44 @@ def test_a_checkout_whose_commit_is_on_this_machine_pins_a_file_url(
 
 
 def test_a_url_pin_names_a_full_commit(on_main: Project):
+    """A branch, or a commit abbreviated as git prints it (7 or 12 digits,
+    or one digit short), is refused: another clone fetches the commit by
+    its full id, and a short one may name another commit there."""
     text = on_main.series_file.read_text()
     for where in ("https://github.com/vllm-project/vllm", "git@github.com:v/vllm"):
         pinned = text.replace(
             f'git = "{on_main.upstream}"\nrev = "v1"', f'git = "{where}"\nrev = "main"'
         )
-        on_main.series_file.write_text(pinned)
-        with pytest.raises(SeriesFileError, match="pinned by its full commit"):
-            load_series(on_main.series_file)
+        for rev in ("main", "a" * 7, "a" * 12, "a" * 39, "a" * 41):
+            on_main.series_file.write_text(pinned.replace('"main"', f'"{rev}"'))
+            with pytest.raises(SeriesFileError, match="pinned by its full commit"):
+                load_series(on_main.series_file)
         on_main.series_file.write_text(pinned.replace('"main"', f'"{"a" * 40}"'))
         base = load_series(on_main.series_file).base
         assert isinstance(base, GitBase) and base.url == where
+
+
+def test_a_fetch_is_made_beside_the_cache_not_in_the_temp_folder(
+    on_main: Project, tmp_path: Path, monkeypatch
+):
+    """The commit is fetched into a folder beside its cache folder and
+    renamed into place: with the system's temporary folder on another
+    filesystem (a tmpfs), the rename still works and the cache is whole."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second filesystem (/dev/shm) on this machine")
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    monkeypatch.setattr(tempfile, "tempdir", str(elsewhere))
+    try:
+        commit = sh(on_main.upstream, "git", "rev-parse", "HEAD").strip()
+        cache = tmp_path / "another-cache" / "vllm-git"
+        base = GitBase("vllm", cache, commit, on_main.upstream.as_uri())
+        fetch_git_commit(base)
+        assert sh(cache, "git", "cat-file", "-t", commit).strip() == "commit"
+        assert list(elsewhere.iterdir()) == []
+        assert [p.name for p in cache.parent.iterdir()] == ["vllm-git"]
+    finally:
+        shutil.rmtree(elsewhere)
 
 
 @pytest.mark.parametrize("kind", ["network", "local"])
