@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli, sh
 
 from scripts.series import SeriesError
-from scripts.series.rebase import rebase, rehearsal
+from scripts.series.rebase import checks, rebase, rehearsal
 from scripts.series.rebase.state import HunkReport, StageReport, state_file
 
 
@@ -138,3 +138,47 @@ def _a_merge_makes_other_code(monkeypatch, stage_id: str, path: str) -> None:
         commit_stage(series, repo, stage, state)
 
     monkeypatch.setattr(rebase, "_commit_stage", merged_wrong)
+
+
+@pytest.mark.parametrize(
+    ("change", "holds"),
+    [
+        ("the rehearsal's line in a lower stage's file", True),
+        ("a file no stage touches", True),
+        ("other code in a lower stage's file", False),
+        ("other code in the top stage's file", False),
+        ("a lower stage's new file gone", False),
+    ],
+)
+def test_the_exact_merge_check_reads_every_stages_files(tmp_path, change, holds):
+    """A stage is left to apply-and-test only where every file the stages up
+    to it change (the lower stages' too) holds what they hold on the release,
+    give or take the rehearsal's comment lines."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    sh(repo, "git", "init", "-q", "-b", "main")
+    for name in ("lower.py", "top.py", "other.py"):
+        (repo / name).write_text("a = 1\nb = 2\n")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "release")
+    old_base = sh(repo, "git", "rev-parse", "HEAD").strip()
+    (repo / "lower.py").write_text("a = 1\nlower = 1\nb = 2\n")
+    (repo / "new.py").write_text("new = 1\n")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "lower stage")
+    (repo / "top.py").write_text("a = 1\ntop = 1\nb = 2\n")
+    sh(repo, "git", "commit", "-qam", "top stage")
+    old = sh(repo, "git", "rev-parse", "HEAD").strip()
+    note = rehearsal.UPSTREAM_NOTE
+    if change == "a lower stage's new file gone":
+        (repo / "new.py").unlink()
+    else:
+        path, added = {
+            "the rehearsal's line in a lower stage's file": ("lower.py", note),
+            "a file no stage touches": ("other.py", "c = 3\n"),
+            "other code in a lower stage's file": ("lower.py", "c = 3\n"),
+            "other code in the top stage's file": ("top.py", "c = 3\n"),
+        }[change]
+        (repo / path).write_text(added + (repo / path).read_text())
+    sh(repo, "git", "commit", "-qam", "rebased")
+    assert checks.holds_the_applied_stages(repo, old_base, old) is holds
