@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -477,3 +478,69 @@ def test_a_download_cache_that_is_no_folder_is_a_clear_error(tmp_path, monkeypat
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file"))
     with pytest.raises(SeriesError, match=f"set {CACHE_ENV} to a writable folder"):
         hook_python(precommit_cache(), sys.executable)
+
+
+def test_a_half_made_hook_virtualenv_is_made_again(tmp_path, monkeypatch):
+    """The hooks' virtualenv counts as made only once pre-commit is in it:
+    one whose install failed, or that a kill left without its mark, is
+    made again from scratch (``--clear``); a whole one is kept."""
+    from scripts.series.export import vllm_precommit
+
+    made: list[list[str]] = []
+    failing = [True]
+
+    def run(command: list[str], what: str) -> str:
+        made.append(command)
+        if what == "make a virtualenv":
+            Path(command[-1], "bin").mkdir(parents=True, exist_ok=True)
+        if what == "install pre-commit" and failing[0]:
+            raise SeriesError("vLLM's pre-commit: cannot install pre-commit: offline")
+        return ""
+
+    monkeypatch.setattr(vllm_precommit, "run_in_project", run)
+    cache = tmp_path / "precommit"
+    with pytest.raises(SeriesError, match="cannot install pre-commit"):
+        vllm_precommit.hook_python(cache, sys.executable)
+    failing[0] = False
+    for _ in range(2):
+        made.clear()
+        vllm_precommit.hook_python(cache, sys.executable)
+        assert [c[1:3] for c in made] == [["-m", "venv"], ["-m", "pip"]]
+        assert "--clear" in made[0]
+        (venv,) = cache.glob("venv-*")
+        (venv / "ready").unlink()  # as a kill before the mark leaves it
+    (venv / "ready").touch()
+    made.clear()
+    assert vllm_precommit.hook_python(cache, sys.executable) == venv / "bin/python"
+    assert made == []
+
+
+def test_each_pr_check_writes_its_hook_config_beside_its_own_tree(
+    tmp_path, monkeypatch
+):
+    """PR checks run side by side with one shared cache: each writes the
+    rewritten pre-commit config beside its own tree, never in the cache."""
+    from scripts.series.export import vllm_precommit
+
+    configs: list[str] = []
+
+    def run(command: list[str], what: str) -> str:
+        if what == "rewrite the config":
+            configs.append(command[-1])
+        return ""
+
+    monkeypatch.setattr(vllm_precommit, "run_in_project", run)
+    monkeypatch.setattr(vllm_precommit, "hook_python", lambda cache, py: Path(py))
+    monkeypatch.setattr(
+        vllm_precommit.subprocess,
+        "run",
+        lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""),
+    )
+    monkeypatch.setattr(vllm_precommit, "checked_results", lambda *a: [])
+    cache = tmp_path / "cache"
+    trees = [tmp_path / "checks" / stage / "vllm" for stage in ("0001", "0003")]
+    for tree in trees:
+        vllm_precommit.hook_results(cache, tree, ["a.py"], sys.executable)
+    assert len(set(configs)) == 2
+    for tree, config in zip(trees, configs, strict=True):
+        assert Path(config).parent == tree.parent
