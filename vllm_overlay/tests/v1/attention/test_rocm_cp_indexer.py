@@ -1104,6 +1104,28 @@ def test_a_long_turn_is_key_split_where_its_rows_are_few(tp):
     assert split.bounds[0] == 0 and split.bounds[-1] == 8704
 
 
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_a_key_split_rows_owner_pays_only_its_select(tp):
+    """The rank whose range holds the turn's key-split rows selects each
+    one's top-k from every rank's candidates (tp x 2048 at a quarter of a
+    key-row each) and takes that much less of the prompt's rows: every
+    rank's modelled work comes out within 1% of the others'."""
+    split = _plan_turn_beside_a_prompt(tp)
+    assert split is not None and split.key_split == ((0, 512),)
+    select = tp * 2048 // 4
+    # Row t of a request with P cached tokens: P + t + 1 keys and the fixed
+    # row cost (gfx950: no fill).
+    costs = [p + t + 1 + ROW for p, new in TURN_BESIDE_A_PROMPT for t in range(new)]
+    work = [
+        sum(costs[max(start, 512) : end]) + owned * select
+        for (start, end), owned in zip(
+            zip(split.bounds, split.bounds[1:]), split.key_split_owners
+        )
+    ]
+    assert split.key_split_owners[0] == 512
+    assert max(work) <= 1.01 * min(work), work
+
+
 def test_no_key_split_where_it_is_not_allowed(monkeypatch):
     """Below the step's minimum, where the logits fill their chunk (gfx942),
     or with fewer rows allowed than the turn has: whole rows only."""
@@ -1188,6 +1210,129 @@ def test_the_ranks_parts_of_a_key_split_row_cover_its_keys_once(monkeypatch, tp)
     for row in range(60):
         assert covered[row, : ends[row]].eq(1).all(), f"row {row}"
         assert covered[row, ends[row] :].eq(0).all(), f"row {row}"
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4, 8])
+def test_each_key_split_request_is_cut_from_its_own_first_key(monkeypatch, tp):
+    """Two key-split requests with a request of whole rows between them, the
+    later one's keys after the others' in its chunk's gathered keys: each
+    rank's part of a row lies in that row's keys, the parts cover them
+    once, each offset counts from the row's own first key, and each row's
+    candidates go to its place among the step's key-split rows."""
+    first = _chunk_of(0, 24)
+    second = _chunk_of(24, 60)
+    # Rows 24-33: a request over keys 0-13; rows 34-59: one over keys 50-81.
+    second.cu_seqlen_ks = torch.tensor([0] * 10 + [50] * 26, dtype=torch.int32)
+    second.cu_seqlen_ke = torch.tensor(
+        [5 + i for i in range(10)] + [57 + i for i in range(26)], dtype=torch.int32
+    )
+    second.max_seqlen_k = 83
+    chunks = [first, second]
+    key_split = ((0, 24), (34, 60))
+    split = CPIndexerSplit(
+        tuple(r * 60 // tp for r in range(tp + 1)), key_split=key_split
+    )
+    place = {row: i for i, row in enumerate([*range(0, 24), *range(34, 60)])}
+
+    def keys_of(row: int) -> tuple[int, int]:
+        chunk = first if row < 24 else second
+        at = row - chunk.token_start
+        return int(chunk.cu_seqlen_ks[at]), int(chunk.cu_seqlen_ke[at])
+
+    covered = torch.zeros(60, 83, dtype=torch.int32)
+    for rank in range(tp):
+        monkeypatch.setattr(
+            rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
+        )
+        rocm_cp_indexer._STEP_WINDOWS[:] = [None, None, (None, [])]
+        for window in CPIndexerPrefill(split, False).windows(chunks):
+            if window.key_offset is None:
+                assert place.keys().isdisjoint(range(window.start, window.end))
+                continue
+            for i, row in enumerate(range(window.start, window.end)):
+                row_ks, row_ke = keys_of(row)
+                ks, ke = int(window.ks[i]), int(window.ke[i])
+                assert row_ks <= ks <= ke <= row_ke, f"rank {rank}, row {row}"
+                assert ks - row_ks == int(window.key_offset[i])
+                assert window.candidate_row + i == place[row]
+                covered[row, ks:ke] += 1
+    for row in place:
+        row_ks, row_ke = keys_of(row)
+        assert covered[row, row_ks:row_ke].eq(1).all(), f"row {row}"
+        assert int(covered[row].sum()) == row_ke - row_ks, f"row {row}"
+
+
+def test_touching_key_split_requests_are_scored_in_one_call():
+    """Next requests' key-split rows are joined: one call scores them
+    together where the run's chunk allows; a gap keeps them apart."""
+    joined = rocm_cp_indexer_plan.joined
+    assert joined([(5, 9), (0, 5), (12, 14)]) == [(0, 9), (12, 14)]
+    assert joined([(0, 5), (6, 9)]) == [(0, 5), (6, 9)]
+    runs = [(0, 20, 20)]
+    calls = rocm_cp_indexer_plan.key_split_calls(runs, ((0, 5), (5, 9), (12, 14)))
+    assert [(c.first, c.last, c.candidate_row) for c in calls] == [
+        (0, 9, 0),
+        (12, 14, 9),
+    ]
+
+
+def test_runs_are_counted_in_prefill_rows_after_the_decodes():
+    """Three decode rows, then a request sliced into a run of two chunks
+    over the same keys, then another chunk: the runs' rows, counted from
+    the first prefill row, and each run's largest chunk."""
+    chunks = [_chunk_of(3, 10), _chunk_of(10, 14, skip=True), _chunk_of(14, 20)]
+    assert rocm_cp_indexer_plan.shared_key_runs(chunks, 3) == [
+        (0, 11, 7),
+        (11, 17, 6),
+    ]
+
+
+@pytest.mark.parametrize("longest", [65534, 65535])
+def test_the_planner_prices_the_merge_the_op_makes(monkeypatch, longest):
+    """At the int16 bound the planner prices the merge the op will make:
+    int16 rows below 65535 keys, int32 from it."""
+    priced = []
+    repays = rocm_cp_indexer_plan.split_repays
+
+    def recording(total, sizes, link, narrow, *owners):
+        priced.append(narrow)
+        return repays(total, sizes, link, narrow, *owners)
+
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", recording)
+    chunk = _chunk_of(0, 64)
+    chunk.total_seq_lens = chunk.max_seqlen_k = longest
+    plan_cp_indexer_split(2, 0, torch.tensor([longest]), torch.tensor([64]), 1, [chunk])
+    op = rocm_cp_indexer_plan.travels_narrow([chunk])
+    assert op is (longest < 65535)
+    assert priced and set(priced) == {op}
+
+
+def test_the_candidates_are_the_longest_rows_first_within_the_caps(monkeypatch):
+    """Which requests a step may key-split: those whose last row has at
+    least tp x KEY_SPLIT_MIN_KEYS_PER_RANK keys (exactly that is enough),
+    longest first, at most KEY_SPLIT_MAX_REQUESTS, and no further than the
+    first that would pass the rows allowed (a shorter one is not taken past
+    a longer one); zero-length requests hold no rows."""
+    plan = rocm_cp_indexer_plan
+    least = 2 * plan.KEY_SPLIT_MIN_KEYS_PER_RANK
+
+    def candidates(requests, max_rows):
+        """``requests``: (rows, last row's keys); their row ranges chosen."""
+        query = torch.tensor([rows for rows, _ in requests])
+        keys = torch.cat([torch.full((rows,), last) for rows, last in requests])
+        chosen = plan.key_split_candidates(keys, query, 2, max_rows)
+        ends = list(accumulate(rows for rows, _ in requests))
+        names = {(end - rows, end): i for i, ((rows, _), end)
+                 in enumerate(zip(requests, ends)) if rows}  # fmt: skip
+        return [names[r] for r in chosen]
+
+    at_least = [(2, least + 800), (0, 0), (3, least), (1, least - 1)]
+    assert candidates(at_least, 100) == [0, 2]
+    many = [(1, least + k * 1000) for k in range(10)]
+    many[3] = (4, least + 3000)
+    assert candidates(many, 100) == [9, 8, 7, 6, 5, 4, 3, 2]
+    assert candidates(many, 1 + 1 + 1 + 1 + 1 + 1 + 4) == [9, 8, 7, 6, 5, 4, 3]
+    assert candidates(many, 9) == [9, 8, 7, 6, 5, 4]
 
 
 def _requests_in_chunks(gen: torch.Generator, first_row: int, budget: int):
