@@ -390,7 +390,7 @@ def status(session: nox.Session) -> None:
 
 @nox.session
 def mutate(session: nox.Session) -> None:
-    """Mutation-test a module with cosmic-ray and print its score (not CI).
+    """Mutation-test a module with mutmut and print its score (not CI).
 
     -- MODULE [--since REV | --lines A-B ...] -- PYTEST-ARGS: the tests that
     should kill its mutants; they run in a scratch worktree, never in the

@@ -1,31 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Mutation-test one module with cosmic-ray, and print its score.
+"""Mutation-test one module with mutmut, and print its score.
 
 ``python3 -m scripts.mutate MODULE [--since REV | --lines A-B ...] -- PYTEST...``
-(``nox -s mutate`` installs cosmic-ray and the test dependencies first).
+(``nox -s mutate`` installs mutmut and the test dependencies first).
 MODULE is a file of the project; one under ``vllm_overlay/`` is mutated in
 the top stage's test tree, where its tests run with the stage tree's
-environment, as the test runner runs them. ``--since REV`` mutates only the
-lines changed since REV, ``--lines`` only the ranges given.
+environment, as the test runner runs them. mutmut mutates the code of
+functions and methods: ``--since REV`` takes the functions holding a line
+changed since REV, ``--lines`` those holding the ranges given.
 
-cosmic-ray writes each mutant into the file it mutates, so the mutants run
-in a scratch copy (build/mutate/work/): a git worktree of the project (or
-of the test tree) holding its uncommitted edits and untracked files, with
-the project's ``build/`` linked. The checkout is never written, whatever
-happens meanwhile (a commit, an editor's save, a kill); the next run
-clears what a killed one left. The session is kept in build/mutate/
-(``cr-report`` reads it again).
+mutmut imports the tests once and runs each mutant in a fork of that
+process, with only the tests that reach its function: a mutant costs its
+tests' time, not an import of vLLM. It writes its mutants in mutants/ of
+the folder it runs in, and that folder is a scratch copy
+(build/mutate/work/): a git worktree of the project (or of the test tree)
+holding its uncommitted edits and untracked files, with the project's
+``build/`` linked. The checkout is never written, whatever happens
+meanwhile (a commit, an editor's save, a kill); the next run clears what a
+killed one left. Each mutant's outcome and each survivor's diff are kept in
+build/mutate/MODULE.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
 import shlex
 import shutil
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +37,11 @@ from pathlib import Path
 from scripts.series.config import REPO_ROOT
 
 OVERLAY = "vllm_overlay/"
+# mutmut's outcomes that count as a kill: a test failed, the tests ran out
+# of time (a mutant that loops), or the interpreter died.
+KILLED = ("killed", "timeout", "segfault", "caught by type check")
+# Outcomes that count as surviving: no test failed, or none reached it.
+SURVIVED = ("survived", "no tests", "suspicious")
 
 
 def _series(*args: str) -> str:
@@ -101,81 +110,140 @@ def _changed_lines(module: str, since: str) -> list[str]:
     return ranges
 
 
+def _functions(source: str, ranges: list[str]) -> list[str]:
+    """mutmut's names of the module's functions and methods (``x_NAME``,
+    ``xǁCLASSǁNAME``) that hold a line of ``ranges`` (``A-B``)."""
+    spans = [tuple(int(n) for n in r.split("-", 1)) for r in ranges]
+
+    def touched(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        last = node.end_lineno or node.lineno
+        return any(a <= last and first <= b for a, b in spans)
+
+    names = []
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in ast.parse(source).body:
+        if isinstance(node, kinds) and touched(node):
+            names.append(f"x_{node.name}")
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, kinds) and touched(item):
+                    names.append(f"x\u01c1{node.name}\u01c1{item.name}")
+    return names
+
+
+def _config(scratch: Path, relative: Path, tests: list[str], extra: list[str]) -> None:
+    """mutmut's settings, in the scratch copy's setup.cfg (read when its
+    pyproject.toml has none): the module's top package, copied to mutants/,
+    the module as the one it mutates, the tests, and what they read."""
+
+    def listed(values: list[str]) -> str:
+        return "".join(f"\n    {value}" for value in values)
+
+    section = (
+        "\n[mutmut]\n"
+        f"source_paths = {relative.parts[0]}\n"
+        f"only_mutate = {relative.as_posix()}\n"
+        f"also_copy ={listed(extra)}\n"
+        f"pytest_add_cli_args_test_selection ={listed(tests)}\n"
+    )
+    with (scratch / "setup.cfg").open("a") as config:
+        config.write(section)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m scripts.mutate", usage="%(prog)s MODULE [options] -- PYTEST"
     )
     parser.add_argument("module")
-    parser.add_argument("--since", help="only the lines changed since this commit")
+    parser.add_argument("--since", help="only the functions changed since this commit")
     parser.add_argument("--lines", nargs="+", default=[], help="only these A-B ranges")
     split = argv.index("--") if "--" in argv else len(argv)
     args, tests = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not tests:
         parser.error("give the pytest arguments that should kill its mutants after --")
     checkout, relative, env = _where(args.module)
-    if not (checkout / relative).is_file():
-        parser.error(f"{args.module} is no file of the project")
+    if not (checkout / relative).is_file() or relative.suffix != ".py":
+        parser.error(f"{args.module} is no Python file of the project")
     lines = args.lines + (_changed_lines(args.module, args.since) if args.since else [])
+    dotted = ".".join(relative.with_suffix("").parts)
+    chosen = None
+    if args.since or args.lines:
+        chosen = _functions((checkout / relative).read_text(), lines)
+        if not chosen:
+            print(
+                f"no function of {args.module} holds {', '.join(lines) or 'a change'}"
+            )
+            return 0
     out = REPO_ROOT / "build" / "mutate"
     out.mkdir(parents=True, exist_ok=True)
     name = args.module.replace("/", "_")
     scratch = out / "work" / name
     _scratch_copy(checkout, scratch)
-    target = scratch / relative
-    if checkout != REPO_ROOT:
-        env["DSA_VLLM_TREE"] = str(scratch)
-    config, session = out / f"{name}.toml", out / f"{name}.sqlite"
-    command = shlex.join([sys.executable, "-m", "pytest", "-x", "-q", *tests])
-    toml = [
-        "[cosmic-ray]",
-        f"module-path = {json.dumps(str(target))}",
-        "timeout = 600.0",
-        "excluded-modules = []",
-        f"test-command = {json.dumps(command)}",
-        "[cosmic-ray.distributor]",
-        'name = "local"',
-    ]
-    if args.since or args.lines:
-        toml += [
-            "[cosmic-ray.filters.line-filter]",
-            f"lines = {{ {json.dumps(str(target))} = {json.dumps(lines)} }}",
-        ]
-    config.write_text("\n".join(toml) + "\n")
-    session.unlink(missing_ok=True)
-    bin_dir = Path(sys.executable).parent
-    steps = [["cosmic-ray", "init", str(config), str(session)]]
-    if args.since or args.lines:
-        steps.append(["cr-filter-lines", "--config", str(config), str(session)])
-    steps += [
-        ["cosmic-ray", "exec", str(config), str(session)],
-        ["cr-report", "--surviving-only", "--show-diff", str(session)],
-    ]
-    print(
-        f"mutating {args.module} ({', '.join(lines) or 'every line'}) in the "
-        f"scratch copy {scratch}; tests: {command}"
+    # What the tests read besides the package and tests/: every top-level
+    # entry of the project (a test tree's tests need only tests/).
+    skip = {relative.parts[0], "build", ".git", "mutants", "tests"}
+    extra = (
+        sorted(p.name for p in scratch.iterdir() if p.name not in skip)
+        if checkout == REPO_ROOT
+        else []
     )
+    _config(scratch, relative, tests, extra)
+    (scratch / "mutants").mkdir()
+    if checkout == REPO_ROOT:
+        (scratch / "mutants" / "build").symlink_to(REPO_ROOT / "build")
+    else:
+        env["DSA_VLLM_TREE"] = str(scratch / "mutants")
+    globs = [f"{dotted}.{function}__mutmut_*" for function in chosen or []]
+    print(
+        f"mutating {args.module} ({', '.join(chosen or ['every function'])}) in "
+        f"the scratch copy {scratch}; tests: {shlex.join(tests)}",
+        flush=True,
+    )
+    mutmut = [sys.executable, "-m", "mutmut"]
     try:
-        for step in steps:
-            subprocess.run(
-                [str(bin_dir / step[0]), *step[1:]], cwd=scratch, env=env, check=True
-            )
+        subprocess.run(
+            [*mutmut, "run", "--max-children", str(os.cpu_count() or 1), *globs],
+            cwd=scratch, env=env, check=True,
+        )  # fmt: skip
+        listing = subprocess.run(
+            [*mutmut, "results", "--all", "1"],
+            cwd=scratch, env=env, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        outcomes = dict(
+            line.strip().rsplit(": ", 1)
+            for line in listing.splitlines()
+            if line.strip().startswith(f"{dotted}.")
+        )
+        if chosen:
+            wanted = tuple(f"{dotted}.{function}__mutmut_" for function in chosen)
+            outcomes = {k: v for k, v in outcomes.items() if k.startswith(wanted)}
+        survivors = {k: v for k, v in outcomes.items() if v in SURVIVED}
+        diffs = {
+            mutant: subprocess.run(
+                [*mutmut, "show", mutant],
+                cwd=scratch,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout  # fmt: skip
+            for mutant in survivors
+        }
     finally:
         _drop_scratch(checkout, scratch)
-    # cosmic-ray 8's session: one result per mutant run (the line filter's
-    # skipped ones have none); cr-rate would count those as not surviving.
-    with sqlite3.connect(session) as db:
-        outcomes = dict(
-            db.execute(
-                "SELECT test_outcome, COUNT(*) FROM work_results "
-                "WHERE test_outcome IS NOT NULL GROUP BY test_outcome"
-            ).fetchall()
-        )
-    killed, survived = outcomes.get("KILLED", 0), outcomes.get("SURVIVED", 0)
-    score = 100 * killed / max(killed + survived, 1)
+    for diff in diffs.values():
+        print(f"\n{diff}")
+    record = out / f"{name}.json"
+    record.write_text(
+        json.dumps({"outcomes": outcomes, "survivors": diffs}, indent=1) + "\n"
+    )
+    killed = sum(outcome in KILLED for outcome in outcomes.values())
+    counted = killed + len(survivors)
     print(
-        f"mutation score of {args.module}: {score:.1f}% ({killed} of "
-        f"{killed + survived} mutants killed; {survived} survived, listed above; "
-        f"session: {session})"
+        f"mutation score of {args.module}: {100 * killed / max(counted, 1):.1f}% "
+        f"({killed} of {counted} mutants killed; {len(survivors)} survived, "
+        f"listed above; every outcome in {record})"
     )
     return 0
 

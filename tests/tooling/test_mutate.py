@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``nox -s mutate`` never writes the user's checkout: cosmic-ray's mutants
-run in a scratch worktree, so a kill while a mutant is in its file leaves
-the checkout byte for byte as it was, and the next run clears the scratch.
+"""``nox -s mutate`` never writes the user's checkout: mutmut's mutants
+are made and run in a scratch worktree, so a kill while a mutant's tests
+run leaves the checkout byte for byte as it was, and the next run clears
+the scratch.
 
 The project here is a small git repository holding the real
 ``scripts/mutate.py`` and one module whose test can be held running."""
@@ -9,6 +10,7 @@ The project here is a small git repository holding the real
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -22,10 +24,9 @@ from conftest import sh, write_files
 
 from scripts.series.config import REPO_ROOT
 
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.skipif(
-    not (BIN / "cosmic-ray").exists(),
-    reason="no cosmic-ray beside this Python (tests/requirements-cpu.txt has it)",
+    importlib.util.find_spec("mutmut") is None,
+    reason="no mutmut in this Python (tests/requirements-cpu.txt has it)",
 )
 
 DECIDE = """\
@@ -34,8 +35,8 @@ def grant(age, limit):
         return "yes"
     return "no"
 """
-# A test that writes a marker and, while HOLD names a file that does not
-# exist yet, waits: the test sees a mutant sitting in the scratch's file.
+# A test that writes a marker (the mutant it runs with, if any) and, while
+# HOLD names a file that does not exist yet, waits.
 TEST = """\
 import os
 import time
@@ -47,7 +48,8 @@ from toy.decide import grant
 def test_grant():
     marker = os.environ.get("HOLD")
     if marker:
-        Path(marker + ".running").write_text(Path("toy/decide.py").read_text())
+        mutant = os.environ.get("MUTANT_UNDER_TEST", "none")
+        Path(marker + ".running").write_text(mutant)
         while not Path(marker).exists():
             time.sleep(0.1)
     assert grant(18, 18) == "yes"
@@ -107,11 +109,11 @@ def test_a_kill_mid_mutant_leaves_the_checkout_as_it_was(toy: Path) -> None:
     run = _mutate(toy, hold)
     try:
         deadline = time.monotonic() + 120
-        # The first test run is cosmic-ray's baseline on the unmutated
-        # module; wait for one that holds a mutant.
+        # mutmut's first test runs are without a mutant (its baseline and
+        # its map of tests to functions); wait for one that holds a mutant.
         while True:
             seen = Path(f"{hold}.running")
-            if seen.exists() and seen.read_text() not in ("", DECIDE):
+            if seen.exists() and "__mutmut_" in seen.read_text():
                 break
             if seen.exists():
                 seen.unlink()
@@ -145,3 +147,31 @@ def test_a_kill_mid_mutant_leaves_the_checkout_as_it_was(toy: Path) -> None:
     assert _snapshot(toy) == before
     assert sh(toy, "git", "worktree", "list", "--porcelain").count("worktree ") == 1
     assert not (toy / "build/mutate/work/toy_decide.py").exists()
+
+
+def test_lines_name_the_functions_that_hold_them() -> None:
+    """``--since`` and ``--lines`` become the functions mutmut mutates:
+    those whose lines (decorators included) meet a range, by mutmut's
+    names; a range between functions names none."""
+    from scripts.mutate import _functions
+
+    source = (
+        "LIMIT = 3\n"  # 1
+        "def first(a):\n"  # 2
+        "    return a\n"  # 3
+        "\n"  # 4
+        "class Rule:\n"  # 5
+        "    @property\n"  # 6
+        "    def strict(self):\n"  # 7
+        "        return True\n"  # 8
+        "    def loose(self):\n"  # 9
+        "        return False\n"  # 10
+    )
+    assert _functions(source, ["3-3"]) == ["x_first"]
+    assert _functions(source, ["6-6"]) == ["x\u01c1Rule\u01c1strict"]
+    assert _functions(source, ["1-1", "4-5"]) == []
+    assert _functions(source, ["3-9"]) == [
+        "x_first",
+        "x\u01c1Rule\u01c1strict",
+        "x\u01c1Rule\u01c1loose",
+    ]
