@@ -129,7 +129,6 @@ def modelled_balance(
     rocm_cp_indexer_plan.LOGITS_SHARE = share
     rank_cost = rocm_cp_indexer_plan.RankCost(
         before,
-        rows,
         torch.tensor([q for _, q in step]),
         [tuple(run) for run in runs],
         call_cost,

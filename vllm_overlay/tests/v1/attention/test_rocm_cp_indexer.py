@@ -1402,7 +1402,7 @@ def test_the_op_makes_the_calls_the_planner_prices(monkeypatch):
             planned = list(plan.rank_calls(start, end, runs, key_split))
             assert made == [(c.first, c.last, c.candidate_row) for c in planned]
             priced = plan.RankCost(
-                torch.arange(decode + rows + 1), None, None, runs, 1, 0, key_split
+                torch.arange(decode + rows + 1), None, runs, 1, 0, key_split
             )
             whole = [(c.first, c.last) for c in priced.calls(start, end)]
             assert whole == [(a, b) for a, b, row in made if row is None], case

@@ -414,7 +414,6 @@ class RowPlanner:
         torch.cumsum(costs, 0, out=before[1:])
         return RankCost(
             before,
-            costs,
             self.query_lens_cpu,
             self.runs,
             self.call_cost_keys,
@@ -701,7 +700,6 @@ class RankCost:
     def __init__(
         self,
         before: torch.Tensor,
-        costs: torch.Tensor,
         query_lens_cpu: torch.Tensor,
         runs: list[tuple[int, int, int]],
         call_cost_keys: int,
