@@ -536,6 +536,10 @@ def test_the_merge_is_priced_per_link():
     # over rank 0's links.
     assert nvlink.merge_ms(sizes) == pytest.approx(0.241, abs=1e-3)
     assert xgmi.merge_ms(sizes) == pytest.approx(0.652, abs=1e-3)
+    # Exactly: GB/s are bytes per ms over 10^6.
+    assert nvlink.merge_ms(sizes) == pytest.approx(
+        0.1 + 4500 * 8192 / (0.58 * 450 * 1e6), rel=1e-12
+    )
     assert rocm_cp_indexer_plan.XGMI_GFX942.merge_ms(sizes) == pytest.approx(
         0.762, abs=1e-3
     )
@@ -1140,6 +1144,84 @@ def test_no_key_split_where_it_is_not_allowed(monkeypatch):
     assert small is not None and small.key_split == ()
 
 
+# Two turns over long prefixes beside a fresh prompt: at tp 4 the model
+# key-splits only the longer turn, though both are candidates.
+TWO_TURNS_BESIDE_A_PROMPT = [(100 * 1024, 256), (40 * 1024, 256), (0, 8192)]
+
+
+def _plan_requests(requests, tp: int, planner=None, **settings):
+    """The plan for ``requests`` ((cached, new)), one chunk each, on gfx950
+    (no fill) with 240 rows a wave unless ``settings`` say otherwise; with
+    ``planner``, its own ``plan``."""
+    seq = torch.tensor([c + n for c, n in requests])
+    query = torch.tensor([n for _, n in requests])
+    chunks, row = [], 0
+    for cached, new in requests:
+        chunks.append(_chunk_of(row, row + new))
+        chunks[-1].total_seq_lens = chunks[-1].max_seqlen_k = cached + new
+        row += new
+    if planner is not None:
+        return planner.plan(0, seq, query, 1, chunks)
+    settings = {"fill_divisor": None, "wave_rows": 240, **settings}
+    return plan_cp_indexer_split(tp, 0, seq, query, 1, chunks, **settings)
+
+
+def test_with_the_model_off_every_candidate_is_key_split(monkeypatch):
+    """KEY_SPLIT_BY_MODEL off: every candidate request is key-split, not
+    the model's choice, unless that plan passes the owners' cap: then none."""
+    steps = TWO_TURNS_BESIDE_A_PROMPT
+    by_model = _plan_requests(steps, 4)
+    assert by_model is not None and by_model.key_split == ((0, 256),)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "KEY_SPLIT_BY_MODEL", False)
+    every = _plan_requests(steps, 4)
+    assert every is not None and every.key_split == ((0, 256), (256, 512))
+    most = max(every.key_split_owners)
+    assert _plan_requests(steps, 4, key_split_max_owned=most) == every
+    capped = _plan_requests(steps, 4, key_split_max_owned=most - 1)
+    assert capped is not None and capped.key_split == ()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"wave_rows": 0},
+        {"key_split_max_rows": 255},
+        {"key_split_max_owned": 200},
+        {"link": rocm_cp_indexer_plan.NVLINK},
+        {"call_cost_keys": 0},
+        {"row_cost_keys": 20_000},
+        {"fill_divisor": FILL},
+    ],
+    ids=lambda setting: next(iter(setting)),
+)
+def test_the_startup_planner_plans_with_its_own_settings(setting):
+    """Each setting of the planner made at startup reaches every step's
+    plan: the same split as planning with that setting, which differs from
+    planning without it."""
+    steps = TWO_TURNS_BESIDE_A_PROMPT
+    settings = {"fill_divisor": None, "wave_rows": 240, **setting}
+    planner = rocm_cp_indexer_plan.CPIndexerPlanner(4, **settings)
+    planned = _plan_requests(steps, 4, planner)
+    assert planned == _plan_requests(steps, 4, **setting)
+    assert planned != _plan_requests(steps, 4)
+
+
+def test_the_gate_prices_the_merge_and_the_exchange():
+    """A split repays where the costliest rank (an even share and
+    SPLIT_OVERHEAD) and the links stay within (1 - MIN_SPLIT_GAIN) of the
+    replicated op. At tp 2 with 1,000 rows a rank on xGMI: 10M key-rows
+    repay an int16 merge but not the default int32 one; 20M repay the
+    int16 merge, but not with 2,000 key-split rows' candidates sent to one
+    owner."""
+    repays = rocm_cp_indexer_plan.split_repays
+    xgmi = rocm_cp_indexer_plan.XGMI_GFX950
+    assert repays(10_000_000, [1000, 1000], xgmi, narrow=True)
+    assert not repays(10_000_000, [1000, 1000], xgmi)
+    assert repays(20_000_000, [1000, 1000], xgmi, True)
+    assert repays(20_000_000, [1000, 1000], xgmi, True, [0, 0])
+    assert not repays(20_000_000, [1000, 1000], xgmi, True, [2000, 0])
+
+
 def test_a_key_split_row_is_owned_by_the_rank_whose_range_holds_it():
     # One request across a cut, one starting at a cut, one inside a range.
     split = CPIndexerSplit((0, 10, 20, 30), key_split=((5, 12), (20, 25), (28, 30)))
@@ -1160,10 +1242,10 @@ def test_the_exchange_is_priced_per_link():
     row = rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
     nvlink, xgmi = rocm_cp_indexer_plan.NVLINK, rocm_cp_indexer_plan.XGMI_GFX950
     assert nvlink.exchange_ms(owners, row) == pytest.approx(
-        0.1 + 3 * 300 * row / (nvlink.gb_per_s * 1e6)
+        0.1 + 3 * 300 * row / (nvlink.gb_per_s * 1e6), rel=1e-12
     )
     assert xgmi.exchange_ms(owners, row) == pytest.approx(
-        0.1 + 300 * row / (xgmi.gb_per_s * 1e6)
+        0.1 + 300 * row / (xgmi.gb_per_s * 1e6), rel=1e-12
     )
     # The gate adds it to the merge's price.
     merge_only = rocm_cp_indexer_plan.links_key_rows(xgmi, [1000, 1000], True)
@@ -1171,7 +1253,8 @@ def test_the_exchange_is_priced_per_link():
         xgmi, [1000, 1000], True, [300, 0]
     )
     assert with_exchange - merge_only == pytest.approx(
-        xgmi.exchange_ms([300, 0], row) * 1e6 / rocm_cp_indexer_plan.NS_PER_KEY_ROW
+        xgmi.exchange_ms([300, 0], row) * 1e6 / rocm_cp_indexer_plan.NS_PER_KEY_ROW,
+        rel=1e-9,
     )
 
 
@@ -1437,6 +1520,59 @@ def test_no_rank_owns_more_key_split_rows_than_its_cap(tp):
     below = _plan_turn_beside_a_prompt(tp, key_split_max_owned=most - 1)
     assert below is not None
     assert max(below.key_split_owners) <= most - 1
+
+
+def test_the_caps_in_rows_for_a_logits_budget():
+    """Whole rows: a sixteenth of the budget in 16 KiB candidate rows a rank
+    sends, the budget over tp such rows for what an owner receives, and
+    KEY_SPLIT_MAX_ROWS at most."""
+    plan = rocm_cp_indexer_plan
+    budget = (1 << 20) + 1
+    assert plan.key_split_max_rows(budget) == 4
+    assert plan.key_split_max_owned(budget, 8) == 8
+    assert plan.key_split_max_owned(budget, 3) == 21
+    assert plan.key_split_max_rows(64 << 30) == plan.KEY_SPLIT_MAX_ROWS
+    assert plan.key_split_max_owned(64 << 30, 8) == plan.KEY_SPLIT_MAX_ROWS
+
+
+def test_the_key_split_rows_cost_every_rank_as_the_model_says():
+    """Two key-split requests in two runs of chunks, at tp 4: each call
+    costs a tp-th of its rows' keys, each row its fixed cost and its 2048
+    candidates at a quarter key-row, the call its fixed cost, and where its
+    rows fill less than a wave of its longest row (6 rows here), the logits'
+    share of the difference."""
+    plan = rocm_cp_indexer_plan
+    keys = torch.tensor([10000, 10001, 10002, 10003, 5, 6, 20000, 20001, 20002])
+    runs = [(0, 6, 6), (6, 9, 3)]
+    planned = plan.RowPlanner(keys + 700, torch.tensor([4, 2, 3]), runs, 4, 1000, 6)
+    share = plan.LOGITS_SHARE
+    per_row = 700 + 2048 / 4
+    first = 40006 / 4 + 4 * per_row + 1000 + share * (6 * 10003 / 4 - 40006 / 4)
+    second = 60003 / 4 + 3 * per_row + 1000 + share * (6 * 20002 / 4 - 60003 / 4)
+    cost = plan._key_split_cost([(0, 4), (6, 9)], keys, planned, 700)
+    assert cost == pytest.approx(first + second, rel=1e-12)
+    # A wave of one row: every call fills it, nothing is added.
+    planned.wave_rows = 1
+    cost = plan._key_split_cost([(0, 4), (6, 9)], keys, planned, 700)
+    assert cost == pytest.approx((40006 + 60003) / 4 + 7 * per_row + 2000, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("heavy", ["first", "last"])
+def test_every_rank_gets_a_row_when_one_row_outweighs_the_rest(tp, heavy):
+    """Where one row costs more than all the others (the first or the
+    last), the cuts nearest the cost shares would give ranks no rows: each
+    rank still gets at least one, in order."""
+    costs = [100] + [1] * tp if heavy == "first" else [1] * tp + [100]
+    before = torch.tensor([0, *accumulate(costs)])
+    total = int(before[-1])
+    shares = torch.arange(1, tp) * total // tp
+    bounds = rocm_cp_indexer_plan._cut_at(before, shares)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and bounds[-1] == tp + 1
+    assert min(sizes) >= 1, bounds
+    # The heavy row's rank takes it alone.
+    assert (sizes[0] if heavy == "first" else sizes[-1]) == 1, bounds
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
