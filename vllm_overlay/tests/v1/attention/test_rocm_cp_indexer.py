@@ -1166,6 +1166,43 @@ def _plan_requests(requests, tp: int, planner=None, **settings):
     return plan_cp_indexer_split(tp, 0, seq, query, 1, chunks, **settings)
 
 
+def test_a_key_split_request_after_others_and_the_decodes_keeps_its_rows():
+    """The prompt first, then the turn, after three decode rows: the turn's
+    rows are key-split at their batch rows, past the decodes and the
+    prompt."""
+    requests = [(0, 8192), (100 * 1024, 512)]
+    seq = torch.tensor([c + n for c, n in requests])
+    query = torch.tensor([n for _, n in requests])
+    chunks = [_chunk_of(3, 8195), _chunk_of(8195, 8707)]
+    for chunk, (cached, new) in zip(chunks, requests, strict=True):
+        chunk.total_seq_lens = chunk.max_seqlen_k = cached + new
+    split = plan_cp_indexer_split(
+        8, 3, seq, query, 1, chunks, fill_divisor=None, wave_rows=240
+    )
+    assert split is not None and split.key_split == ((8195, 8707),)
+    assert split.bounds[0] == 3 and split.bounds[-1] == 8707
+
+
+def test_a_step_of_exactly_the_minimum_may_key_split(monkeypatch):
+    """KEY_SPLIT_MIN_STEP_KEY_ROWS is the least a step may key-split at."""
+    costs = rocm_cp_indexer_plan.prefill_row_costs(
+        torch.tensor([c + n for c, n in TURN_BESIDE_A_PROMPT]),
+        torch.tensor([n for _, n in TURN_BESIDE_A_PROMPT]),
+        1,
+        [],
+        0,
+        fill_divisor=None,
+    )
+    total = int(costs.sum())
+    plan = rocm_cp_indexer_plan
+    monkeypatch.setattr(plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", total)
+    at = _plan_turn_beside_a_prompt(8)
+    assert at is not None and at.key_split == ((0, 512),)
+    monkeypatch.setattr(plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", total + 1)
+    above = _plan_turn_beside_a_prompt(8)
+    assert above is not None and above.key_split == ()
+
+
 def test_with_the_model_off_every_candidate_is_key_split(monkeypatch):
     """KEY_SPLIT_BY_MODEL off: every candidate request is key-split, not
     the model's choice, unless that plan passes the owners' cap: then none."""
