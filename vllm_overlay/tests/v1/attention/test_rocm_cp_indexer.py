@@ -1427,6 +1427,24 @@ def test_the_planner_prices_the_merge_the_op_makes(monkeypatch, longest):
     assert priced and set(priced) == {op}
 
 
+@pytest.mark.parametrize("tp", [4, 8])
+def test_the_last_gate_prices_the_plans_own_exchange(monkeypatch, tp):
+    """The split is judged with what it sends: its merge (int32: the turn's
+    rows have over 65,535 keys) and the exchange of its key-split rows'
+    candidates to their owners."""
+    judged = []
+    repays = rocm_cp_indexer_plan.split_repays
+
+    def recording(total, sizes, link, narrow=False, owners=None):
+        judged.append((list(sizes), narrow, owners))
+        return repays(total, sizes, link, narrow, owners)
+
+    monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", recording)
+    split = _plan_turn_beside_a_prompt(tp)
+    assert split is not None and split.key_split
+    assert judged[-1] == (split.sizes, False, split.key_split_owners)
+
+
 def test_the_candidates_are_the_longest_rows_first_within_the_caps(monkeypatch):
     """Which requests a step may key-split: those whose last row has at
     least tp x KEY_SPLIT_MIN_KEYS_PER_RANK keys (exactly that is enough),
