@@ -34,9 +34,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts.mutmut_forks import HITS_ENV
 from scripts.series.config import REPO_ROOT
 
 OVERLAY = "vllm_overlay/"
+# scripts/mutmut_forks.py, copied beside the mutants under this name.
+FORKS_PLUGIN = "dsa_mutmut_forks"
 # mutmut's outcomes that count as a kill: a test failed, the tests ran out
 # of time (a mutant that loops), or the interpreter died.
 KILLED = ("killed", "timeout", "segfault", "caught by type check")
@@ -135,7 +138,8 @@ def _functions(source: str, ranges: list[str]) -> list[str]:
 def _config(scratch: Path, relative: Path, tests: list[str], extra: list[str]) -> None:
     """mutmut's settings, in the scratch copy's setup.cfg (read when its
     pyproject.toml has none): the module's top package, copied to mutants/,
-    the module as the one it mutates, the tests, and what they read."""
+    the module as the one it mutates, the tests, what they read, and the
+    plugin that counts what forked ranks reach (``mutmut_forks``)."""
 
     def listed(values: list[str]) -> str:
         return "".join(f"\n    {value}" for value in values)
@@ -146,6 +150,7 @@ def _config(scratch: Path, relative: Path, tests: list[str], extra: list[str]) -
         f"only_mutate = {relative.as_posix()}\n"
         f"also_copy ={listed(extra)}\n"
         f"pytest_add_cli_args_test_selection ={listed(tests)}\n"
+        f"pytest_add_cli_args ={listed(['-p', FORKS_PLUGIN])}\n"
     )
     with (scratch / "setup.cfg").open("a") as config:
         config.write(section)
@@ -190,6 +195,12 @@ def main(argv: list[str]) -> int:
     )
     _config(scratch, relative, tests, extra)
     (scratch / "mutants").mkdir()
+    shutil.copy2(
+        Path(__file__).with_name("mutmut_forks.py"),
+        scratch / "mutants" / f"{FORKS_PLUGIN}.py",
+    )
+    (scratch / "hits").mkdir()
+    env[HITS_ENV] = str(scratch / "hits")
     if checkout == REPO_ROOT:
         (scratch / "mutants" / "build").symlink_to(REPO_ROOT / "build")
     else:

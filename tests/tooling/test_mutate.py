@@ -73,7 +73,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture
 def toy(tmp_path: Path) -> Path:
     root = tmp_path / "project"
-    for name in ("scripts/__init__.py", "scripts/mutate.py",
+    for name in ("scripts/__init__.py", "scripts/mutate.py", "scripts/mutmut_forks.py",
                  "scripts/series/__init__.py", "scripts/series/config.py"):  # fmt: skip
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / name, root / name)
@@ -175,3 +175,42 @@ def test_lines_name_the_functions_that_hold_them() -> None:
         "x\u01c1Rule\u01c1strict",
         "x\u01c1Rule\u01c1loose",
     ]
+
+
+FORKED = """\
+import os
+
+from toy.double import double
+
+
+def test_double_in_a_forked_child():
+    pid = os.fork()
+    if pid == 0:  # as the gloo harness's ranks: every error reported, then out
+        try:
+            os._exit(0 if double(2) == 4 else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+"""
+
+
+def test_a_function_only_forked_ranks_call_is_tested(toy: Path) -> None:
+    """The gloo tests call the op's merge only in forked ranks: those
+    mutants are run against the test that forked them, not left untested."""
+    write_files(
+        toy,
+        {
+            "toy/double.py": "def double(x):\n    return x * 2\n",
+            "tests/test_double.py": FORKED,
+        },
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.mutate", "toy/double.py", "--",
+         "tests/test_double.py", "-p", "no:cacheprovider"],
+        cwd=toy, env=env, text=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no tests" not in done.stdout, done.stdout
+    assert "mutation score of toy/double.py: 100.0%" in done.stdout, done.stdout
