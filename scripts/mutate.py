@@ -144,16 +144,17 @@ def _config(scratch: Path, relative: Path, tests: list[str], extra: list[str]) -
     def listed(values: list[str]) -> str:
         return "".join(f"\n    {value}" for value in values)
 
-    section = (
-        "\n[mutmut]\n"
-        f"source_paths = {relative.parts[0]}\n"
-        f"only_mutate = {relative.as_posix()}\n"
-        f"also_copy ={listed(extra)}\n"
-        f"pytest_add_cli_args_test_selection ={listed(tests)}\n"
-        f"pytest_add_cli_args ={listed(['-p', FORKS_PLUGIN])}\n"
-    )
+    section = [
+        "[mutmut]",
+        f"source_paths = {relative.parts[0]}",
+        f"only_mutate = {relative.as_posix()}",
+        f"pytest_add_cli_args_test_selection ={listed(tests)}",
+        f"pytest_add_cli_args ={listed(['-p', FORKS_PLUGIN])}",
+    ]
+    if extra:  # an empty also_copy would read as "." (the whole folder)
+        section.append(f"also_copy ={listed(extra)}")
     with (scratch / "setup.cfg").open("a") as config:
-        config.write(section)
+        config.write("\n" + "\n".join(section) + "\n")
 
 
 def main(argv: list[str]) -> int:

@@ -214,3 +214,21 @@ def test_a_function_only_forked_ranks_call_is_tested(toy: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no tests" not in done.stdout, done.stdout
     assert "mutation score of toy/double.py: 100.0%" in done.stdout, done.stdout
+
+
+def test_a_test_tree_copies_only_its_package_and_tests(tmp_path: Path) -> None:
+    """mutmut reads an empty ``also_copy`` as ".": a vLLM test tree's whole
+    folder (and the mutants folder inside it) copied again. With nothing
+    to add, the setting is left out, and mutmut copies its defaults."""
+    from configparser import ConfigParser
+
+    from scripts.mutate import _config
+
+    for extra in ([], ["README.md", "patches"]):
+        (tmp_path / "setup.cfg").write_text("[egg_info]\ntag_build =\n")
+        _config(tmp_path, Path("vllm/v1/plan.py"), ["tests/test_plan.py"], extra)
+        config = ConfigParser()
+        config.read(tmp_path / "setup.cfg")
+        assert config.get("mutmut", "only_mutate") == "vllm/v1/plan.py"
+        copied = config.get("mutmut", "also_copy", fallback=None)
+        assert copied == ("\nREADME.md\npatches" if extra else None)
