@@ -1365,10 +1365,20 @@ def test_each_key_split_request_is_cut_from_its_own_first_key(monkeypatch, tp):
             rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda r=rank: r
         )
         rocm_cp_indexer._STEP_WINDOWS[:] = [None, None, (None, [])]
+        gathered = set()
         for window in CPIndexerPrefill(split, False).windows(chunks):
+            # Each run's keys are gathered by its first call, once.
+            assert window.gather_keys is (id(window.chunk) not in gathered)
+            gathered.add(id(window.chunk))
             if window.key_offset is None:
                 assert place.keys().isdisjoint(range(window.start, window.end))
                 continue
+            chunk = first if window.start < 24 else second
+            assert window.chunk is chunk
+            # A part holds at most a tp-th of the longest row's keys.
+            assert window.max_seqlen_k == -(-chunk.max_seqlen_k // tp)
+            assert window.ks.dtype == window.ke.dtype == torch.int32
+            assert window.key_offset.dtype == torch.int32
             for i, row in enumerate(range(window.start, window.end)):
                 row_ks, row_ke = keys_of(row)
                 ks, ke = int(window.ks[i]), int(window.ke[i])
@@ -1380,6 +1390,32 @@ def test_each_key_split_request_is_cut_from_its_own_first_key(monkeypatch, tp):
         row_ks, row_ke = keys_of(row)
         assert covered[row, row_ks:row_ke].eq(1).all(), f"row {row}"
         assert int(covered[row].sum()) == row_ke - row_ks, f"row {row}"
+
+
+def test_a_steps_windows_are_made_once_for_all_its_layers(monkeypatch):
+    """Every indexer layer of a step makes the same calls: the second
+    layer's op reuses the first's windows; the next step's chunks get new
+    ones. The merge's row width follows the step's longest sequence."""
+    monkeypatch.setattr(rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: 0)
+    rocm_cp_indexer._STEP_WINDOWS[:] = [None, None, (None, [])]
+    split = CPIndexerSplit((0, 30, 60), key_split=((0, 24),))
+    chunks = [_chunk_of(0, 30), _chunk_of(30, 60)]
+    layer = CPIndexerPrefill(split, False)
+    made = list(layer.windows(chunks))
+    assert layer.narrow is True
+    again = list(CPIndexerPrefill(split, False).windows(chunks))
+    assert len(again) == len(made) and all(
+        a is b for a, b in zip(again, made, strict=True)
+    )
+    step = [_chunk_of(0, 30), _chunk_of(30, 60)]
+    step[1].max_seqlen_k = 70_000
+    later = CPIndexerPrefill(split, False)
+    fresh = list(later.windows(step))
+    assert fresh[0] is not made[0] and fresh[0].chunk is step[0]
+    assert later.narrow is False
+    replicated = CPIndexerPrefill(None, False)
+    list(replicated.windows(chunks))
+    assert replicated.narrow is False
 
 
 def test_touching_key_split_requests_are_scored_in_one_call():
