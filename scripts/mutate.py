@@ -187,12 +187,14 @@ def main(argv: list[str]) -> int:
     scratch = out / "work" / name
     _scratch_copy(checkout, scratch)
     # What the tests read besides the package and tests/: every top-level
-    # entry of the project (a test tree's tests need only tests/).
+    # entry of the project; of a test tree, the package's metadata (vLLM
+    # reads its own version, and without it takes another platform).
     skip = {relative.parts[0], "build", ".git", "mutants", "tests"}
-    extra = (
-        sorted(p.name for p in scratch.iterdir() if p.name not in skip)
-        if checkout == REPO_ROOT
-        else []
+    extra = sorted(
+        p.name
+        for p in scratch.iterdir()
+        if p.name not in skip
+        and (checkout == REPO_ROOT or p.name.endswith(".egg-info"))
     )
     _config(scratch, relative, tests, extra)
     (scratch / "mutants").mkdir()

@@ -216,10 +216,10 @@ def test_a_function_only_forked_ranks_call_is_tested(toy: Path) -> None:
     assert "mutation score of toy/double.py: 100.0%" in done.stdout, done.stdout
 
 
-def test_a_test_tree_copies_only_its_package_and_tests(tmp_path: Path) -> None:
-    """mutmut reads an empty ``also_copy`` as ".": a vLLM test tree's whole
-    folder (and the mutants folder inside it) copied again. With nothing
-    to add, the setting is left out, and mutmut copies its defaults."""
+def test_an_empty_also_copy_is_left_out(tmp_path: Path) -> None:
+    """mutmut reads an empty ``also_copy`` as ".": a whole vLLM test tree
+    (and the mutants folder inside it) copied again. With nothing to add,
+    the setting is left out, and mutmut copies its defaults."""
     from configparser import ConfigParser
 
     from scripts.mutate import _config
