@@ -206,6 +206,8 @@ def main(argv: list[str]) -> int:
     env[HITS_ENV] = str(scratch / "hits")
     if checkout == REPO_ROOT:
         (scratch / "mutants" / "build").symlink_to(REPO_ROOT / "build")
+        # The tool finds the project by its git top level: mutants/ is one.
+        _git(scratch, "init", "-q", "mutants")
     else:
         env["DSA_VLLM_TREE"] = str(scratch / "mutants")
     globs = [f"{dotted}.{function}__mutmut_*" for function in chosen or []]

@@ -39,10 +39,18 @@ def grant(age, limit):
 # HOLD names a file that does not exist yet, waits.
 TEST = """\
 import os
+import subprocess
 import time
 from pathlib import Path
 
 from toy.decide import grant
+
+
+def test_the_project_is_its_git_top_level():
+    # As the tool's own tests find the project (its series file's checkout).
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"],
+                         capture_output=True, text=True).stdout.strip()
+    assert Path(top).resolve() == Path.cwd().resolve()
 
 
 def test_grant():
