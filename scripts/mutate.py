@@ -113,6 +113,12 @@ def _changed_lines(module: str, since: str) -> list[str]:
     return ranges
 
 
+def _line_range(text: str) -> str:
+    if not re.fullmatch(r"[1-9][0-9]*-[1-9][0-9]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is no A-B line range")
+    return text
+
+
 def _functions(source: str, ranges: list[str]) -> list[str]:
     """mutmut's names of the module's functions and methods (``x_NAME``,
     ``xǁCLASSǁNAME``) that hold a line of ``ranges`` (``A-B``)."""
@@ -163,7 +169,9 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("module")
     parser.add_argument("--since", help="only the functions changed since this commit")
-    parser.add_argument("--lines", nargs="+", default=[], help="only these A-B ranges")
+    parser.add_argument(
+        "--lines", nargs="+", default=[], type=_line_range, help="only these A-B ranges"
+    )
     split = argv.index("--") if "--" in argv else len(argv)
     args, tests = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not tests:

@@ -240,3 +240,14 @@ def test_an_empty_also_copy_is_left_out(tmp_path: Path) -> None:
         assert config.get("mutmut", "only_mutate") == "vllm/v1/plan.py"
         copied = config.get("mutmut", "also_copy", fallback=None)
         assert copied == ("\nREADME.md\npatches" if extra else None)
+
+
+def test_a_line_range_that_is_none_is_refused_plainly() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.mutate", "scripts/mutate.py", "--lines",
+         "12", "--", "tests"],
+        cwd=REPO_ROOT, text=True, capture_output=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "'12' is no A-B line range" in done.stderr
+    assert "Traceback" not in done.stderr
