@@ -8,14 +8,17 @@ the same top-k set per row as with the flag off.
 
 Runs on gloo ranks on a CPU (the Triton kernels through TRITON_INTERPRET=1)
 and over two GPUs on ROCm with AITER. On a CPU, what it lacks is stood in:
-the ROCm platform check, PyNccl (by gloo broadcasts), AITER's prefill logits
+the ROCm platform check, PyNccl (by gloo collectives), AITER's prefill logits
 kernel (by vLLM's own torch reference, ``fp8_mqa_logits_torch``) and
 ``_C.top_k_per_row_prefill`` (a
 torch top-k with the kernel's contract: indices relative to the row's start,
 as vLLM's AITER adapter ``_localize_aiter_prefill_topk`` assumes, -1 past a
 short row; output order and the choice among tied k-th values unspecified,
 since csrc/sampler.cu places outputs by atomicAdd: here random on each rank
-and call, so that a row merged from two ranks' copies shows up).
+and call, so that a row merged from two ranks' copies shows up). Run once as
+the planner cuts whole rows, and once with the long requests key-split: each
+rank scores its part of their keys, and the rank whose range holds a row
+selects its top-k from both ranks' candidates.
 """
 
 import json
@@ -72,17 +75,39 @@ _LIBRARIES: list = []
 
 
 class _GlooPyNccl:
-    """PyNccl's all_gatherv, which gloo ranks lack, on gloo: inside one NCCL
-    group, one broadcast per root from its input into its slice of the
-    output, in rank order (vllm/distributed/device_communicators/pynccl.py,
-    ``all_gatherv``). Fails where NCCL is undefined: non-contiguous buffers,
-    and a root's input overlapping the output other than as exactly its own
-    slice (NCCL broadcasts in place only when send and receive are one)."""
+    """PyNccl's all_gatherv and all_to_all_single, which gloo ranks lack, on
+    gloo (vllm/distributed/device_communicators/pynccl.py). all_gatherv:
+    inside one NCCL group, one broadcast per root from its input into its
+    slice of the output, in rank order. Fails where NCCL is undefined:
+    non-contiguous buffers, and a root's input overlapping the output other
+    than as exactly its own slice (NCCL broadcasts in place only when send
+    and receive are one)."""
 
     disabled = False
 
     def __init__(self, group) -> None:
         self.group = group
+        self.exchanges = 0
+
+    def all_to_all_single(
+        self, output, input_, output_split_sizes, input_split_sizes, stream=None
+    ):
+        """The next ``input_split_sizes[peer]`` rows of the input to each
+        peer, the next ``output_split_sizes[peer]`` rows of the output from
+        it, of contiguous tensors."""
+        world_size = self.group.world_size
+        assert output.is_contiguous() and input_.is_contiguous()
+        assert len(output_split_sizes) == len(input_split_sizes) == world_size
+        assert output.shape[0] == sum(output_split_sizes)
+        assert input_.shape[0] == sum(input_split_sizes)
+        self.exchanges += 1
+        torch.distributed.all_to_all_single(
+            output,
+            input_,
+            list(output_split_sizes),
+            list(input_split_sizes),
+            group=self.group.device_group,
+        )
 
     def all_gatherv(self, output, input_, sizes, stream=None):
         rank = self.group.rank_in_group
@@ -242,11 +267,10 @@ def _batch(device: torch.device):
     return common, inputs, tokens
 
 
-def _run_step(
-    config, device, common, inputs, cp: bool
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _run_step(config, device, common, inputs, cp: bool):
     """Build the step's metadata with the flag ``cp`` and run the real op;
-    the top-k buffer, and the logits of each row this rank scored."""
+    the top-k buffer, the logits of each row this rank scored (in the order
+    scored), and the step's split."""
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as op
     from vllm._aiter_ops import rocm_aiter_ops
     from vllm.config import set_current_vllm_config
@@ -299,11 +323,27 @@ def _run_step(
             get_max_prefill_buffer_size(config),
             buffer,
         )
-    return buffer.cpu(), row_scores
+    return buffer.cpu(), row_scores, metadata.prefill.cp_split
+
+
+def _key_split_the_long_requests(monkeypatch, plan) -> None:
+    """The planner key-splits every request whose rows reach 16 keys a
+    rank, longest first, within 64 rows: the 3rd and 2nd here (its
+    minimums and caps, sized for serving's k = 2,048, scaled to TOPK)."""
+    monkeypatch.setattr(plan, "KEY_SPLIT_BY_MODEL", False)
+    monkeypatch.setattr(plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", 0)
+    monkeypatch.setattr(plan, "KEY_SPLIT_MIN_KEYS_PER_RANK", TOPK)
+    monkeypatch.setattr(plan, "key_split_max_rows", lambda *_: 64)
+    monkeypatch.setattr(plan, "key_split_max_owned", lambda *_: 64)
 
 
 def _worker(
-    rank: int, world_size: int, port: int, device_kind: str, checkpoint: str
+    rank: int,
+    world_size: int,
+    port: int,
+    device_kind: str,
+    checkpoint: str,
+    key_split: bool,
 ) -> None:
     import vllm.envs as envs
     from vllm.config import set_current_vllm_config
@@ -329,6 +369,8 @@ def _worker(
     os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"] = str(STRIPE)
     # This batch is far below the work that repays a split in production.
     monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
+    if key_split:
+        _key_split_the_long_requests(monkeypatch, rocm_cp_indexer_plan)
     # Chunk prefills at CHUNK_LOGITS fp32 logits (vLLM counts MiB).
     monkeypatch.setattr(
         envs,
@@ -343,28 +385,37 @@ def _worker(
             world_size, rank, f"tcp://localhost:{port}", rank, backend=backend
         )
         ensure_model_parallel_initialized(world_size, 1)
-    if device.type == "cpu":
-        from vllm.distributed import get_tp_group
+    from vllm.distributed import get_tp_group
 
+    if device.type == "cpu":
         get_tp_group().device_communicator.pynccl_comm = _GlooPyNccl(get_tp_group())
     # What VllmConfig sets for a sparse MLA model.
     config.attention_config.sparse_mla_prefill_workspace_factor = 5
     workspace.init_workspace_manager(device)
     common, inputs, tokens = _batch(device)
 
-    replicated, scores = _run_step(config, device, common, inputs, cp=False)
-    split, own_rows = _run_step(config, device, common, inputs, cp=True)
+    replicated, scores, _ = _run_step(config, device, common, inputs, cp=False)
+    split, own_rows, plan = _run_step(config, device, common, inputs, cp=True)
     counts = [0] * world_size
     torch.distributed.all_gather_object(counts, len(own_rows))
+    # Counted by the gloo stand-in only.
+    pynccl = get_tp_group().device_communicator.pynccl_comm
+    exchanges = getattr(pynccl, "exchanges", None)
     destroy_model_parallel()
     destroy_distributed_environment()
     monkeypatch.undo()
 
     # With the flag off, chunks score the prefill rows in order, each once.
     assert len(scores) == tokens, "with the flag off every rank scores every row"
-    assert sum(counts) == tokens and max(counts) < tokens, (
-        f"rows scored per rank: {counts}; each row once, by one rank"
+    # Each row once, by one rank; a key-split row by every rank, over its part.
+    shared = plan.key_split_rows
+    assert [(start, end) for start, end in plan.key_split] == (
+        [(40, 60), (63, 93)] if key_split else []
     )
+    assert sum(counts) == tokens + (world_size - 1) * shared, counts
+    assert max(counts) < tokens, f"rows scored per rank: {counts}"
+    if exchanges is not None:
+        assert exchanges == int(key_split), "one exchange a key-split prefill"
     for row in range(tokens):
         want = replicated[row][replicated[row] >= 0].long()
         got = split[row][split[row] >= 0].long()
@@ -384,7 +435,7 @@ def _worker(
     assert torch.equal(split[tokens:], replicated[tokens:]), "padding rows"
 
 
-def _run(world_size: int, device_kind: str, folder) -> None:
+def _run(world_size: int, device_kind: str, folder, key_split: bool) -> None:
     from vllm.utils.network_utils import get_open_port
 
     (folder / "config.json").write_text(json.dumps(TINY_DSV32))
@@ -400,7 +451,7 @@ def _run(world_size: int, device_kind: str, folder) -> None:
         try:
             torch.multiprocessing.start_processes(
                 _worker,
-                args=(world_size, get_open_port(), device_kind, str(folder)),
+                args=(world_size, get_open_port(), device_kind, str(folder), key_split),
                 nprocs=world_size,
                 start_method="fork" if device_kind == "cpu" else "spawn",
             )
@@ -414,17 +465,19 @@ def _run(world_size: int, device_kind: str, folder) -> None:
 
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
-def test_split_prefill_equals_the_replicated_one_on_cpu(tmp_path):
+@pytest.mark.parametrize("key_split", [False, True], ids=["whole-rows", "key-split"])
+def test_split_prefill_equals_the_replicated_one_on_cpu(tmp_path, key_split):
     """Two gloo ranks (the 93 prefill rows do not divide evenly)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs vLLM's Triton kernels on a CPU: needs TRITON_INTERPRET=1")
-    _run(2, "cpu", tmp_path)
+    _run(2, "cpu", tmp_path, key_split)
 
 
 @pytest.mark.skipif(
     not current_platform.is_rocm() or torch.accelerator.device_count() < 2,
     reason="ROCm-only, needs 2 GPUs",
 )
-def test_split_prefill_equals_the_replicated_one_on_gpus(tmp_path):
+@pytest.mark.parametrize("key_split", [False, True], ids=["whole-rows", "key-split"])
+def test_split_prefill_equals_the_replicated_one_on_gpus(tmp_path, key_split):
     """The same over the TP device group of two GPUs (RCCL), with AITER."""
-    _run(2, "cuda", tmp_path)
+    _run(2, "cuda", tmp_path, key_split)
