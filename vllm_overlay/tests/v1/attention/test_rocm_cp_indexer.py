@@ -983,6 +983,58 @@ def test_a_tp_group_without_pynccl_keeps_the_split_off(cp_on):
     assert _at_startup(2) is not None
 
 
+@pytest.mark.parametrize("rank, own", [(0, (3, 5)), (1, (5, 8))])
+def test_the_merge_sends_this_ranks_rows_after_the_decodes(monkeypatch, rank, own):
+    """A step of 3 decode rows, then prefill rows 3:5 (rank 0) and 5:8
+    (rank 1), as int32: one all_gatherv over the prefill rows of the
+    buffer, in place, with this rank's rows as its input."""
+    sent = []
+    pynccl = SimpleNamespace(
+        disabled=False, all_gatherv=lambda *args: sent.append(args)
+    )
+    group = SimpleNamespace(device_communicator=SimpleNamespace(pynccl_comm=pynccl))
+    monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda: group)
+    monkeypatch.setattr(rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: rank)
+    buffer = torch.zeros(10, 4, dtype=torch.int32)
+    CPIndexerPrefill(CPIndexerSplit((3, 5, 8)), has_candidate_blocks=False).merge(
+        buffer
+    )
+    [(rows, input_, sizes)] = sent
+    assert (rows.data_ptr(), rows.shape) == (buffer[3].data_ptr(), (5, 4))
+    first, last = own
+    assert (input_.data_ptr(), input_.shape) == (
+        buffer[first].data_ptr(),
+        (last - first, 4),
+    )
+    assert sizes == [2, 3]
+
+
+def test_the_merge_refuses_without_pynccl_or_a_contiguous_buffer(monkeypatch):
+    """The merge sends raw memory on PyNccl: where the TP group has none
+    (no such attribute, None, disabled) or the top-k buffer is not
+    contiguous, it stops with the reason before any collective."""
+    sent = []
+    working = SimpleNamespace(disabled=False, all_gatherv=lambda *a: sent.append(a))
+    buffer = torch.zeros(8, 4, dtype=torch.int32)
+    strided = torch.zeros(4, 8, dtype=torch.int32).t()
+    monkeypatch.setattr(rocm_cp_indexer, "get_tensor_model_parallel_rank", lambda: 0)
+    prefill = CPIndexerPrefill(CPIndexerSplit((0, 4, 8)), has_candidate_blocks=False)
+    for communicator, topk in (
+        (SimpleNamespace(), buffer),
+        (SimpleNamespace(pynccl_comm=None), buffer),
+        (SimpleNamespace(pynccl_comm=SimpleNamespace(disabled=True)), buffer),
+        (SimpleNamespace(pynccl_comm=working), strided),
+    ):
+        group = SimpleNamespace(device_communicator=communicator)
+        monkeypatch.setattr(rocm_cp_indexer, "get_tp_group", lambda g=group: g)
+        with pytest.raises(
+            RuntimeError,
+            match="^the CP indexer's merge needs PyNccl and a contiguous top-k buffer$",
+        ):
+            prefill.merge(topk)
+    assert sent == []
+
+
 def test_a_plan_setting_that_differs_is_an_error_on_every_rank(monkeypatch):
     on = {"VLLM_ROCM_USE_AITER_CP_INDEXER": True, "budget": 512}
     outcomes = _publish_on_ranks(monkeypatch, [on, on, on, {**on, "budget": 256}])
