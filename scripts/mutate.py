@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Mutation-test one module with mutmut, and print its score.
 
-``python3 -m scripts.mutate MODULE [--since REV | --lines A-B ...] -- PYTEST...``
-(``nox -s mutate`` installs mutmut and the test dependencies first).
-MODULE is a file of the project; one under ``vllm_overlay/`` is mutated in
-the top stage's test tree, where its tests run with the stage tree's
-environment, as the test runner runs them. mutmut mutates the code of
-functions and methods: ``--since REV`` takes the functions holding a line
-changed since REV, ``--lines`` those holding the ranges given.
+``python3 -m scripts.mutate MODULE [--since REV | --lines A-B ... |
+--sample N] -- PYTEST...`` (``nox -s mutate`` installs mutmut and the test
+dependencies first). MODULE is a file of the project, or a folder of it
+outside ``vllm_overlay/`` (every module in it); a file under
+``vllm_overlay/`` is mutated in the top stage's test tree, where its tests
+run with the stage tree's environment, as the test runner runs them.
+mutmut mutates the code of functions and methods: ``--since REV`` takes the
+functions holding a line changed since REV, ``--lines`` those holding the
+ranges given, ``--sample N`` N of the mutants drawn at random (``--seed``),
+for a score with its 95% interval where running every mutant would take
+hours (a folder of modules whose tests drive git).
 
 mutmut imports the tests once and runs each mutant in a fork of that
 process, with only the tests that reach its function: a mutant costs its
@@ -26,7 +30,9 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
+import random
 import re
 import shlex
 import shutil
@@ -144,8 +150,10 @@ def _functions(source: str, ranges: list[str]) -> list[str]:
 def _config(scratch: Path, relative: Path, tests: list[str], extra: list[str]) -> None:
     """mutmut's settings, in the scratch copy's setup.cfg (read when its
     pyproject.toml has none): the module's top package, copied to mutants/,
-    the module as the one it mutates, the tests, what they read, and the
-    plugin that counts what forked ranks reach (``mutmut_forks``)."""
+    the module (or every module of the folder) as what it mutates, the
+    tests, what they read, and the plugin that counts what forked ranks
+    reach (``mutmut_forks``)."""
+    only = relative.as_posix() + ("/*" if relative.suffix != ".py" else "")
 
     def listed(values: list[str]) -> str:
         return "".join(f"\n    {value}" for value in values)
@@ -153,7 +161,7 @@ def _config(scratch: Path, relative: Path, tests: list[str], extra: list[str]) -
     section = [
         "[mutmut]",
         f"source_paths = {relative.parts[0]}",
-        f"only_mutate = {relative.as_posix()}",
+        f"only_mutate = {only}",
         f"pytest_add_cli_args_test_selection ={listed(tests)}",
         f"pytest_add_cli_args ={listed(['-p', FORKS_PLUGIN])}",
     ]
@@ -161,6 +169,50 @@ def _config(scratch: Path, relative: Path, tests: list[str], extra: list[str]) -
         section.append(f"also_copy ={listed(extra)}")
     with (scratch / "setup.cfg").open("a") as config:
         config.write("\n" + "\n".join(section) + "\n")
+
+
+def _sample_size(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no count of mutants")
+    return int(text)
+
+
+def _interval(killed: int, count: int) -> tuple[float, float]:
+    """The Wilson 95% interval of a score of ``killed`` in ``count``."""
+    z = 1.96
+    share = killed / count
+    centre = share + z * z / (2 * count)
+    half = z * math.sqrt(share * (1 - share) / count + z * z / (4 * count * count))
+    scale = 1 + z * z / count
+    return max(0.0, (centre - half) / scale), min(1.0, (centre + half) / scale)
+
+
+def _outcomes(mutmut: list[str], scratch: Path, env: dict, dotted: str) -> dict:
+    """Every mutant of ``dotted`` mutmut has made, with its outcome."""
+    listing = subprocess.run(
+        [*mutmut, "results", "--all", "1"],
+        cwd=scratch, env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return dict(
+        line.strip().rsplit(": ", 1)
+        for line in listing.splitlines()
+        if line.strip().startswith(f"{dotted}.")
+    )
+
+
+def _draw(mutmut: list[str], scratch: Path, env: dict, dotted: str, args) -> list:
+    """``args.sample`` of the mutants, drawn with ``args.seed``. mutmut
+    makes its mutants (and its map of tests to functions) at the start of
+    a run: one asked to run a mutant that does not exist stops there."""
+    subprocess.run(
+        [*mutmut, "run", f"{dotted}.x_no_such_function__mutmut_0"],
+        cwd=scratch, env=env, capture_output=True,
+    )  # fmt: skip
+    names = sorted(_outcomes(mutmut, scratch, env, dotted))
+    if not names:
+        raise SystemExit(f"mutmut made no mutants of {args.module}")
+    print(f"{min(args.sample, len(names))} of {len(names)} mutants, seed {args.seed}")
+    return random.Random(args.seed).sample(names, min(args.sample, len(names)))
 
 
 def main(argv: list[str]) -> int:
@@ -172,13 +224,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--lines", nargs="+", default=[], type=_line_range, help="only these A-B ranges"
     )
+    parser.add_argument(
+        "--sample", type=_sample_size, help="only N mutants drawn at random"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the draw's seed")
     split = argv.index("--") if "--" in argv else len(argv)
     args, tests = parser.parse_args(argv[:split]), argv[split + 1 :]
     if not tests:
         parser.error("give the pytest arguments that should kill its mutants after --")
-    checkout, relative, env = _where(args.module)
-    if not (checkout / relative).is_file() or relative.suffix != ".py":
-        parser.error(f"{args.module} is no Python file of the project")
+    checkout, relative, env = _where(args.module.rstrip("/"))
+    folder = checkout == REPO_ROOT and (checkout / relative).is_dir()
+    if not folder and (not (checkout / relative).is_file() or relative.suffix != ".py"):
+        parser.error(f"{args.module} is no Python file or folder of the project")
+    if folder and (args.since or args.lines):
+        parser.error("--since and --lines take one module, not a folder")
+    if args.sample and (args.since or args.lines):
+        parser.error("--sample draws from every mutant: no --since or --lines")
     lines = args.lines + (_changed_lines(args.module, args.since) if args.since else [])
     dotted = ".".join(relative.with_suffix("").parts)
     chosen = None
@@ -191,7 +252,7 @@ def main(argv: list[str]) -> int:
             return 0
     out = REPO_ROOT / "build" / "mutate"
     out.mkdir(parents=True, exist_ok=True)
-    name = args.module.replace("/", "_")
+    name = args.module.rstrip("/").replace("/", "_")
     scratch = out / "work" / name
     _scratch_copy(checkout, scratch)
     # What the tests read besides the package and tests/: every top-level
@@ -225,23 +286,21 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     mutmut = [sys.executable, "-m", "mutmut"]
+    drawn: list[str] = []
     try:
+        if args.sample:
+            drawn = globs = _draw(mutmut, scratch, env, dotted, args)
+            made = len(_outcomes(mutmut, scratch, env, dotted))
         subprocess.run(
             [*mutmut, "run", "--max-children", str(os.cpu_count() or 1), *globs],
             cwd=scratch, env=env, check=True,
         )  # fmt: skip
-        listing = subprocess.run(
-            [*mutmut, "results", "--all", "1"],
-            cwd=scratch, env=env, capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-        outcomes = dict(
-            line.strip().rsplit(": ", 1)
-            for line in listing.splitlines()
-            if line.strip().startswith(f"{dotted}.")
-        )
+        outcomes = _outcomes(mutmut, scratch, env, dotted)
         if chosen:
             wanted = tuple(f"{dotted}.{function}__mutmut_" for function in chosen)
             outcomes = {k: v for k, v in outcomes.items() if k.startswith(wanted)}
+        if drawn:
+            outcomes = {k: v for k, v in outcomes.items() if k in drawn}
         survivors = {k: v for k, v in outcomes.items() if v in SURVIVED}
         diffs = {
             mutant: subprocess.run(
@@ -259,15 +318,21 @@ def main(argv: list[str]) -> int:
     for diff in diffs.values():
         print(f"\n{diff}")
     record = out / f"{name}.json"
-    record.write_text(
-        json.dumps({"outcomes": outcomes, "survivors": diffs}, indent=1) + "\n"
-    )
+    summary: dict = {"outcomes": outcomes, "survivors": diffs}
+    if drawn:
+        summary["sample"] = {"seed": args.seed, "drawn": len(drawn), "of": made}
+    record.write_text(json.dumps(summary, indent=1) + "\n")
     killed = sum(outcome in KILLED for outcome in outcomes.values())
     counted = killed + len(survivors)
+    which = f"sampled mutants of {made}" if drawn else "mutants"
+    interval = ""
+    if drawn and counted:
+        low, high = _interval(killed, counted)
+        interval = f"; 95% interval {100 * low:.1f}-{100 * high:.1f}%"
     print(
         f"mutation score of {args.module}: {100 * killed / max(counted, 1):.1f}% "
-        f"({killed} of {counted} mutants killed; {len(survivors)} survived, "
-        f"listed above; every outcome in {record})"
+        f"({killed} of {counted} {which} killed{interval}; {len(survivors)} "
+        f"survived, listed above; every outcome in {record})"
     )
     return 0
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -251,3 +253,32 @@ def test_a_line_range_that_is_none_is_refused_plainly() -> None:
     assert done.returncode == 2
     assert "'12' is no A-B line range" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_sample_of_a_folder_runs_only_the_mutants_drawn(toy: Path) -> None:
+    """``--sample N`` over a folder: N of every module's mutants, drawn by
+    the seed (the same draw again with it), each run, and the score with
+    its interval over those alone."""
+    write_files(toy, {"toy/double.py": "def double(x):\n    return x * 2\n"})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    record = toy / "build/mutate/toy.json"
+    drawn = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-m", "scripts.mutate", "toy", "--sample", "3",
+             "--seed", "5", "--", "tests/test_decide.py", "-p", "no:cacheprovider"],
+            cwd=toy, env=env, text=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        outcomes = json.loads(record.read_text())["outcomes"]
+        made = json.loads(record.read_text())["sample"]["of"]
+        assert made > 3, done.stdout
+        assert f"3 of {made} mutants, seed 5" in done.stdout, done.stdout
+        assert f"of 3 sampled mutants of {made} killed; 95% interval" in done.stdout
+        assert len(outcomes) == 3 and "not checked" not in outcomes.values()
+        # mutmut ran those three alone (it lists the mutants it was given).
+        ran = done.stdout.split("Mutant results")[1].split("mutation score")[0]
+        assert sorted(re.findall(r"^\S+ (toy\.\S+)$", ran, re.M)) == sorted(outcomes)
+        assert {k.split(".x_")[0] for k in outcomes} <= {"toy.decide", "toy.double"}
+        drawn.append(sorted(outcomes))
+    assert drawn[0] == drawn[1]
