@@ -1753,3 +1753,18 @@ def test_the_profiling_run_reserves_what_the_split_holds(cp_on, monkeypatch):
     cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
     rocm_aiter_ops.refresh_env_variables()
     assert profile(budget, 1 << 20, k) == budget
+
+
+def test_the_profiling_run_asks_the_tp_group_its_size(cp_on, monkeypatch):
+    """Before vLLM's model parallel state is made there is no TP group: one
+    rank, the logits budget alone; after, the group's size decides."""
+    budget, k = 512 << 20, 2048
+    sent = 2048 * rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
+    monkeypatch.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: False)
+    assert rocm_cp_indexer.profile_bytes(budget, 16384, k) == budget
+    monkeypatch.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)
+    for tp, reserved in ((1, budget), (2, budget + sent)):
+        monkeypatch.setattr(
+            rocm_cp_indexer, "get_tensor_model_parallel_world_size", lambda t=tp: t
+        )
+        assert rocm_cp_indexer.profile_bytes(budget, 16384, k) == reserved
