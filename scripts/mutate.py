@@ -267,10 +267,19 @@ def main(argv: list[str]) -> int:
     )
     _config(scratch, relative, tests, extra)
     (scratch / "mutants").mkdir()
-    shutil.copy2(
-        Path(__file__).with_name("mutmut_forks.py"),
-        scratch / "mutants" / f"{FORKS_PLUGIN}.py",
+    # The plugin, and a sitecustomize that loads it in the Python processes
+    # a test starts while mutmut maps tests to functions (on PYTHONPATH, so
+    # pytest finds the plugin there too).
+    hooks = scratch / "hooks"
+    hooks.mkdir()
+    plugin = Path(__file__).with_name("mutmut_forks.py")
+    shutil.copy2(plugin, hooks / f"{FORKS_PLUGIN}.py")
+    (hooks / "sitecustomize.py").write_text(
+        'import os\n\nif os.environ.get("MUTANT_UNDER_TEST") == "stats":\n'
+        f"    import {FORKS_PLUGIN}\n\n    {FORKS_PLUGIN}.in_subprocess()\n"
     )
+    paths = [str(hooks), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     (scratch / "hits").mkdir()
     env[HITS_ENV] = str(scratch / "hits")
     if checkout == REPO_ROOT:

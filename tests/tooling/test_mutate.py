@@ -226,6 +226,41 @@ def test_a_function_only_forked_ranks_call_is_tested(toy: Path) -> None:
     assert "mutation score of toy/double.py: 100.0%" in done.stdout, done.stdout
 
 
+SUBPROCESS = """\
+import subprocess
+import sys
+
+
+def test_half_in_a_subprocess():
+    # As the tool's tests run its commands: another Python, from the project.
+    subprocess.run(
+        [sys.executable, "-c", "from toy.half import half; assert half(5) == 2"],
+        check=True,
+    )
+"""
+
+
+def test_a_function_only_a_subprocess_calls_is_tested(toy: Path) -> None:
+    """The tool's tests run its commands as a user does, in another Python:
+    those functions' mutants are run against the test that started it."""
+    write_files(
+        toy,
+        {
+            "toy/half.py": "def half(x):\n    return x // 2\n",
+            "tests/test_half.py": SUBPROCESS,
+        },
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.mutate", "toy/half.py", "--",
+         "tests/test_half.py", "-p", "no:cacheprovider"],
+        cwd=toy, env=env, text=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no tests" not in done.stdout, done.stdout
+    assert "mutation score of toy/half.py: 100.0%" in done.stdout, done.stdout
+
+
 def test_an_empty_also_copy_is_left_out(tmp_path: Path) -> None:
     """mutmut reads an empty ``also_copy`` as ".": a whole vLLM test tree
     (and the mutants folder inside it) copied again. With nothing to add,
