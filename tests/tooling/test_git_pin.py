@@ -315,3 +315,26 @@ def test_every_text_says_a_git_branch_is_never_merged(on_main: Project, tmp_path
         flat = " ".join(text.split())
         assert re.search(r"never (merge|merged)\b", flat), where
         assert not re.search(r"merg\w+ (it|this branch) (to )?adopts?", flat), where
+
+
+def test_the_pinned_remote_is_upstream_then_origin_then_by_name(tmp_path: Path):
+    """Of the remotes that have the commit, ``upstream``'s URL is pinned,
+    else ``origin``'s, else the first by name."""
+    from scripts.series.rebase.series_toml import fetchable_url
+
+    checkout = tmp_path / "vllm"
+    checkout.mkdir()
+    sh(checkout, "git", "init", "-q")
+    sh(checkout, "git", "commit", "-q", "--allow-empty", "-m", "one")
+    commit = sh(checkout, "git", "rev-parse", "HEAD").strip()
+    remotes = ["zeta", "origin", "upstream", "beta"]
+    for name in remotes:
+        url = f"https://example.invalid/{name}/vllm.git"
+        sh(checkout, "git", "remote", "add", name, url)
+        sh(checkout, "git", "update-ref", f"refs/remotes/{name}/main", commit)
+    for expected in ["upstream", "origin", "beta", "zeta"]:
+        assert fetchable_url(checkout, commit) == (
+            f"https://example.invalid/{expected}/vllm.git"
+        )
+        sh(checkout, "git", "remote", "remove", expected)
+    assert fetchable_url(checkout, commit) is None

@@ -5,6 +5,7 @@ dropped hunk, ending on the project branch that merging adopts."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import textwrap
@@ -161,6 +162,10 @@ def test_conflict_then_continue(two_stages):
     }
     ops_hunk = [h for h in reports[1].hunks if h.path == "vllm/ops.py"]
     assert [h.outcome for h in ops_hunk] == ["applied cleanly"]
+    # The conflicted hunks, each resolved by hand.
+    for report in reports:
+        envs_hunks = [h.outcome for h in report.hunks if h.path == "vllm/envs.py"]
+        assert envs_hunks == ["conflicted, resolved by hand"], report.id
     tree = apply(_rebased(two_stages, target), quiet=True)
     text = (tree / "vllm/envs.py").read_text()
     assert "VAR_3 = 33\nCP_INDEXER = True\n" in text
@@ -233,6 +238,41 @@ def test_abort_keeps_a_hand_resolution_for_the_next_rebase(two_stages, capsys):
     capsys.readouterr()
     rebase.abort(two_stages.series())
     assert "kept in" not in capsys.readouterr().out
+
+
+def test_a_resolution_moved_off_the_last_stage_is_refused_with_the_way_on(
+    two_stages,
+):
+    """A resolution committed on a history without the last rebased stage
+    (here the same files, committed with no parent): --continue refuses,
+    naming the commit to put it back on, and after that reset it goes on."""
+    _past_the_first_conflict(two_stages)
+    repo = _work_repo(two_stages)
+    sh(repo, "git", "commit", "-qam", "resolved")
+    elsewhere = sh(repo, "git", "commit-tree", "HEAD^{tree}", "-m", "elsewhere")
+    sh(repo, "git", "update-ref", "--no-deref", "HEAD", elsewhere.strip())
+    with pytest.raises(SeriesError, match="HEAD is no longer on top") as refused:
+        rebase.resume(two_stages.series())
+    start = re.search(r"reset --soft (\S+)`", str(refused.value)).group(1)
+    sh(repo, "git", "reset", "-q", "--soft", start)
+    with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
+        rebase.resume(two_stages.series())
+    assert load_state(two_stages.series()).reports[0].outcome == (
+        "conflicted, resolved by hand"
+    )
+
+
+def test_abort_with_its_work_area_already_gone(two_stages, capsys):
+    """The rebase's folder under build/rebase/ deleted by hand (or never
+    made, after a kill): --abort still drops the rebase and its record."""
+    target = _conflicting_target(two_stages)
+    with pytest.raises(SeriesError, match="stage 0001 has conflicts"):
+        rebase.start(two_stages.series(), target)
+    shutil.rmtree(_work_repo(two_stages).parent)
+    rebase.abort(two_stages.series())
+    assert "aborted; the series and its tree are as before" in capsys.readouterr().out
+    with pytest.raises(SeriesError, match="no rebase in progress"):
+        rebase.abort(two_stages.series())
 
 
 def test_abort_restores_everything(two_stages):
