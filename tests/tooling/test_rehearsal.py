@@ -148,6 +148,8 @@ def _a_merge_makes_other_code(monkeypatch, stage_id: str, path: str) -> None:
         ("other code in a lower stage's file", False),
         ("other code in the top stage's file", False),
         ("a lower stage's new file gone", False),
+        ("a file a stage deletes, still gone", True),
+        ("a file a stage deletes, back", False),
     ],
 )
 def test_the_exact_merge_check_reads_every_stages_files(tmp_path, change, holds):
@@ -157,13 +159,14 @@ def test_the_exact_merge_check_reads_every_stages_files(tmp_path, change, holds)
     repo = tmp_path / "repo"
     repo.mkdir()
     sh(repo, "git", "init", "-q", "-b", "main")
-    for name in ("lower.py", "top.py", "other.py"):
+    for name in ("lower.py", "top.py", "other.py", "gone.py"):
         (repo / name).write_text("a = 1\nb = 2\n")
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "release")
     old_base = sh(repo, "git", "rev-parse", "HEAD").strip()
     (repo / "lower.py").write_text("a = 1\nlower = 1\nb = 2\n")
     (repo / "new.py").write_text("new = 1\n")
+    (repo / "gone.py").unlink()
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "lower stage")
     (repo / "top.py").write_text("a = 1\ntop = 1\nb = 2\n")
@@ -172,6 +175,11 @@ def test_the_exact_merge_check_reads_every_stages_files(tmp_path, change, holds)
     note = rehearsal.UPSTREAM_NOTE
     if change == "a lower stage's new file gone":
         (repo / "new.py").unlink()
+    elif change == "a file a stage deletes, back":
+        (repo / "gone.py").write_text("a = 1\nb = 2\n")
+        sh(repo, "git", "add", "gone.py")
+    elif change == "a file a stage deletes, still gone":
+        (repo / "other.py").write_text("c = 3\n")
     else:
         path, added = {
             "the rehearsal's line in a lower stage's file": ("lower.py", note),
