@@ -1343,3 +1343,16 @@ def test_a_series_file_in_any_valid_toml_form_is_edited_in_place(form):
         'version = "0.35.0"',
         f'sha256 = "{"ab" * 32}"',
     ]
+
+
+def test_drop_names_each_stage_given_but_the_base():
+    """``--drop`` may be given once per stage; ``base`` is never dropped."""
+    import argparse
+
+    from scripts.series.rebase import commands
+
+    parser = argparse.ArgumentParser()
+    commands.arguments(parser)
+    given = ["--continue", "--drop", "0001", "--drop", "base", "--drop", "0002"]
+    assert commands.stage_ids(parser.parse_args(given)) == ["0001", "0002"]
+    assert commands.stage_ids(parser.parse_args(["--abort"])) == []

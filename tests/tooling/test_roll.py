@@ -347,3 +347,31 @@ def test_the_state_file_damage_is_named_exactly(released, damage, said):
 
 def _cli(project, *args: str):
     return run_cli(["--series", str(project.series_file), *args])
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({}, None),
+        ({"drop": ["0002"]}, None),
+        ({"commits": {"0009": "c" * 40}}, "it names stages the series has not (0009)"),
+        (
+            {"target": {"name": "vllm", "version": "0.11.0", "sha256": "a" * 63}},
+            "its release is no version with a sha256",
+        ),
+    ],
+)
+def test_a_state_file_holds_only_the_fields_it_needs(change, said):
+    """The fields a rebase may not have written yet (``drop``, ``commits``
+    and the rest) are optional: a state with only the four it needs is
+    sound, and what it names is still checked."""
+    from scripts.series.rebase.state import _state_problem
+
+    raw = {
+        "target": {"name": "vllm", "version": "0.11.0", "sha256": "a" * 64},
+        "old_tip": "b" * 40,
+        "series_digest": "digest",
+        "reports": [],
+    }
+    problem = _state_problem({**raw, **change}, ["0001", "0002"])
+    assert problem == (said and f"is damaged: {said}")
