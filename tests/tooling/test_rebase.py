@@ -19,7 +19,7 @@ from scripts.series.config import GitBase, Series, load_series
 from scripts.series.layout import rebase_branch
 from scripts.series.rebase import branch, rebase
 from scripts.series.rebase.state import format_report, load_state, state_file
-from scripts.series.rebase.tree_tester import TreeTester
+from scripts.series.rebase.tree_tester import TreeTester, check_log
 from scripts.series.stages.apply import apply
 from scripts.series.stages.patchfile import read_patch
 
@@ -1356,3 +1356,45 @@ def test_drop_names_each_stage_given_but_the_base():
     given = ["--continue", "--drop", "0001", "--drop", "base", "--drop", "0002"]
     assert commands.stage_ids(parser.parse_args(given)) == ["0001", "0002"]
     assert commands.stage_ids(parser.parse_args(["--abort"])) == []
+
+
+PROBE = """\
+import atexit
+import os
+import sys
+
+import treemark
+
+# After pytest has finished and released the terminal: the process's own
+# standard error.
+atexit.register(os.write, 2, b"written to stderr at exit\\n")
+
+
+def test_runs_on_the_tree():
+    assert os.path.dirname(treemark.__file__) == os.environ["PYTHONPATH"]
+
+
+def test_fails_with_output():
+    print("written to stdout")
+    raise RuntimeError("the probe's own failure")
+"""
+
+
+def test_a_stages_tests_run_on_the_rebase_tree_into_their_log(two_stages, tmp_path):
+    """The rebase runs a stage's tests on a checkout of its work repo's
+    HEAD (first on PYTHONPATH) and keeps all they print, standard output
+    and error, in the check log beside the work repo, not on the terminal."""
+    repo = tmp_path / "rebase" / "vllm"
+    repo.mkdir(parents=True)
+    write_files(repo, {"treemark.py": "WHERE = 'the tree'\n"})
+    sh(repo, "git", "init", "-q")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "tree")
+    write_files(two_stages.root, {"tests/probe/test_probe.py": PROBE})
+    series = two_stages.series()
+    tally = TreeTester(sys.executable).pytest(series, repo, ["base"], ["probe"])
+    assert (tally.passed, tally.failed) == (1, 1), tally
+    assert "the probe's own failure" in tally.first_error
+    log = check_log(repo, "tests").read_text()
+    assert "written to stdout" in log and "written to stderr at exit" in log
+    assert "1 failed, 1 passed" in log
