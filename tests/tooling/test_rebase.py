@@ -1097,6 +1097,13 @@ def test_a_resolution_that_does_not_compile_stops_the_rebase(two_stages):
     assert load_state(two_stages.series()).reports[-1].outcome == (
         "merged, but fails its checks"
     )
+    # A fix that does not fix it: stopped again, as the first time.
+    envs.write_text(_envs("False") + "=======\n")
+    with pytest.raises(SeriesError, match=r"vllm/envs.py, line \d+: does not compile"):
+        rebase.resume(two_stages.series())
+    assert load_state(two_stages.series()).reports[-1].outcome == (
+        "merged, but fails its checks"
+    )
     envs.write_text(_envs("False"))
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
         rebase.resume(two_stages.series())
