@@ -5,6 +5,7 @@ rebase runs with the checks and ends on its branch, which is deleted."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -30,6 +31,12 @@ def test_the_rehearsal_merges_a_hunk_and_ends_on_a_branch(two_stages):
     target = rehearsal.target_dir(series)
     log = sh(target, "git", "log", "--format=%s").splitlines()
     assert len(log) == 4 and log[0] == "upstream: README.md"
+    # Each upstream commit changes the one file it names.
+    for back, subject in enumerate(log[:3]):
+        changed = sh(target, "git", "diff", "--name-only", f"HEAD~{back + 1}",
+                     f"HEAD~{back}").split()  # fmt: skip
+        named = re.search(r"(?:of|upstream:) (\S+?)(?:'s hunk)?$", subject)
+        assert changed == [named.group(1)], subject
     # The context line landed inside stage 0001's hunk of vllm/envs.py.
     envs = (target / "vllm" / "envs.py").read_text().splitlines()
     assert envs[2] == rehearsal.UPSTREAM_NOTE.strip()
