@@ -225,7 +225,11 @@ def test_abort_keeps_a_hand_resolution_for_the_next_rebase(two_stages, capsys):
         rebase.start(two_stages.series(), target)
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
     rebase.abort(two_stages.series())
-    assert "1 conflict resolution(s) kept in build/rebase/" in capsys.readouterr().out
+    assert re.search(
+        r"aborted; the series and its tree are as before; 1 conflict "
+        r"resolution\(s\) kept in build/rebase/\S+, replayed by the next rebase\n",
+        capsys.readouterr().out,
+    )
     assert _snapshot(two_stages) == before
     assert not _work_repo(two_stages).exists()
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
@@ -531,8 +535,12 @@ def test_a_rebase_ends_only_on_a_head_that_holds_its_start(two_stages):
     started = sh(two_stages.root, "git", "rev-parse", "--abbrev-ref", "HEAD").strip()
     sh(two_stages.root, "git", "checkout", "-q", "--orphan", "elsewhere")
     sh(two_stages.root, "git", "commit", "-q", "-m", "another history")
-    with pytest.raises(SeriesError, match="no longer contains the commit"):
+    with pytest.raises(SeriesError, match="no longer contains the commit") as moved:
         rebase.resume(two_stages.series())
+    assert str(moved.value).endswith(
+        "; the branch is made on HEAD: switch back to a branch that contains "
+        "it, then `nox -s rebase -- --continue`"
+    )
     assert branch.branch_commit(two_stages.series(), _branch(target)) is None
     sh(two_stages.root, "git", "switch", "-q", started)
     rebase.resume(two_stages.series())
@@ -751,8 +759,15 @@ def test_a_series_edited_while_the_rebase_is_stopped_is_refused(two_stages):
     first, _, rest = original.partition("[[stage]]")
     two_stages.series_file.write_text(first + "[[stage]]" + rest.split("[[stage]]")[0])
     (_work_repo(two_stages) / "vllm/envs.py").write_text(_envs("False"))
-    with pytest.raises(SeriesError, match="changed while the rebase was stopped"):
+    with pytest.raises(SeriesError, match="changed while the rebase was stopped") as e:
         rebase.resume(two_stages.series())
+    assert str(e.value) == (
+        "patches/ or vllm_overlay/ changed while the rebase was stopped "
+        "(patches/series.toml, a patch or an overlay); the rebase goes on with "
+        "the series it started from: put them back (`git checkout -- patches "
+        "vllm_overlay`, or undo your edit) and continue, or abort (`nox -s "
+        "rebase -- --abort`) and rebase the edited series"
+    )
     two_stages.series_file.write_text(original)
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
         rebase.resume(two_stages.series())
@@ -1065,8 +1080,13 @@ def test_a_file_deleted_on_the_target_needs_a_decision(two_stages):
         if h.path == "vllm/ops.py"
     ]
     assert ops.outcome == "conflicted: the file is deleted on the target"
-    with pytest.raises(SeriesError, match="deleted on the target and changed"):
+    with pytest.raises(SeriesError, match="deleted on the target and changed") as e:
         rebase.resume(two_stages.series())
+    assert str(e.value) == (
+        "deleted on the target and changed by the stage: vllm/ops.py; port the "
+        "change to where the code went and `git rm` the file, or `git add` it "
+        "to keep the whole file in the stage"
+    )
     repo = _work_repo(two_stages)
     kernels = repo / "vllm/kernels.py"
     kernels.write_text(kernels.read_text().replace("return 20", "return 2020"))

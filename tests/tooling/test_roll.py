@@ -184,8 +184,12 @@ def test_rebase_version_without_a_hash_names_the_index_hash(released, capsys):
     code = main(["--series", str(project.series_file), "rebase", "--version", "0.10.0"])
     out = capsys.readouterr().out
     assert code == 0, "an answer, not an error"
-    assert f"the package index lists sha256 {index.sha('0.10.0')} for vllm" in out
-    assert f"--version 0.10.0 --sha256 {index.sha('0.10.0')}" in out
+    sha = index.sha("0.10.0")
+    assert (
+        f"the package index lists sha256 {sha} for vllm 0.10.0's sdist; check it "
+        f"against the release page, then run\n  `nox -s rebase -- --version 0.10.0 "
+        f"--sha256 {sha}`\n"
+    ) in out
     with pytest.raises(SeriesError, match="lists no sdist"):
         roll.sdist_sha256("vllm", "7.7.7")
 
