@@ -197,3 +197,28 @@ def test_the_exact_merge_check_reads_every_stages_files(tmp_path, change, holds)
         (repo / path).write_text(added + (repo / path).read_text())
     sh(repo, "git", "commit", "-qam", "rebased")
     assert checks.holds_the_applied_stages(repo, old_base, old) is holds
+
+
+def test_the_rehearsal_command_says_how_it_ended(two_stages, capsys, monkeypatch):
+    """``python3 -m scripts.series.rebase.rehearsal`` (nox -s rehearse-rebase):
+    0 when it passed; an error is one line on standard error and status 1;
+    an interrupt says what became of its rebase, status 130."""
+    two_stages.commit_all()
+    assert run_cli(["--series", str(two_stages.series_file), "apply"]).returncode == 0
+    args = ["--series", str(two_stages.series_file), "--test-python"]
+    assert rehearsal.main([*args, sys.executable]) == 0
+    assert "rebase rehearsal passed: 2 stage(s)" in capsys.readouterr().out
+    assert rehearsal.main([*args, "/nonexistent/python3"]) == 1
+    said = capsys.readouterr().err
+    assert said.startswith("error: ") and "--test-python /nonexistent/python3" in said
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rehearsal, "rehearse", interrupted)
+    for extra, kept in (([], "dropped"), (["--keep"], "kept (--keep)")):
+        assert rehearsal.main([*args, sys.executable, *extra]) == 130
+        assert capsys.readouterr().err == (
+            f"error: the rebase rehearsal was interrupted; its rebase is {kept}, "
+            "and the next rehearsal clears what is left\n"
+        )
