@@ -1425,3 +1425,38 @@ def test_a_stages_tests_run_on_the_rebase_tree_into_their_log(two_stages, tmp_pa
     log = check_log(repo, "tests").read_text()
     assert "written to stdout" in log and "written to stderr at exit" in log
     assert "1 failed, 1 passed" in log
+
+
+def test_a_branch_git_would_not_make_is_named_with_the_way_on(two_stages):
+    """No other rebase's branch and no lock file: git's own reason, and how
+    to go on."""
+    said = branch._branch_not_made(
+        two_stages.series(), "rebase/vllm-x", "c" * 40, "fatal: planted"
+    )
+    assert said == (
+        "git could not create the branch rebase/vllm-x (fatal: planted); the "
+        "rebase is kept: fix that, then `nox -s rebase -- --continue`"
+    )
+
+
+def test_the_project_files_a_check_log_names(two_stages, tmp_path):
+    """The project's own files in a failed check's tracebacks (absolute or
+    relative, each once, in order), not vLLM's and not files it lacks."""
+    from scripts.series.rebase import checks
+
+    root = two_stages.root
+    write_files(root, {"tests/probe/test_x.py": "", "scripts/harness/h.py": ""})
+    log = tmp_path / "check.log"
+    log.write_text(
+        f"{root}/scripts/harness/h.py:3: in helper\n"
+        "tests/probe/test_x.py:12: AssertionError\n"
+        "vllm/ops.py:5: in op\n"
+        "tests/gone.py:1: in gone\n"
+        f"{root}/scripts/harness/h.py:9: in helper\n"
+    )
+    series = two_stages.series()
+    assert checks._project_files_in(series, log) == [
+        "scripts/harness/h.py",
+        "tests/probe/test_x.py",
+    ]
+    assert checks._project_files_in(series, tmp_path / "no.log") == []

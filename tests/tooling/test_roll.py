@@ -379,3 +379,14 @@ def test_a_state_file_holds_only_the_fields_it_needs(change, said):
     }
     problem = _state_problem({**raw, **change}, ["0001", "0002"])
     assert problem == (said and f"is damaged: {said}")
+
+
+def test_roll_on_a_git_pin_says_to_rebase_onto_a_checkout(two_stages):
+    """roll follows releases: a series pinned to a git checkout is told the
+    command that rebases it onto another commit."""
+    with pytest.raises(SeriesError) as refused:
+        roll.roll(two_stages.series())
+    assert str(refused.value) == (
+        "roll follows vLLM's releases; this series is pinned to a git checkout "
+        "(vllm-git-v1): rebase it with `nox -s rebase -- --git PATH --rev REV`"
+    )
