@@ -68,7 +68,9 @@ def test_every_outcome_but_applied_or_merged_fails_it(two_stages):
     ]
 
 
-def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project, monkeypatch):
+def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(
+    project, monkeypatch, capsys
+):
     _a_merge_makes_other_code(monkeypatch, "0001", "vllm/envs.py")
     project.add_stage(
         "0001",
@@ -91,6 +93,29 @@ def test_a_stopped_rehearsal_is_aborted_with_its_logs_kept(project, monkeypatch)
     with pytest.raises(SeriesError, match="kept for a look"):
         rehearsal.rehearse(series, sys.executable, keep=True)
     assert state_file(series).exists()
+    # The next rehearsal drops the one kept, then stops (and drops) anew.
+    capsys.readouterr()
+    with pytest.raises(SeriesError, match="rebase was aborted"):
+        rehearsal.rehearse(series, sys.executable)
+    assert "a rehearsal stopped earlier left its rebase; dropping it" in (
+        capsys.readouterr().out
+    )
+    assert not state_file(series).exists()
+
+    # Interrupted with its own rebase stopped: dropped, unless --keep.
+    start = rebase.start
+
+    def interrupted(*args, **kwargs):
+        try:
+            start(*args, **kwargs)
+        except SeriesError:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr(rebase, "start", interrupted)
+    for keep in (False, True):
+        with pytest.raises(KeyboardInterrupt):
+            rehearsal.rehearse(series, sys.executable, keep=keep)
+        assert state_file(series).exists() is keep
 
 
 def test_it_tests_a_stage_only_where_the_merge_made_other_code(
