@@ -145,6 +145,12 @@ def test_roll_rebases_onto_a_newer_release_once(released, capsys):
     ) in out
     written = sh(project.root, "git", "show", "rebase/vllm-0.10.0:patches/series.toml")
     assert f'version = "0.10.0"\nsha256 = "{index.sha("0.10.0")}"' in written
+    message = sh(project.root, "git", "log", "-1", "--format=%B", "rebase/vllm-0.10.0")
+    assert message.startswith(
+        "Rebase the series onto vllm-0.10.0\n\nWritten by `nox -s rebase`; the "
+        "report is docs/rebased_onto_vllm-0.10.0.md. Merging this branch adopts "
+        "the new pin.\n\n| stage | outcome | evidence |"
+    ), message
     # On a schedule: the next run finds the branch and does nothing.
     assert roll.roll(project.series()) == 0
     assert "already rebased onto it on the branch rebase/vllm-0.10.0" in (
