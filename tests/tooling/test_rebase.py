@@ -1460,3 +1460,35 @@ def test_the_project_files_a_check_log_names(two_stages, tmp_path):
         "tests/probe/test_x.py",
     ]
     assert checks._project_files_in(series, tmp_path / "no.log") == []
+
+
+def test_every_rebase_option_says_what_it_does():
+    """``rebase --help``: each option with its sentence (a user's only
+    reference at the terminal; the README names the command)."""
+    import argparse
+
+    from scripts.series.rebase import commands
+
+    parser = argparse.ArgumentParser()
+    commands.arguments(parser)
+    helps = {
+        action.option_strings[-1]: action.help
+        for action in parser._actions
+        if action.option_strings and action.dest != "help"
+    }
+    assert helps == {
+        "--continue": "go on with a stopped rebase once its conflicts are "
+        "resolved (or its failed check fixed) in the work repo",
+        "--abort": "drop a stopped rebase; the conflicts resolved so far are "
+        "kept for the next one",
+        "--version": "target vLLM release (its PyPI sdist)",
+        "--sha256": "the target sdist's sha256 (--version alone prints the one "
+        "the package index lists)",
+        "--git": "target: a local vLLM git checkout",
+        "--rev": "the revision of --git",
+        "--test-python": "a Python with the test dependencies; with it a stage "
+        "whose upstream probe passes on the target without it counts as "
+        "upstreamed (kept by --continue)",
+        "--drop": "leave this stage out (upstream has it in another form); "
+        "with --continue, also the stage in conflict",
+    }

@@ -240,6 +240,10 @@ def test_the_rehearsal_command_says_how_it_ended(two_stages, capsys, monkeypatch
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
+    with pytest.raises(SystemExit):
+        rehearsal.main(["--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--keep keep the rebase's branch, or a stopped rebase" in usage
     monkeypatch.setattr(rehearsal, "rehearse", interrupted)
     for extra, kept in (([], "dropped"), (["--keep"], "kept (--keep)")):
         assert rehearsal.main([*args, sys.executable, *extra]) == 130
