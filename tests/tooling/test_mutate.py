@@ -205,27 +205,6 @@ def test_double_in_a_forked_child():
 """
 
 
-def test_a_function_only_forked_ranks_call_is_tested(toy: Path) -> None:
-    """The gloo tests call the op's merge only in forked ranks: those
-    mutants are run against the test that forked them, not left untested."""
-    write_files(
-        toy,
-        {
-            "toy/double.py": "def double(x):\n    return x * 2\n",
-            "tests/test_double.py": FORKED,
-        },
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, "-m", "scripts.mutate", "toy/double.py", "--",
-         "tests/test_double.py", "-p", "no:cacheprovider"],
-        cwd=toy, env=env, text=True, capture_output=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "no tests" not in done.stdout, done.stdout
-    assert "mutation score of toy/double.py: 100.0%" in done.stdout, done.stdout
-
-
 SUBPROCESS = """\
 import subprocess
 import sys
@@ -240,25 +219,31 @@ def test_half_in_a_subprocess():
 """
 
 
-def test_a_function_only_a_subprocess_calls_is_tested(toy: Path) -> None:
-    """The tool's tests run its commands as a user does, in another Python:
-    those functions' mutants are run against the test that started it."""
-    write_files(
-        toy,
-        {
-            "toy/half.py": "def half(x):\n    return x // 2\n",
-            "tests/test_half.py": SUBPROCESS,
-        },
-    )
+@pytest.mark.parametrize(
+    ("module", "source", "test"),
+    [
+        ("double", "def double(x):\n    return x * 2\n", FORKED),
+        ("half", "def half(x):\n    return x // 2\n", SUBPROCESS),
+    ],
+    ids=["a forked rank", "a subprocess"],
+)
+def test_a_function_only_another_process_calls_is_tested(
+    toy: Path, module: str, source: str, test: str
+) -> None:
+    """The gloo tests call the op's merge only in forked ranks, and the
+    tool's tests run its commands in another Python, as a user does: those
+    functions' mutants are run against the test that started the process,
+    not left untested."""
+    write_files(toy, {f"toy/{module}.py": source, f"tests/test_{module}.py": test})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
-        [sys.executable, "-m", "scripts.mutate", "toy/half.py", "--",
-         "tests/test_half.py", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "scripts.mutate", f"toy/{module}.py", "--",
+         f"tests/test_{module}.py", "-p", "no:cacheprovider"],
         cwd=toy, env=env, text=True, capture_output=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no tests" not in done.stdout, done.stdout
-    assert "mutation score of toy/half.py: 100.0%" in done.stdout, done.stdout
+    assert f"mutation score of toy/{module}.py: 100.0%" in done.stdout, done.stdout
 
 
 def test_an_empty_also_copy_is_left_out(tmp_path: Path) -> None:
