@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -396,3 +397,25 @@ def test_roll_on_a_git_pin_says_to_rebase_onto_a_checkout(two_stages):
         "roll follows vLLM's releases; this series is pinned to a git checkout "
         "(vllm-git-v1): rebase it with `nox -s rebase -- --git PATH --rev REV`"
     )
+
+
+def test_roll_lists_a_stage_upstream_took_as_needing_a_person(released, capsys):
+    """A release that took stage 0001 verbatim: roll rebases, and under what
+    needs a person lists that the stage leaves the series, and why."""
+    project, index = released
+    up = project.upstream
+    envs = up / "vllm/envs.py"
+    envs.write_text(
+        envs.read_text().replace("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n", 1)
+    )
+    (up / "vllm/cp_indexer.py").write_text("def split():\n    return 'striped'\n")
+    sh(up, "git", "add", "-A")
+    sh(up, "git", "commit", "-qm", "upstream 0.11.0")
+    index.sdists["0.11.0"] = _sdist(project, "HEAD", "0.11.0")
+    assert roll.roll(project.series()) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"on the branch rebase/vllm-0\.11\.0\n- stage 0001 is already upstream "
+        r"\([^\n]*reverse-applies[^\n]*\): it leaves the series\nthen test the branch",
+        out,
+    ), out
