@@ -251,3 +251,23 @@ def test_the_rehearsal_command_says_how_it_ended(two_stages, capsys, monkeypatch
             f"error: the rebase rehearsal was interrupted; its rebase is {kept}, "
             "and the next rehearsal clears what is left\n"
         )
+
+
+def test_a_hunk_from_line_5_is_moved_by_the_line_at_the_top(project):
+    """The rehearsal's top-of-file line goes into a file whose stage hunk
+    starts at line 5 or later: four lines apart, git still merges the two,
+    and the rehearsal passes with the hunk moved."""
+    project.add_stage(
+        "0001", {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n")}
+    )
+    # Line 8 of ops.py (a blank line before op_2): the hunk starts at line 5.
+    project.add_stage(
+        "0002",
+        {"vllm/ops.py": ("return 1\n\n\ndef op_2", "return 1\n\n# two\ndef op_2")},
+    )
+    project.commit_all()
+    series = project.series()
+    assert run_cli(["--series", str(project.series_file), "apply"]).returncode == 0
+    _, changes = rehearsal.make_target(series)
+    assert "vllm/ops.py: a line at the top (its hunks move)" in changes
+    rehearsal.rehearse(series, sys.executable)
