@@ -115,8 +115,18 @@ def test_clean_rebase_ends_on_a_branch_that_merging_adopts(two_stages):
     assert sh(two_stages.root, "git", "status", "--porcelain") == ""
     # one commit on the project's HEAD
     assert sh(two_stages.root, "git", "rev-parse", f"{_branch(target)}~1") == head
-    assert "| 0001 Striped indexer | applied cleanly |" in _report(two_stages, target)
-    assert "No overlay changed" in _report(two_stages, target)
+    report = _report(two_stages, target)
+    assert "| 0001 Striped indexer | applied cleanly |" in report
+    # Every hunk as rebased, none with lines the rebase added; no deleted
+    # regression tests; what CI's check will say.
+    assert re.search(
+        r"\| vllm/ops\.py \| `@@ [^`]*` \| \+1 -1 \| - \|\n\nNo overlay changed\.\n\n"
+        r"CI's check-patches will fail on this branch until series\.toml "
+        r"\(large_hunks, with the reason\) or the stages fix it:\n\n- stage 0002 "
+        r"changes 1 line\(s\) of vllm/envs\.py that stage 0001 adds",
+        report,
+    ), report
+    assert "`[[regression]]`" not in report
     # the finished rebase leaves no work area or worktree behind
     assert not _work_repo(two_stages).parent.exists()
     assert sh(two_stages.root, "git", "worktree", "list").count("\n") == 1
@@ -1182,6 +1192,12 @@ def test_a_stage_whose_pr_tests_fail_on_the_target_stops_the_rebase(project):
     test.write_text(test.read_text().replace("== 5", "== 50"))
     (report,) = rebase.resume(project.series())
     assert report.outcome == "merged, fixed by hand after its checks"
+    assert re.search(
+        r"\nCI's check-patches: the glue budget holds, no stage changes an "
+        r"earlier one's lines, and the README's stage table and the pin in .* are "
+        r"written for the new pin\.\n$",
+        _report(project, target),
+    )
 
 
 def test_a_stage_that_applies_as_it_is_is_still_tested_by_a_rebase(project):
@@ -1271,7 +1287,11 @@ def test_regression_tests_the_target_deleted_leave_the_series(two_stages):
         files={"tests/test_kept.py": "def test_it():\n    pass\n"},
     )
     rebase.start(two_stages.series(), target)
-    assert "`tests/test_gone.py`" in _report(two_stages, target)
+    assert (
+        "vLLM's own tests in `[[regression]]` that the target deleted, left out "
+        "of series.toml (add the target's tests that cover the same code): "
+        "`tests/test_gone.py`.\n\nNo overlay changed."
+    ) in _report(two_stages, target)
     rebased = _rebased(two_stages, target)
     assert [s.paths for s in rebased.regression] == [("tests/test_kept.py",)]
     assert "# vLLM's own tests\n" in two_stages.series_file.read_text()
@@ -1492,3 +1512,14 @@ def test_every_rebase_option_says_what_it_does():
         "--drop": "leave this stage out (upstream has it in another form); "
         "with --continue, also the stage in conflict",
     }
+
+
+def test_a_table_only_the_new_series_file_has_is_added_at_its_end():
+    """``updated_series_file``: a table the new file adds (a stage) comes
+    after the old file's text, comments kept, one blank line between."""
+    from scripts.series.rebase.series_toml import updated_series_file
+
+    old = '# the pin\n[base]\nname = "vllm"\nversion = "0.1.0"\n'
+    added = '[[stage]]\nid = "0001"\ntitle = "t"\n'
+    new = '[base]\nname = "vllm"\nversion = "0.1.0"\n\n' + added
+    assert updated_series_file(old, new) == old + "\n" + added + "\n"
