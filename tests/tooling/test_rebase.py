@@ -1122,8 +1122,15 @@ def test_a_resolution_that_does_not_compile_stops_the_rebase(two_stages):
             if not line.startswith(("<<<<<<<", ">>>>>>>"))
         )
     )
-    with pytest.raises(SeriesError, match=r"vllm/envs.py, line \d+: does not compile"):
+    with pytest.raises(
+        SeriesError, match=r"vllm/envs.py, line \d+: does not compile"
+    ) as e:
         rebase.resume(two_stages.series())
+    assert str(e.value).endswith(
+        f"Fix it in {_work_repo(two_stages)} (the stage is its HEAD commit), then "
+        "`nox -s rebase -- --continue`; or `nox -s rebase -- --continue --drop "
+        "0001`, or `nox -s rebase -- --abort`"
+    )
     assert load_state(two_stages.series()).reports[-1].outcome == (
         "merged, but fails its checks"
     )
@@ -1523,3 +1530,40 @@ def test_a_table_only_the_new_series_file_has_is_added_at_its_end():
     added = '[[stage]]\nid = "0001"\ntitle = "t"\n'
     new = '[base]\nname = "vllm"\nversion = "0.1.0"\n\n' + added
     assert updated_series_file(old, new) == old + "\n" + added + "\n"
+
+
+def test_a_stage_that_changes_a_file_other_than_python_is_not_compiled(project):
+    """The compile check reads the Python files a stage changes, not the
+    others it may carry (a README line here)."""
+    project.add_stage(
+        "0001",
+        {
+            "README.md": ("synthetic vLLM\n", "synthetic vLLM, indexed\n"),
+            "vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = False\n"),
+        },
+    )
+    project.commit_all()
+    target = _target(project, {"vllm/ops.py": ("return 5\n", "return 55\n")})
+    (report,) = rebase.start(project.series(), target)
+    assert report.outcome == "applied cleanly", report.evidence
+
+
+def test_a_worktree_left_locked_without_its_folder_is_removed(two_stages, tmp_path):
+    """What a kill inside `git worktree add` leaves: a registration locked
+    ("initializing") whose folder is gone; removing the rebase's worktree
+    clears it too."""
+    tree = tmp_path / "project"
+    sh(two_stages.root, "git", "worktree", "add", "-q", "--detach", str(tree))
+    sh(
+        two_stages.root,
+        "git",
+        "worktree",
+        "lock",
+        "--reason",
+        "initializing",
+        str(tree),
+    )
+    shutil.rmtree(tree)
+    branch.remove_worktree(two_stages.series(), tree)
+    listed = sh(two_stages.root, "git", "worktree", "list", "--porcelain")
+    assert str(tree) not in listed
