@@ -1567,3 +1567,33 @@ def test_a_worktree_left_locked_without_its_folder_is_removed(two_stages, tmp_pa
     branch.remove_worktree(two_stages.series(), tree)
     listed = sh(two_stages.root, "git", "worktree", "list", "--porcelain")
     assert str(tree) not in listed
+
+
+def test_a_stage_whose_own_tests_fail_names_them_and_the_projects_files(project):
+    """A stage's own tests (the project's tests/stage_0001/) fail on the
+    target: the stop names the failed test, the log, and that the traceback
+    goes through the project's file, which is fixed in the project."""
+    project.add_stage(
+        "0001", {"vllm/envs.py": ("VAR_3 = 3\n", "VAR_3 = 3\nCP_INDEXER = True\n")}
+    )
+    write_files(
+        project.root,
+        {
+            "tests/stage_0001/test_probe.py": (
+                "from vllm import envs\n\n\n"
+                "def test_var_5():\n    assert envs.VAR_5 == 5, 'VAR_5 moved'\n"
+            )
+        },
+    )
+    project.commit_all()
+    target = _target(project, {"vllm/envs.py": ("VAR_5 = 5\n", "VAR_5 = 50\n")})
+    with pytest.raises(SeriesError, match="its tests fail on the target") as e:
+        rebase.start(project.series(), target, test_python=sys.executable)
+    log = _work_repo(project).parent / "check-tests.log"
+    assert re.search(
+        r"its tests fail on the target \(1 failed: \S*test_probe\S*test_var_5; "
+        rf"first error: [^;]+; output in {re.escape(str(log))}\); "
+        r"its tracebacks go through the project's tests/stage_0001/test_probe\.py "
+        r"\(a break there is fixed in the project, not the work repo\)",
+        str(e.value),
+    ), str(e.value)
