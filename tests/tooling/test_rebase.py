@@ -779,6 +779,13 @@ def test_a_series_edited_while_the_rebase_is_stopped_is_refused(two_stages):
         "rebase -- --abort`) and rebase the edited series"
     )
     two_stages.series_file.write_text(original)
+    # A patch's text edited (its message here), then put back.
+    patch = two_stages.root / "patches" / two_stages.stages[1]["patch"]
+    kept = patch.read_bytes()
+    patch.write_bytes(kept.replace(b"Why this stage exists.", b"Why it exists."))
+    with pytest.raises(SeriesError, match="changed while the rebase was stopped"):
+        rebase.resume(two_stages.series())
+    patch.write_bytes(kept)
     with pytest.raises(SeriesError, match="stage 0002 has conflicts"):
         rebase.resume(two_stages.series())
     rebase.abort(two_stages.series())
@@ -1597,3 +1604,18 @@ def test_a_stage_whose_own_tests_fail_names_them_and_the_projects_files(project)
         r"\(a break there is fixed in the project, not the work repo\)",
         str(e.value),
     ), str(e.value)
+
+
+def test_added_lines_are_found_in_a_file_that_is_not_utf8(tmp_path):
+    """The check that a merge kept a hunk's added lines reads a file with
+    bytes that are not UTF-8 (a Latin-1 comment) without failing."""
+    from types import SimpleNamespace
+
+    from scripts.series.rebase.hunks import added_lines_present
+
+    merged = tmp_path / "envs.py"
+    merged.write_bytes(b"# 20\xb0C\nVAR_3 = 3\nCP_INDEXER = True\n")
+    hunk = SimpleNamespace(text="@@ -1 +1,2 @@\n VAR_3 = 3\n+CP_INDEXER = True\n")
+    assert added_lines_present(merged, hunk)
+    hunk.text = hunk.text.replace("True", "False")
+    assert not added_lines_present(merged, hunk)
