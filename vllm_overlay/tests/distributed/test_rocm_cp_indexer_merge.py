@@ -437,6 +437,13 @@ def _worker(
 
 def _run(world_size: int, device_kind: str, folder, key_split: bool) -> None:
     from vllm.utils.network_utils import get_open_port
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse
+
+    if key_split and rocm_aiter_mla_sparse._ON_GFX942:
+        pytest.skip(
+            "gfx942's prefill logits kernel fills its whole chunk: the planner "
+            "key-splits no row there"
+        )
 
     (folder / "config.json").write_text(json.dumps(TINY_DSV32))
     if device_kind == "cpu":
