@@ -200,10 +200,13 @@ def _outcomes(mutmut: list[str], scratch: Path, env: dict, dotted: str) -> dict:
     )
 
 
-def _draw(mutmut: list[str], scratch: Path, env: dict, dotted: str, args) -> list:
-    """``args.sample`` of the mutants, drawn with ``args.seed``. mutmut
-    makes its mutants (and its map of tests to functions) at the start of
-    a run: one asked to run a mutant that does not exist stops there."""
+def _draw(
+    mutmut: list[str], scratch: Path, env: dict, dotted: str, args
+) -> tuple[list[str], int]:
+    """``args.sample`` of the mutants, drawn with ``args.seed``, and how
+    many there are. mutmut makes its mutants (and its map of tests to
+    functions) at the start of a run: one asked to run a mutant that does
+    not exist stops there."""
     subprocess.run(
         [*mutmut, "run", f"{dotted}.x_no_such_function__mutmut_0"],
         cwd=scratch, env=env, capture_output=True,
@@ -211,8 +214,9 @@ def _draw(mutmut: list[str], scratch: Path, env: dict, dotted: str, args) -> lis
     names = sorted(_outcomes(mutmut, scratch, env, dotted))
     if not names:
         raise SystemExit(f"mutmut made no mutants of {args.module}")
-    print(f"{min(args.sample, len(names))} of {len(names)} mutants, seed {args.seed}")
-    return random.Random(args.seed).sample(names, min(args.sample, len(names)))
+    count = min(args.sample, len(names))
+    print(f"{count} of {len(names)} mutants, seed {args.seed}")
+    return random.Random(args.seed).sample(names, count), len(names)
 
 
 def main(argv: list[str]) -> int:
@@ -296,10 +300,11 @@ def main(argv: list[str]) -> int:
     )
     mutmut = [sys.executable, "-m", "mutmut"]
     drawn: list[str] = []
+    made = 0
     try:
         if args.sample:
-            drawn = globs = _draw(mutmut, scratch, env, dotted, args)
-            made = len(_outcomes(mutmut, scratch, env, dotted))
+            drawn, made = _draw(mutmut, scratch, env, dotted, args)
+            globs = drawn
         subprocess.run(
             [*mutmut, "run", "--max-children", str(os.cpu_count() or 1), *globs],
             cwd=scratch, env=env, check=True,

@@ -264,7 +264,7 @@ def test_an_empty_also_copy_is_left_out(tmp_path: Path) -> None:
         assert copied == ("\nREADME.md\npatches" if extra else None)
 
 
-def test_a_line_range_that_is_none_is_refused_plainly() -> None:
+def test_a_line_range_or_a_sample_that_is_none_is_refused_plainly() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "scripts.mutate", "scripts/mutate.py", "--lines",
          "12", "--", "tests"],
@@ -273,6 +273,14 @@ def test_a_line_range_that_is_none_is_refused_plainly() -> None:
     assert done.returncode == 2
     assert "'12' is no A-B line range" in done.stderr
     assert "Traceback" not in done.stderr
+    for count in ("0", "-3", "a"):
+        done = subprocess.run(
+            [sys.executable, "-m", "scripts.mutate", "scripts", "--sample", count,
+             "--", "tests"],
+            cwd=REPO_ROOT, text=True, capture_output=True,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert f"{count!r} is no count of mutants" in done.stderr
 
 
 def test_a_sample_of_a_folder_runs_only_the_mutants_drawn(toy: Path) -> None:
