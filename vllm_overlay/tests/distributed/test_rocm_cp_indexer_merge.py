@@ -94,7 +94,8 @@ class _GlooPyNccl:
     ):
         """The next ``input_split_sizes[peer]`` rows of the input to each
         peer, the next ``output_split_sizes[peer]`` rows of the output from
-        it, of contiguous tensors."""
+        it, of contiguous tensors (vllm-project/vllm v0.34.0, pynccl.py
+        ``all_to_all_single``, L489-541)."""
         world_size = self.group.world_size
         assert output.is_contiguous() and input_.is_contiguous()
         assert len(output_split_sizes) == len(input_split_sizes) == world_size
