@@ -25,7 +25,12 @@ Per call:
   the worse of two medians of ``--runs`` calls; inputs and buffers are made
   before, untimed;
 - host ms: wall time until the call returns, without waiting for the GPU
-  (with no sync inside, the host runs ahead; a sync makes it wait);
+  (with no sync inside, the host runs ahead; a sync makes it wait). Each
+  rank's calls run back to back, as a rank makes them layer after layer:
+  its first call of the step makes the split's windows (``windows_ms``, its
+  host time over the later calls'), timed apart from the rest, and the
+  planner's own time per step (``plan_ms``) is timed on its own; a rank
+  pays both once a step, a 61st of them a layer (``layer_host_ms``);
 - syncs: synchronizing CUDA calls counted by
   ``torch.cuda.set_sync_debug_mode("warn")``.
 
@@ -37,10 +42,14 @@ exchange and the merge emulated between the ranks, against the replicated
 op's by score (``cp_indexer_host_check``); a step whose rows differ ends
 the run with its name (exit 1). ``--check-only`` checks the steps without
 timing them (``cp_indexer_exactness.json``). The JSON records the
-project's commit (``DSA_COMMIT`` where the copy has no git history).
+project's commit (``DSA_COMMIT`` where the copy has no git history), a
+hash of stage 0001's modules as the run imports them, and per step and
+link the gate's decision, which the report judges the run with.
 
-With ``--calibrate`` or ``--variants`` it first calibrates the planner's
-costs (the run records the whole op's per-call time, c, as ``call_ms``): the logits
+With ``--calibrate`` or ``--variants`` it calibrates the planner's costs
+before the steps and again after them (the run records the whole op's
+per-call time, c, from each as ``call_ms``; G2 holds where it holds at
+both): the logits
 and top-k are timed on chunks of R rows of L keys each. The whole op on
 chunks of 256 rows and more is fitted as ``ms = a R L + b R + c`` by least
 squares: ``b / a`` is a row's fixed cost in key-rows (``ROW_COST_KEYS``),
@@ -90,6 +99,7 @@ then, with the JSON files in docs/:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -110,6 +120,7 @@ from scripts.bench.cp_indexer_host_report import (
     LINKS,
     crossover_report,
     report,
+    splits_on,
 )
 from scripts.bench.cp_indexer_host_timing import Costs, K, step_ms, time_step
 from scripts.bench.serving_steps import NAMED, Step, family, named
@@ -379,6 +390,10 @@ def _bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dic
             if taken is None
             else merge_ms(taken["bounds"], taken["key_split"], result["narrow"]),
         }
+        if taken is not None:
+            # The gate's decision per link, by the planner that ran: the
+            # report judges the run with it.
+            result["gate"] = splits_on(result, taken)
         results[f"{step.name} | tp {tp}"] = result
         print(step.name, tp, json.dumps(result), flush=True)
     return results
@@ -414,6 +429,7 @@ def _run_steps() -> int:
         # (``cp_indexer_host_check``): a run that ends has passed it.
         "exactness_checked": True,
         "commit": source_commit(),
+        "overlay_sha256": overlay_sha256(),
     }
     if RESUME and out.exists():
         payload = json.loads(out.read_text())
@@ -433,10 +449,9 @@ def _run_steps() -> int:
             "versions": gpu_versions(),
             **setup,
             "calibration": calibration,
-            # c, a call's fixed time (the whole op's fit), for G2's bound.
-            "call_ms": calibration["fit"]["total"]["us_per_call"] / 1e3
-            if calibration
-            else 0.0,
+            # c, a call's fixed time (the whole op's fit), for G2's bound:
+            # fitted again after the steps (``calibrate_again``).
+            "call_ms": [call_ms(calibration)] if calibration else 0.0,
             "variants": variants,
             "results": {},
         }
@@ -450,12 +465,40 @@ def _run_steps() -> int:
         payload["results"] |= bench_step(
             step, args.runs, variants if step.name in NAMED else only_shipped
         )
-        # After every step, whole (a kill mid-write leaves the last one): a
-        # run stopped by a time limit resumes from here.
-        partial = out.with_name(out.name + ".partial")
-        partial.write_text(json.dumps(payload, indent=1) + "\n")
-        partial.replace(out)
+        # After every step: a run stopped by a time limit resumes from here.
+        _write(payload, out)
+    if payload["calibration"] and len(payload["call_ms"]) < 2:
+        payload["calibration_again"] = calibrate(args.runs)
+        payload["call_ms"].append(call_ms(payload["calibration_again"]))
+        _write(payload, out)
     return 0
+
+
+def _write(payload: dict, out: Path) -> None:
+    """The run's JSON, whole (a kill mid-write leaves the last one)."""
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(payload, indent=1) + "\n")
+    partial.replace(out)
+
+
+def call_ms(calibration: dict) -> float:
+    """c, a call's fixed time in ms, as the calibration fitted the whole
+    op. The run fits it twice, before its steps and after: G2 holds only
+    where it holds at both (the fit moves with the host's noise)."""
+    return calibration["fit"]["total"]["us_per_call"] / 1e3
+
+
+def overlay_sha256() -> str:
+    """A hash of stage 0001's modules as this run imports them from the
+    tree (``rocm_cp_indexer*.py``, in name order): what was measured."""
+    from vllm.v1.attention.ops import rocm_cp_indexer
+
+    digest = hashlib.sha256()
+    for path in sorted(
+        Path(rocm_cp_indexer.__file__).parent.glob("rocm_cp_indexer*.py")
+    ):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 if __name__ == "__main__":

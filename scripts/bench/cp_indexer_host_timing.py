@@ -57,13 +57,17 @@ def _keep_gpu_busy(ms: float) -> None:
 
 
 def timed(fn, ranks: list[int], runs: int) -> list[dict]:
-    """Per rank: GPU ms, host ms and the syncs of one call of ``fn(rank)``.
-    GPU ms is CUDA events around the call, queued behind enough GPU work
-    to cover the host's time to queue it; each figure is the worse of
-    ``TIMINGS`` medians of ``runs`` calls (``gpu_ms_timings`` lists them).
-    The ranks take turns call by call, so that a drift of the GPU's clocks
-    over the run weighs on every rank alike. Whatever ``fn`` needs besides
-    the call (inputs, buffers) is made before, untimed."""
+    """Per rank: GPU ms, host ms and the syncs of one call of ``fn(rank)``,
+    as one rank pays them layer after layer: its calls back to back. GPU ms
+    is CUDA events around the call, queued behind enough GPU work to cover
+    the host's time to queue it; each figure is the worse of ``TIMINGS``
+    medians of ``runs`` calls (``gpu_ms_timings`` lists them), the ranks in
+    turn, in reverse order the second time (a drift of the GPU's clocks then
+    weighs on every rank alike). Each rank's first call of a turn makes
+    what the op keeps for the step (the split's windows), once per step in
+    serving: its host time over the later calls' is ``windows_ms``, not in
+    the medians. Whatever ``fn`` needs besides the call (inputs, buffers) is
+    made before, untimed."""
     import torch
 
     for _ in range(2):  # warm-up: Triton compiles, workspace grows
@@ -77,24 +81,25 @@ def timed(fn, ranks: list[int], runs: int) -> list[dict]:
     torch.cuda.synchronize()
     gpu: dict[int, list[float]] = {rank: [] for rank in ranks}
     host: dict[int, list[float]] = {rank: [] for rank in ranks}
-    for _ in range(TIMINGS):
-        times: dict[int, list[float]] = {rank: [] for rank in ranks}
-        hosts: dict[int, list[float]] = {rank: [] for rank in ranks}
-        for _ in range(runs):
-            for rank in ranks:
+    windows: dict[int, list[float]] = {rank: [] for rank in ranks}
+    for turn in range(TIMINGS):
+        for rank in ranks if turn % 2 == 0 else ranks[::-1]:
+            times: list[float] = []
+            hosts: list[float] = []
+            for _ in range(runs + 1):
                 start, end = torch.cuda.Event(True), torch.cuda.Event(True)
                 torch.cuda.synchronize()
                 _keep_gpu_busy(2 * host_lead + 0.2)
                 start.record()
                 t0 = time.perf_counter()
                 fn(rank)
-                hosts[rank].append((time.perf_counter() - t0) * 1e3)
+                hosts.append((time.perf_counter() - t0) * 1e3)
                 end.record()
                 torch.cuda.synchronize()
-                times[rank].append(start.elapsed_time(end))
-        for rank in ranks:
-            gpu[rank].append(statistics.median(times[rank]))
-            host[rank].append(statistics.median(hosts[rank]))
+                times.append(start.elapsed_time(end))
+            gpu[rank].append(statistics.median(times[1:]))
+            host[rank].append(statistics.median(hosts[1:]))
+            windows[rank].append(max(0.0, hosts[0] - host[rank][-1]))
     timings = []
     for rank in ranks:
         with warnings.catch_warnings(record=True) as caught:
@@ -109,10 +114,22 @@ def timed(fn, ranks: list[int], runs: int) -> list[dict]:
                 "gpu_ms": max(gpu[rank]),
                 "gpu_ms_timings": gpu[rank],
                 "host_ms": max(host[rank]),
+                "windows_ms": max(windows[rank]),
                 "syncs": sum("synchronizing" in str(w.message) for w in caught),
             }
         )
     return timings
+
+
+def planner_ms(plan, args: tuple, runs: int) -> float:
+    """The median host time of ``plan(*args)``: the planner's own time per
+    step, which every layer of the step shares."""
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        plan(*args)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def time_step(
@@ -161,6 +178,17 @@ def time_step(
                 mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
             if KEY_SPLIT_ALL:
                 mp.setattr(rocm_cp_indexer_plan, "KEY_SPLIT_BY_MODEL", False)
+            # The planner's arguments, to time it apart (it runs once per
+            # step, in the builder).
+            planned: list = []
+            plan = rocm_cp_indexer_plan.CPIndexerPlanner.plan
+            mp.setattr(
+                rocm_cp_indexer_plan.CPIndexerPlanner,
+                "plan",
+                lambda self, *args, plan=plan, planned=planned: (
+                    planned.append((self, args)) or plan(self, *args)
+                ),
+            )
             config = indexer_batch.make_vllm_config(
                 tp_size=tp,
                 device=DEVICE,
@@ -254,6 +282,12 @@ def time_step(
                     r["gpu_ms_timings"] for r in per_rank
                 ]
                 entry["per_rank_host_ms"] = [r["host_ms"] for r in per_rank]
+                entry["per_rank_windows_ms"] = [r["windows_ms"] for r in per_rank]
+                if planned:
+                    planner, args = planned[-1]
+                    entry["plan_ms"] = planner_ms(
+                        lambda *a, p=planner, plan=plan: plan(p, *a), args, runs
+                    )
             if mode == "split":
                 entry["bounds"] = list(split.bounds)
                 entry["key_split"] = [list(rows) for rows in split.key_split]
@@ -378,7 +412,36 @@ def time_chunk(rows: int, keys: int, runs: int) -> dict:
     }
 
 
+# The indexer layers of a step, which share the step's plan and windows:
+# DeepSeek-V3.2's 61 (``num_hidden_layers`` in its config.json, every one
+# with an indexer).
+LAYERS = 61
+
+
+def layer_host_ms(host_ms: float, windows_ms: float = 0.0, plan_ms: float = 0.0):
+    """A rank's host time per layer: its call's, and its share of the
+    step's windows and plan, made once for the step's LAYERS."""
+    return host_ms + (windows_ms + plan_ms) / LAYERS
+
+
 def step_ms(run: dict) -> float:
-    """A call's time in a forward of many layers: the GPU's or the host's,
-    whichever is longer (with no sync, the host runs ahead of the GPU)."""
+    """A call's time in a forward of many layers: its slowest rank's
+    (``rank_ms``), or in runs without per-rank times, the GPU's or the
+    host's, whichever is longer."""
+    if "per_rank_gpu_ms" in run:
+        return max(rank_ms(run))
     return max(run["gpu_ms"], run["host_ms"])
+
+
+def rank_ms(run: dict) -> list[float]:
+    """Each rank's time per call in a forward of many layers: the GPU's or
+    the host's (``layer_host_ms``), whichever is longer (with no sync, the
+    host runs ahead of the GPU)."""
+    ranks = len(run["per_rank_gpu_ms"])
+    windows = run.get("per_rank_windows_ms", [0.0] * ranks)
+    return [
+        max(gpu, layer_host_ms(host, made, run.get("plan_ms", 0.0)))
+        for gpu, host, made in zip(
+            run["per_rank_gpu_ms"], run["per_rank_host_ms"], windows, strict=True
+        )
+    ]

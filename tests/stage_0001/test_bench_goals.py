@@ -4,8 +4,10 @@ family of serving steps is what it says (seeded, within each budget, every
 kind), its merge model reproduces the 2x H200 fit it comes from, and G1 and
 G2 fail where a step misses them. The GPU run itself is checked on a GPU."""
 
+import itertools
 import json
 import sys
+import time
 
 import pytest
 
@@ -120,6 +122,73 @@ def test_g2s_bound_counts_one_call_of_fixed_time(monkeypatch):
     assert goals["g2"] is True and goals["bound_ms"] == pytest.approx(2.875)
 
 
+def test_the_report_judges_with_the_gate_the_run_recorded():
+    """The gate's decisions as the run made them, not re-made by today's
+    planner (this record lacks what ``splits_on`` would need)."""
+    result = _result(2, 10.0, [5.2, 5.0], 0.5, 2.5, (True, False))
+    goals = reports.step_goals(result, "aiter")
+    assert goals["splits"] == {"h200_nvlink": True, "mi355x_xgmi": False}
+
+
+def test_g2_holds_only_where_it_holds_at_each_calibration():
+    """The run fits c twice; a step near its bound at one c and over it at
+    the other misses G2, and LB is listed at the c that is harder on it."""
+    result = _result(4, 10.0, [3.3, 2.4, 2.3, 2.2], 0.5, 0.1)
+    assert reports.step_goals(result, "aiter", call_ms=[0.5])["g2"] is True
+    goals = reports.step_goals(result, "aiter", call_ms=[0.5, 0.0])
+    assert goals["g2"] is False and goals["bound_ms"] == pytest.approx(2.5)
+    assert goals["over_bound"] == pytest.approx(3.3 / 2.5)
+
+
+def test_g2s_bound_is_at_least_the_replicated_calls_host_time():
+    """LB_h = max((replicated - c) / tp + c, F1, H): a step whose replicated
+    call spends 3.0 ms on the host cannot go below that split either."""
+    result = _result(4, 10.0, [3.3, 2.4, 2.3, 2.2], 0.5, 0.1)
+    result["replicated"]["host_ms"] = 3.0
+    goals = reports.step_goals(result, "aiter")
+    assert goals["bound_ms"] == pytest.approx(3.0) and goals["g2"] is True
+
+
+def test_a_ranks_host_time_counts_its_share_of_the_steps_plan_and_windows():
+    """Made once a step, spread over its LAYERS: 61 ms of windows on one rank
+    and 61 ms of plan add 2 ms a layer to that rank's 0.5 ms of host time,
+    which then outlasts its 2.2 ms of GPU time."""
+    split = {
+        "per_rank_gpu_ms": [2.2, 2.2],
+        "per_rank_host_ms": [0.5, 0.5],
+        "per_rank_windows_ms": [0.0, 61.0],
+        "plan_ms": 61.0,
+    }
+    assert timing.LAYERS == 61
+    assert timing.rank_ms(split) == pytest.approx([2.2, 2.5])
+    assert timing.step_ms(split) == pytest.approx(2.5)
+    # Runs before the windows were timed apart: the call's own times.
+    assert timing.rank_ms({"per_rank_gpu_ms": [1.0], "per_rank_host_ms": [1.5]}) == [
+        1.5
+    ]
+
+
+def test_each_ranks_calls_run_back_to_back(bench_here):
+    """A rank pays the step's windows once, at its first call: the timing
+    keeps each rank's calls together, so a call that remakes them when the
+    rank changes (as the op's window cache does) is timed once apart
+    (``windows_ms``), not in every call's host time."""
+    calls: list[int] = []
+
+    def call(rank: int) -> None:
+        if calls and calls[-1] != rank:
+            time.sleep(0.02)  # the windows, remade
+        calls.append(rank)
+
+    per_rank = timing.timed(call, [0, 1, 2], runs=3)
+    for rank in per_rank:
+        assert rank["host_ms"] < 10 and rank["windows_ms"] > 15
+    # After the warm-up: each timing turn holds each rank's calls together.
+    timed_calls = calls[6:-3]
+    switches = sum(a != b for a, b in itertools.pairwise(timed_calls))
+    assert switches == timing.TIMINGS * (3 - 1)
+
+
 @pytest.mark.parametrize(
     ("key_rows", "ranks", "merge", "splits", "g3"),
     [
@@ -187,6 +256,9 @@ def test_the_bench_records_what_the_goals_need(monkeypatch, bench_here):
         assert set(result["floor_ms"]) == set(fast_indexer_kernels.TOPK_SHAPES)
         assert set(result["merge_ms"]) == {"h200_nvlink", "mi355x_xgmi"}
         assert result["step"] == step.prefills and result["tp"] == tp
+        # What a rank pays once a step, and the gate as the run decided it.
+        assert len(split["per_rank_windows_ms"]) == tp and split["plan_ms"] > 0
+        assert result["gate"] == {"h200_nvlink": False, "mi355x_xgmi": False}
         # Timed once, for every tp.
         replicated = replicated or result["replicated"]
         assert result["replicated"] is replicated
@@ -240,6 +312,54 @@ def test_a_run_cut_short_resumes_where_it_stopped(monkeypatch, tmp_path, bench_h
     monkeypatch.setattr(sys, "argv", list(argv))
     with pytest.raises(SystemExit, match="topk_shape"):
         bench._run_steps()
+    # Nor another stage 0001 than the one it measured.
+    assert len(written["overlay_sha256"]) == 64
+    monkeypatch.setattr(bench, "TOPK_SHAPE", written["topk_shape"])
+    monkeypatch.setattr(bench, "overlay_sha256", lambda: "0" * 64)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    with pytest.raises(SystemExit, match="overlay_sha256"):
+        bench._run_steps()
+
+
+def test_the_run_calibrates_before_its_steps_and_after(
+    monkeypatch, tmp_path, bench_here
+):
+    """Two fits of c, one each side of the steps, both in ``call_ms``; a
+    run cut short before the second makes it when resumed."""
+    events: list[str] = []
+    fits = iter([150.0, 210.0])
+
+    def calibrate(runs):
+        events.append("calibrate")
+        return {"fit": {"total": {"us_per_call": next(fits)}}}
+
+    def bench_step(step, runs, variants):
+        events.append(step.name)
+        if step.name == "last" and "stop" in events:
+            raise KeyboardInterrupt
+        return {f"{step.name} | tp 2": {}}
+
+    monkeypatch.setattr(bench, "TPS", (2,))
+    monkeypatch.setattr(bench, "calibrate", calibrate)
+    monkeypatch.setattr(bench, "bench_step", bench_step)
+    monkeypatch.setattr(bench, "overlay_sha256", lambda: "0" * 64)
+    monkeypatch.setattr(bench, "CALIBRATE", True)
+    steps = [serving_steps.Step("first", []), serving_steps.Step("last", [])]
+    monkeypatch.setattr(bench, "named", lambda: steps)
+    monkeypatch.setattr(bench, "family", lambda count, seed: [])
+    argv = ["cp_indexer_host", "--out", str(tmp_path), "--runs", "1"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    events.append("stop")
+    with pytest.raises(KeyboardInterrupt):
+        bench._run_steps()
+    out = tmp_path / "cp_indexer_host_bench.json"
+    assert json.loads(out.read_text())["call_ms"] == [0.15]
+    events.clear()
+    monkeypatch.setattr(bench, "RESUME", True)
+    monkeypatch.setattr(sys, "argv", list(argv))
+    bench._run_steps()
+    assert events == ["last", "calibrate"]
+    assert json.loads(out.read_text())["call_ms"] == [0.15, 0.21]
 
 
 def _shapes_launched(monkeypatch) -> list[str]:
