@@ -191,13 +191,14 @@ def _scale_the_planner(monkeypatch, step: Step) -> None:
     monkeypatch.setattr(plan, "_key_split_plan", forced)
 
 
-def _build_all(tp_size: int, cp: bool, steps: list[Step]) -> list:
+def _build_all(tp_size: int, cp: bool, steps: list[Step], layout: str = "cost") -> list:
     batches = []
     for step in steps:
         with pytest.MonkeyPatch.context() as monkeypatch:
             monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if cp else "0")
             indexer_batch.shrink_logits_budget(monkeypatch, LOGITS)
             _scale_the_planner(monkeypatch, step)
+            monkeypatch.setattr(rocm_cp_indexer_plan, "ROW_LAYOUT", layout)
             with emulate_rocm("gfx950"):
                 config = indexer_batch.make_vllm_config(tp_size=tp_size)
                 builder = indexer_batch.make_builder(config, monkeypatch)
@@ -252,7 +253,7 @@ def _run_all(rank: int, world_size: int, batches: list, plant=None) -> list[dict
             plant(monkeypatch)
         results = []
         for batch in batches:
-            rocm_cp_indexer._STEP_WINDOWS[:] = [None, None, (None, [])]
+            rocm_cp_indexer._STEP_WINDOWS[:] = [None, None, (None, [], None)]
             results.append(_run(batch))
         return results
 
@@ -312,6 +313,49 @@ def test_every_rank_holds_the_single_rank_top_k(single_rank, split_ranks):
     _, ranks = split_ranks
     wrong = _mismatches(single_rank, ranks, STEPS)
     assert not wrong, "\n".join(wrong)
+
+
+def _wide(monkeypatch) -> None:
+    """Every row travels int32, as rows of 65,535 keys and more do."""
+    monkeypatch.setattr(rocm_cp_indexer_plan, "NARROW_KEYS", 0)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(2, "wide"), (4, "narrow"), (8, "wide")],
+    ids=lambda p: f"tp{p[0]}-{p[1]}",
+)
+def zigzag_ranks(request) -> tuple[int, str, list[list[dict]]]:
+    tp, width = request.param
+    batches = _build_all(tp, True, STEPS, layout="zigzag")
+    plant = _wide if width == "wide" else None
+    return tp, width, run_ranks(tp, _run_all, batches, plant)
+
+
+def test_a_zigzag_split_gives_every_rank_the_single_rank_top_k(
+    single_rank, zigzag_ranks
+):
+    """The zigzag layout: each rank's rows of every request, gathered into
+    one call per run, merged once (int16 or int32) and put back in batch
+    order."""
+    tp, width, ranks = zigzag_ranks
+    wrong = _mismatches(single_rank, ranks, STEPS)
+    assert not wrong, "\n".join(wrong)
+    for index, step in enumerate(STEPS):
+        split = ranks[0][index]["split"]
+        if split is None:
+            continue
+        assert split.order is not None and not split.key_split, str(step)
+        prefill_rows = sum(new for _, new in step.requests) - ranks[0][index]["decode"]
+        # Every rank holds rows, none more than its share and a block of
+        # each request over it.
+        assert min(split.sizes) > 0, str(step)
+        assert max(split.sizes) <= prefill_rows / tp + 2 * len(step.requests), str(step)
+        for results in ranks:
+            dtype = torch.int32 if width == "wide" else torch.int8
+            assert results[index]["collectives"] == [
+                ("all_gatherv", dtype, split.sizes)
+            ], str(step)
 
 
 def test_one_exchange_and_one_merge_per_prefill(split_ranks):

@@ -210,6 +210,57 @@ def test_contiguous_ranges_cover_the_prefill_rows_after_the_decodes():
         assert all(size >= 1 for size in split.sizes), split
 
 
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [(0, 16384)],
+        [(200 * 1024, 4096)],
+        [(p * 1024, 256) for p in (4, 8, 16, 32, 64, 100, 150, 200)],
+        [(32 * 1024, 4096), (0, 12288), (15 * 1024, 64)],
+    ],
+)
+def test_a_zigzag_split_balances_each_request_by_construction(tp, requests):
+    """Each request's rows in 2 tp blocks, rank r taking blocks r and
+    2 tp - 1 - r: every rank holds a tp-th of every request's rows and of
+    its causal keys, to within two rows of it, with no cost model."""
+    first_row = 3
+    split = rocm_cp_indexer_plan.zigzag_split(
+        tp, first_row, torch.tensor([new for _, new in requests])
+    )
+    assert split.order is not None and not split.key_split
+    assert sorted(split.order.tolist()) == list(
+        range(first_row, first_row + sum(new for _, new in requests))
+    )
+    costs = _row_costs(requests)
+    start = first_row
+    for _, new in requests:
+        rows = range(start, start + new)
+        for rank in range(tp):
+            lo, hi = (b - first_row for b in split.bounds[rank : rank + 2])
+            places = split.order[lo:hi].tolist()
+            mine = [row for row in places if row in rows]
+            assert mine == sorted(mine)  # a rank's rows in batch order
+            assert abs(len(mine) - new / tp) <= 1
+            keys = sum(costs[row - first_row] for row in mine)
+            share = sum(costs[row - first_row] for row in rows) / tp
+            dearest = max(costs[row - first_row] for row in rows)
+            assert abs(keys - share) <= 2 * dearest, (rank, keys, share)
+        start += new
+
+
+def test_short_requests_zigzag_across_the_ranks():
+    """A request shorter than 2 tp leaves some blocks empty: turned by its
+    index, the next request fills other ranks; where no turn gives every
+    rank a row, the rows go round the ranks one by one."""
+    split = rocm_cp_indexer_plan.zigzag_split(4, 0, torch.tensor([2] * 8 + [16]))
+    assert split.sizes == [8, 8, 8, 8]  # not turned: 12, 4, 4, 12
+    # Two requests of 4 rows at tp 8 would leave two ranks empty.
+    split = rocm_cp_indexer_plan.zigzag_split(8, 5, torch.tensor([4, 4]))
+    assert split.sizes == [1] * 8
+    assert split.order.tolist() == list(range(5, 13))
+
+
 def test_rows_pay_a_fixed_cost_besides_their_keys():
     """Without the fill (gfx950), a row costs its keys and ROW_COST_KEYS: on
     a fresh 16K prompt over 8 ranks, rank 0's many cheap rows weigh more
@@ -1753,6 +1804,16 @@ def test_the_profiling_run_reserves_what_the_split_holds(cp_on, monkeypatch):
     cp_on.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "0")
     rocm_aiter_ops.refresh_env_variables()
     assert profile(budget, 1 << 20, k) == budget
+
+
+def test_a_zigzag_layout_reserves_the_merges_int32_copy(cp_on, monkeypatch):
+    """The zigzag merge puts the rows back in batch order from an int32
+    copy of them: the reservation holds it where a step's rows take more
+    than the logits and the candidates."""
+    budget, k = 512 << 20, 2048
+    monkeypatch.setattr(rocm_cp_indexer, "_tp_size", lambda: 8)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "ROW_LAYOUT", "zigzag")
+    assert rocm_cp_indexer.profile_bytes(budget, 1 << 20, k) == (1 << 20) * k * 4
 
 
 def test_the_profiling_run_asks_the_tp_group_its_size(cp_on, monkeypatch):

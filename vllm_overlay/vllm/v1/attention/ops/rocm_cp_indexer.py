@@ -39,9 +39,11 @@ from vllm.distributed import (
     model_parallel_is_initialized,
 )
 from vllm.v1.attention.ops import rocm_cp_indexer_merge as device_merge
+from vllm.v1.attention.ops import rocm_cp_indexer_plan
 from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
     CANDIDATE_ROW_BYTES,
     CPIndexerSplit,
+    equal_calls,
     joined,
     key_split_max_rows,
     rank_calls,
@@ -65,13 +67,15 @@ def profile_bytes(logits_bytes: int, max_tokens: int, k: int) -> int:
     rank sends (at most ``key_split_max_rows``, kept until the exchange);
     those candidates beside what it receives, after the last call's logits
     are freed (within the budget: ``key_split_max_owned``); and the merge's
-    int16 copy of every prefill row, after both are freed."""
+    int16 copy of every prefill row, after both are freed, or in a zigzag
+    layout its int32 copy, which puts the rows back in batch order."""
     from vllm._aiter_ops import rocm_aiter_ops
 
     if _tp_size() < 2 or not rocm_aiter_ops.is_cp_indexer_enabled():
         return logits_bytes
     sent = key_split_max_rows(logits_bytes) * CANDIDATE_ROW_BYTES
-    return max(logits_bytes + sent, max_tokens * k * 2)
+    row_bytes = 4 if rocm_cp_indexer_plan.ROW_LAYOUT == "zigzag" else 2
+    return max(logits_bytes + sent, max_tokens * k * row_bytes)
 
 
 def _tp_size() -> int:
@@ -98,16 +102,26 @@ class PrefillWindow:
     # from the row's first key (device), and the rows' first candidate row.
     key_offset: torch.Tensor | None = None
     candidate_row: int = 0
+    # In a zigzag split: the batch rows the call scores (device), gathered;
+    # their top-k go to rows ``start:end``, this rank's places in the merge.
+    rows: torch.Tensor | None = None
 
     @property
-    def batch_rows(self) -> slice:
+    def batch_rows(self) -> slice | torch.Tensor:
+        """The rows of the queries and weights the call scores."""
+        return slice(self.start, self.end) if self.rows is None else self.rows
+
+    @property
+    def topk_rows(self) -> slice:
+        """The rows of the top-k buffer the call writes."""
         return slice(self.start, self.end)
 
 
 # The windows of the last step's split on this rank (the split, the rank,
-# and the chunks with their windows): every indexer layer of a step makes
-# the same calls, and their key ranges are device tensors made on the host.
-_STEP_WINDOWS: list = [None, None, (None, [])]
+# and the chunks with their windows and a zigzag split's places): every
+# indexer layer of a step makes the same calls, and their key ranges are
+# device tensors made on the host.
+_STEP_WINDOWS: list = [None, None, (None, [], None)]
 
 
 def _key_ranges_of(
@@ -142,6 +156,9 @@ class CPIndexerPrefill:
         # The key-split rows' candidates this rank sends (in their order).
         self.sent: torch.Tensor | None = None
         self.narrow = False
+        # A zigzag split's batch row at each place of the merge, from its
+        # first (device).
+        self.places: torch.Tensor | None = None
         if self.split is not None:
             self.rank = get_tensor_model_parallel_rank()
             self.start, self.end = self.split.rows_of(self.rank)
@@ -176,9 +193,48 @@ class CPIndexerPrefill:
         # The same on every indexer layer of the step: made for the first.
         split, rank, made = _STEP_WINDOWS
         if split is not self.split or rank != self.rank or made[0] is not chunks:
-            made = (chunks, list(self._split_windows(chunks)))
+            if self.split.order is None:
+                made = (chunks, list(self._split_windows(chunks)), None)
+            else:
+                device = chunks[0].cu_seqlen_ks.device
+                places = (self.split.order - self.split.bounds[0]).to(
+                    device, non_blocking=True
+                )
+                made = (chunks, list(self._zigzag_windows(chunks, device)), places)
             _STEP_WINDOWS[:] = [self.split, self.rank, made]
+        self.places = made[2]
         yield from made[1]
+
+    def _zigzag_windows(self, chunks, device) -> Iterator[PrefillWindow]:
+        """A zigzag split's calls on this rank: its rows of each run of
+        chunks (in batch order) in as few equal calls as the run's largest
+        chunk allows, each gathering its rows' queries and key ranges, and
+        writing their top-k at this rank's places in the merge."""
+        assert self.split is not None and self.split.order is not None
+        first_place = self.split.bounds[0]
+        mine = self.split.order[self.start - first_place : self.end - first_place]
+        runs = runs_of_shared_keys(chunks)
+        for run, (first, last, most) in zip(runs, shared_key_runs(chunks, 0)):
+            start = int(torch.searchsorted(mine, first))
+            end = int(torch.searchsorted(mine, last))
+            if start == end:
+                continue
+            ks, ke, longest = _key_ranges_of(run, first, last)
+            gather = True
+            for a, b in equal_calls(start, end, most):
+                rows = mine[a:b].to(device, non_blocking=True)
+                in_run = rows - first
+                yield PrefillWindow(
+                    run[0],
+                    self.start + a,
+                    self.start + b,
+                    ks[in_run],
+                    ke[in_run],
+                    longest,
+                    gather,
+                    rows=rows,
+                )
+                gather = False
 
     def _split_windows(self, chunks) -> Iterator[PrefillWindow]:
         """The calls ``rank_calls`` plans for this rank (the planner prices
@@ -261,7 +317,9 @@ class CPIndexerPrefill:
         output, and a rank's own rows are that slice already), or, where
         every row has fewer than 65,535 keys, as int16 (``travels_narrow``):
         half the bytes, packed before and unpacked after. Whole rows of the
-        buffer travel, which is contiguous in them. Called on PyNccl
+        buffer travel, which is contiguous in them. A zigzag split's ranks
+        write their rows at their places in the merge, which then go back
+        to their batch rows. Called on PyNccl
         directly: the coordinator's collectives return new tensors, and the
         split is off wherever it would take another path
         (``unsafe_config_reason``)."""
@@ -281,12 +339,17 @@ class CPIndexerPrefill:
         own = slice(self.start - first, self.end - first)
         if not self.narrow:
             pynccl.all_gatherv(rows, rows[own], self.split.sizes)
+            if self.places is not None:  # each place's row to its batch row
+                rows.index_copy_(0, self.places, rows.clone())
             return
         narrow = torch.empty(rows.shape, dtype=torch.int16, device=rows.device)
         device_merge.narrow_indices(rows[own], narrow[own])
         # As bytes: NCCL has no 16-bit integer type.
         as_bytes = narrow.view(torch.int8)
         pynccl.all_gatherv(as_bytes, as_bytes[own], self.split.sizes)
+        if self.places is not None:  # every place's row to its batch row
+            device_merge.widen_indices(narrow, rows, self.places)
+            return
         # Every rank's rows but this one's, which are in place already.
         for start, end in ((0, own.start), (own.stop, last - first)):
             device_merge.widen_indices(narrow[start:end], rows[start:end])

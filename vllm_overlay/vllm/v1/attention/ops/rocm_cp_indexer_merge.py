@@ -201,8 +201,9 @@ def keep_candidates(
 
 
 @triton.jit
-def _narrow_kernel(src_ptr, dst_ptr, src_stride, dst_stride, K: tl.constexpr,
-                   BLOCK: tl.constexpr, WIDEN: tl.constexpr):  # fmt: skip
+def _narrow_kernel(src_ptr, dst_ptr, dst_rows_ptr, src_stride, dst_stride,
+                   K: tl.constexpr, BLOCK: tl.constexpr, WIDEN: tl.constexpr,
+                   TO_ROWS: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = at < K
@@ -212,17 +213,35 @@ def _narrow_kernel(src_ptr, dst_ptr, src_stride, dst_stride, K: tl.constexpr,
         value = ((value.to(tl.int32) + 1) & 0xFFFF) - 1
     else:
         value = value.to(tl.int16)
-    tl.store(dst_ptr + row.to(tl.int64) * dst_stride + at, value, mask=mask)
+    dst_row = row.to(tl.int64)
+    if TO_ROWS:
+        dst_row = tl.load(dst_rows_ptr + row)
+    tl.store(dst_ptr + dst_row * dst_stride + at, value, mask=mask)
 
 
-def _narrow_launch(src: torch.Tensor, dst: torch.Tensor, widen: bool) -> None:
-    rows, k = dst.shape[0], dst.shape[1]
+def _narrow_launch(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    widen: bool,
+    dst_rows: torch.Tensor | None = None,
+) -> None:
+    rows, k = src.shape[0], dst.shape[1]
     if rows == 0:
         return
-    assert src.shape[0] == rows and src.stride(1) == dst.stride(1) == 1
+    assert dst_rows is not None or dst.shape[0] == rows
+    assert dst_rows is None or dst_rows.shape == (rows,)
+    assert src.stride(1) == dst.stride(1) == 1
     block = min(1024, triton.next_power_of_2(k))
     _narrow_kernel[(rows, triton.cdiv(k, block))](
-        src, dst, src.stride(0), dst.stride(0), K=k, BLOCK=block, WIDEN=widen
+        src,
+        dst,
+        dst if dst_rows is None else dst_rows,
+        src.stride(0),
+        dst.stride(0),
+        K=k,
+        BLOCK=block,
+        WIDEN=widen,
+        TO_ROWS=dst_rows is not None,
     )
 
 
@@ -234,7 +253,10 @@ def narrow_indices(rows: torch.Tensor, out: torch.Tensor) -> None:
     _narrow_launch(rows, out, widen=False)
 
 
-def widen_indices(narrow: torch.Tensor, out: torch.Tensor) -> None:
-    """``narrow_indices``'s rows back to int32 into ``out``."""
+def widen_indices(
+    narrow: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor | None = None
+) -> None:
+    """``narrow_indices``'s rows back to int32 into ``out``: row i into row
+    ``out_rows[i]`` (int64) where given, else into row i."""
     assert narrow.dtype == torch.int16
-    _narrow_launch(narrow, out, widen=True)
+    _narrow_launch(narrow, out, widen=True, dst_rows=out_rows)

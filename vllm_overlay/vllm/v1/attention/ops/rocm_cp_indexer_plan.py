@@ -230,17 +230,32 @@ CANDIDATE_COST_KEYS = 0.25
 KEY_SPLIT_BY_MODEL = True
 
 
+# How the ranks share a step's rows. "cost": one contiguous range each, cut
+# where the rows' modelled cost crosses each rank's share (``RowPlanner``).
+# "zigzag": each request's rows in 2 tp equal blocks, rank r taking blocks r
+# and 2 tp - 1 - r (as SGLang's NSA context parallel splits a sequence): a
+# causal row costs its prefix and its place in the request, so each pair
+# costs about the same, with no cost model. The host bench's --variants
+# times both on the same steps.
+ROW_LAYOUT = "cost"
+
+
 @dataclass(frozen=True)
 class CPIndexerSplit:
-    """Each TP rank's contiguous range of one step's prefill rows (the same
-    on every rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``,
-    but for the rows of ``key_split`` (batch row ranges, one per request):
-    every rank scores those over its part of their keys, and the rank whose
-    range holds such a row selects its top-k (``owned_key_split``), which
-    the merge then carries as that rank's own."""
+    """Each TP rank's share of one step's prefill rows (the same on every
+    rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``, or with
+    ``order`` (a zigzag layout) the batch rows ``order`` lists at those
+    places, counted from ``bounds[0]``; but for the rows of ``key_split``
+    (batch row ranges, one per request; none with ``order``): every rank
+    scores those over its part of their keys, and the rank whose range
+    holds such a row selects its top-k (``owned_key_split``), which the
+    merge then carries as that rank's own."""
 
     bounds: tuple[int, ...]
     key_split: tuple[tuple[int, int], ...] = ()
+    # The prefill's batch rows in the ranks' order (rank 0's, then rank
+    # 1's, each rank's in batch order), on the host; None: in batch order.
+    order: torch.Tensor | None = None
 
     @property
     def key_split_rows(self) -> int:
@@ -358,6 +373,9 @@ def plan_cp_indexer_split(
     # that is left before it is planned.
     if not split_repays(total, [num_rows // tp_size] * tp_size, link, narrow):
         return None
+    if ROW_LAYOUT == "zigzag":
+        split = zigzag_split(tp_size, num_decode_tokens, query_lens_cpu)
+        return split if split_repays(total, split.sizes, link, narrow) else None
     runs = shared_key_runs(chunks, num_decode_tokens)
     planned = RowPlanner(
         costs, query_lens_cpu, runs, tp_size, call_cost_keys, wave_rows
@@ -379,6 +397,35 @@ def plan_cp_indexer_split(
     )
     repays = split_repays(total, split.sizes, link, narrow, split.key_split_owners)
     return split if repays else None
+
+
+def zigzag_split(
+    tp_size: int, num_decode_tokens: int, query_lens_cpu: torch.Tensor
+) -> CPIndexerSplit:
+    """Each request's rows (``query_lens_cpu``, after the ``num_decode_tokens``
+    decodes) in 2 tp blocks of equal size (to a row), block b going to rank
+    b, or 2 tp - 1 - b for the second half, turned by the request's index so
+    that short requests' rows spread over the ranks. Where that leaves a
+    rank no row (a step of few short requests), the rows go round the ranks
+    one by one."""
+    query_lens = query_lens_cpu.to(torch.int64)
+    num_rows = int(query_lens.sum())
+    request = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)
+    row = torch.arange(num_rows)
+    place = row - (torch.cumsum(query_lens, 0) - query_lens)[request]
+    block = place * (2 * tp_size) // query_lens[request]
+    pair = torch.where(block < tp_size, block, 2 * tp_size - 1 - block)
+    rank = (pair + request) % tp_size
+    counts = torch.bincount(rank, minlength=tp_size)
+    if int(counts.min()) == 0:
+        rank = row % tp_size
+        counts = torch.bincount(rank, minlength=tp_size)
+    order = torch.argsort(rank * num_rows + row) + num_decode_tokens
+    bounds = [
+        num_decode_tokens,
+        *(num_decode_tokens + torch.cumsum(counts, 0)).tolist(),
+    ]
+    return CPIndexerSplit(tuple(bounds), order=order)
 
 
 def travels_narrow(chunks: list[DeepseekV32IndexerPrefillChunkMetadata]) -> bool:
