@@ -122,7 +122,13 @@ from scripts.bench.cp_indexer_host_report import (
     report,
     splits_on,
 )
-from scripts.bench.cp_indexer_host_timing import Costs, K, step_ms, time_step
+from scripts.bench.cp_indexer_host_timing import (
+    ZIGZAG,
+    Costs,
+    K,
+    step_ms,
+    time_step,
+)
 from scripts.bench.serving_steps import NAMED, Step, family, named
 from scripts.series.contract import TREE_ENV
 
@@ -139,6 +145,9 @@ CALIBRATE = False
 TOPK_SHAPE = "wide"
 # Set by --resume: the steps the output's JSON holds already are not run again.
 RESUME = False
+# Set by --zigzag: every step also split in the zigzag layout, beside the
+# shipped planner's cost cuts (``ROW_LAYOUT``).
+ZIGZAG_TOO = False
 
 
 # The minimum split size's sweep: small steps around it, split forced.
@@ -173,13 +182,16 @@ def main() -> int:
         if (docs / "cp_indexer_min_split.json").exists():
             (docs / "cp_indexer_min_split.md").write_text(crossover_report(docs))
         return 0
-    global VARIANTS, CALIBRATE, TOPK_SHAPE, RESUME
+    global VARIANTS, CALIBRATE, TOPK_SHAPE, RESUME, ZIGZAG_TOO
     if "--aiter" in sys.argv:
         sys.argv.remove("--aiter")
         timing.ON_AITER = True
     if "--variants" in sys.argv:
         sys.argv.remove("--variants")
         VARIANTS = True
+    if "--zigzag" in sys.argv:
+        sys.argv.remove("--zigzag")
+        ZIGZAG_TOO = True
     if "--calibrate" in sys.argv:
         sys.argv.remove("--calibrate")
         CALIBRATE = True
@@ -224,6 +236,7 @@ def _command(*flags: str) -> str:
         *flags,
         *(["--aiter"] if timing.ON_AITER else []),
         *(["--variants"] if VARIANTS else []),
+        *(["--zigzag"] if ZIGZAG_TOO else []),
         *(["--calibrate"] if CALIBRATE else []),
         *(["--key-split-all"] if timing.KEY_SPLIT_ALL else []),
         *(["--narrow-topk"] if TOPK_SHAPE == "narrow" else []),
@@ -298,11 +311,12 @@ def _variants(runs: int) -> tuple[dict, dict[str, Costs | None]]:
     (``report``'s columns); else none and the shipped planner alone."""
     from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
+    zigzag: dict[str, Costs | None] = {ZIGZAG: None} if ZIGZAG_TOO else {}
     if not (VARIANTS or CALIBRATE):
-        return {}, {"shipped": None}
+        return {}, {"shipped": None, **zigzag}
     calibration = calibrate(runs)
     if not VARIANTS:
-        return calibration, {"shipped": None}
+        return calibration, {"shipped": None, **zigzag}
     fit = calibration["fit"]
     wave = calibration["wave"]
     shipped: Costs = (
@@ -331,7 +345,7 @@ def _variants(runs: int) -> tuple[dict, dict[str, Costs | None]]:
             variants[name] = value
     # The shipped planner twice: the spread between the two is the noise.
     variants["shipped, timed again"] = variants["shipped"]
-    return calibration, variants
+    return calibration, variants | zigzag
 
 
 def bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dict:
@@ -394,6 +408,12 @@ def _bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dic
             # The gate's decision per link, by the planner that ran: the
             # report judges the run with it.
             result["gate"] = splits_on(result, taken)
+        for name, split in result["split"].items():
+            if name != "shipped" and split is not None:  # a variant's own
+                split["merge_ms"] = merge_ms(
+                    split["bounds"], split["key_split"], result["narrow"]
+                )
+                split["gate"] = splits_on(result, split)
         results[f"{step.name} | tp {tp}"] = result
         print(step.name, tp, json.dumps(result), flush=True)
     return results
@@ -425,6 +445,7 @@ def _run_steps() -> int:
         ],
         "compute_units": timing.compute_units(),
         "key_split": "every candidate" if timing.KEY_SPLIT_ALL else "by model",
+        "zigzag": ZIGZAG_TOO,
         # Every split step's rows are checked against the replicated op's
         # (``cp_indexer_host_check``): a run that ends has passed it.
         "exactness_checked": True,
@@ -434,7 +455,7 @@ def _run_steps() -> int:
     if RESUME and out.exists():
         payload = json.loads(out.read_text())
         differs = [key for key, value in setup.items() if payload.get(key) != value]
-        had_variants = len(payload["variants"]) > 1
+        had_variants = len(set(payload["variants"]) - {ZIGZAG}) > 1
         calibrated = bool(payload["calibration"])
         if differs or had_variants != VARIANTS or calibrated != (VARIANTS or CALIBRATE):
             raise SystemExit(
@@ -460,8 +481,10 @@ def _run_steps() -> int:
         if all(f"{step.name} | tp {tp}" in payload["results"] for tp in TPS):
             continue  # measured by the run this one resumes
         # Planner variants on the named steps only: the family is the
-        # shipped planner's test.
-        only_shipped = {"shipped": variants["shipped"]}
+        # shipped planner's test (and the zigzag layout's, beside it).
+        only_shipped = {
+            name: variants[name] for name in ("shipped", ZIGZAG) if name in variants
+        }
         payload["results"] |= bench_step(
             step, args.runs, variants if step.name in NAMED else only_shipped
         )

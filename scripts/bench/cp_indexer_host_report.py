@@ -17,7 +17,7 @@ from scripts.bench.cp_indexer_host_calibration import (
     WAVE_KEYS,
     WAVE_SAMPLES_PER_CU,
 )
-from scripts.bench.cp_indexer_host_timing import Costs, rank_ms, step_ms
+from scripts.bench.cp_indexer_host_timing import ZIGZAG, Costs, rank_ms, step_ms
 from scripts.bench.serving_steps import LONG_TURNS, NAMED
 
 # The merge's collective, which one GPU cannot run: an all_gather of the
@@ -226,8 +226,10 @@ def report(docs: Path) -> str:
         lines += _calibration_section(run)
     if any("floor_ms" in result for result in run["results"].values()):
         lines += _goals_section(run)
-    if len(run.get("variants", {})) > 1:
+    if len(set(run.get("variants", {})) - {ZIGZAG}) > 1:
         lines += _variants_section(run)
+    if ZIGZAG in run.get("variants", {}):
+        lines += _layouts_section(run)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -285,7 +287,10 @@ G3_KEY_ROWS, G3_SPEEDUP = 100_000_000, 5.0
 
 
 def step_goals(
-    result: dict, floor_shape: str, call_ms: float | list[float] = 0.0
+    result: dict,
+    floor_shape: str,
+    call_ms: float | list[float] = 0.0,
+    variant: str = "shipped",
 ) -> dict:
     """G1, G2 and G3 of one step at one tp (``result`` as ``bench_step``
     makes it): per link the split's (slowest rank + merge) / replicated, the
@@ -296,21 +301,22 @@ def step_goals(
     that link as the run recorded it (G2: None for a step left replicated on
     both; G3: None but for steps of G3_KEY_ROWS or more at tp 8). A call's
     time is ``rank_ms``: the longer of its GPU and host times, the host's
-    with its share of the step's plan and windows."""
+    with its share of the step's plan and windows. ``variant``: the
+    planner variant judged (one the run timed on the step); where it left
+    the step replicated, the shipped planner's forced split stands for it."""
     replicated = step_ms(result["replicated"])
-    shipped = result["split"]["shipped"]
-    split = shipped if shipped is not None else result.get("forced_split")
+    shipped = result["split"][variant]
+    split = shipped or result.get("forced_split") or result["split"]["shipped"]
     tp = result["tp"]
     if split is None:  # no split of its rows exists at this tp
         return {"split": False, "g1": True, "g2": None, "g3": None}
     ranks = rank_ms(split)
     slowest = max(ranks)
-    ratios = {
-        link: (slowest + ms) / replicated for link, ms in result["merge_ms"].items()
-    }
+    merge = split.get("merge_ms") or result["merge_ms"]
+    ratios = {link: (slowest + ms) / replicated for link, ms in merge.items()}
     # Per link, the gate's decision: the timed split is the same plan. Runs
     # before the bench recorded it: the gate of the tree the report runs on.
-    splits = result.get("gate") or splits_on(result, split)
+    splits = split.get("gate") or result.get("gate") or splits_on(result, split)
     host = result["replicated"]["host_ms"]
     bounds = [
         max((replicated - c) / tp + c, result["floor_ms"][floor_shape], host)
@@ -485,8 +491,64 @@ def _goals_section(run: dict) -> list[str]:
     return lines
 
 
+def _layouts_section(run: dict) -> list[str]:
+    """The shipped planner's cost cuts and the zigzag layout on the same
+    steps, judged alike (``step_goals``)."""
+    shape, calls = run.get("topk_shape", "narrow"), run.get("call_ms", 0.0)
+    layouts = {"cost cuts": "shipped", "zigzag": ZIGZAG}
+    held: dict[str, dict[str, list[bool]]] = {
+        name: {"g1": [], "g2": [], "g3": []} for name in layouts
+    }
+    rows = []
+    for key, result in sorted(run["results"].items(), key=lambda kv: kv[1]["tp"]):
+        cells = []
+        for name, variant in layouts.items():
+            goals = step_goals(result, shape, calls, variant)
+            for goal in ("g1", "g2", "g3"):
+                if goals[goal] is not None:
+                    held[name][goal].append(goals[goal])
+            if "slowest_ms" not in goals:
+                cells.append("- | - | -")
+                continue
+            plan = result["split"][variant]
+            cells.append(
+                f"{goals['slowest_ms']:.2f} | {goals['over_bound']:.2f} | "
+                + ("left" if plan is None else f"{plan.get('plan_ms', 0.0):.2f}")
+            )
+        name, tp = key.split(" | tp ")
+        rows.append(
+            f"| {name} | {tp} | {step_ms(result['replicated']):.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    summary = "; ".join(
+        f"*{name}*: G1 {sum(h['g1'])} of {len(h['g1'])}, G2 {sum(h['g2'])} of "
+        f"{len(h['g2'])}, G3 {sum(h['g3'])} of {len(h['g3'])}"
+        for name, h in held.items()
+    )
+    return [
+        "## Cost cuts and the zigzag layout side by side",
+        "",
+        "The same steps split by the shipped planner (contiguous ranges cut by "
+        "its cost model, long rows key-split) and in the zigzag layout "
+        "(`ROW_LAYOUT`: each request's rows in 2 tp blocks, rank r taking "
+        "blocks r and 2 tp - 1 - r; no cost model, no key split), each "
+        "judged as above with its own merge and gate. *plan ms*: the "
+        "planner's own host time for the step (*left*: the gate left it "
+        "replicated, judged on the cost cuts forced).",
+        "",
+        summary + ".",
+        "",
+        "| step | tp | replicated ms | cost cuts: slowest ms | slowest / LB | "
+        "plan ms | zigzag: slowest ms | slowest / LB | plan ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
+
+
 def _variants_section(run: dict) -> list[str]:
-    variants = run["variants"]
+    variants = {k: v for k, v in run["variants"].items() if k != ZIGZAG}
     lines = [
         "## Planner variants on the named steps",
         "",

@@ -31,6 +31,8 @@ CHECK_ONLY = False
 # A planner variant's costs: ROW_COST_KEYS, CALL_COST_KEYS, WAVE_ROWS_PER_CU
 # and LOGITS_SHARE.
 Costs = tuple[int, int, float, float]
+# The variant that plans the zigzag layout (``ROW_LAYOUT``), not cost cuts.
+ZIGZAG = "zigzag"
 
 
 # Each figure is the worse of this many timings (each a median of --runs
@@ -142,11 +144,11 @@ def time_step(
 ) -> dict:
     """The step replicated (unless not ``replicated``), then split under
     each planner variant (a name and its ``Costs``; None: the shipped
-    planner as it is), the stage's gate (``split_repays``) ignored with
-    ``force_split``. The builder is told this GPU's compute units, which
-    the planner's wave is counted in. Every split's rows are checked against
-    the replicated op's (``cp_indexer_host_check``; with CHECK_ONLY, not
-    timed)."""
+    planner as it is; ``ZIGZAG``: in the zigzag layout), the stage's gate
+    (``split_repays``) ignored with ``force_split``. The builder is told
+    this GPU's compute units, which the planner's wave is counted in. Every
+    split's rows are checked against the replicated op's
+    (``cp_indexer_host_check``; with CHECK_ONLY, not timed)."""
     import pytest
     import torch
 
@@ -174,6 +176,8 @@ def time_step(
                 mp.setattr(rocm_cp_indexer_plan, "CALL_COST_KEYS", call_cost)
                 mp.setattr(rocm_cp_indexer_plan, "WAVE_ROWS_PER_CU", wave)
                 mp.setattr(rocm_cp_indexer_plan, "LOGITS_SHARE", share)
+            if variant == ZIGZAG:
+                mp.setattr(rocm_cp_indexer_plan, "ROW_LAYOUT", "zigzag")
             if force_split:
                 mp.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
             if KEY_SPLIT_ALL:
@@ -282,7 +286,8 @@ def time_step(
                     r["gpu_ms_timings"] for r in per_rank
                 ]
                 entry["per_rank_host_ms"] = [r["host_ms"] for r in per_rank]
-                entry["per_rank_windows_ms"] = [r["windows_ms"] for r in per_rank]
+                if mode == "split":  # the replicated op makes no windows
+                    entry["per_rank_windows_ms"] = [r["windows_ms"] for r in per_rank]
                 if planned:
                     planner, args = planned[-1]
                     entry["plan_ms"] = planner_ms(
