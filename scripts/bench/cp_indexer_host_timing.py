@@ -433,7 +433,7 @@ def step_ms(run: dict) -> float:
     """A call's time in a forward of many layers: its slowest rank's
     (``rank_ms``), or in runs without per-rank times, the GPU's or the
     host's, whichever is longer."""
-    if "per_rank_gpu_ms" in run:
+    if "per_rank_host_ms" in run:
         return max(rank_ms(run))
     return max(run["gpu_ms"], run["host_ms"])
 
