@@ -82,18 +82,19 @@ def _key_split_every_turn(planned, keys, query_lens_cpu, *_):
 
 def _run_op(
     recorder, arch, heads, page, next_n, tp=1, requests=None, label="", long=False,
-    key_split=False,
+    key_split=False, layout="cost",
 ) -> None:  # fmt: skip
     """Build the step with vLLM's builder and run the op, recording. A
     ``long`` step's kernels are recorded, not interpreted. At tp > 1 the
     step is split (far below the gate's minimum otherwise), its turns
-    key-split with ``key_split``."""
+    key-split with ``key_split``, its rows in the planner's ``layout``."""
     with pytest.MonkeyPatch.context() as monkeypatch, contextlib.ExitStack() as stack:
         # Before the platform: entering it reads AITER's switches.
         monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1" if tp > 1 else "0")
         from vllm.v1.attention.ops import rocm_cp_indexer_plan as plan
 
         monkeypatch.setattr(plan, "split_repays", lambda *_: True)
+        monkeypatch.setattr(plan, "ROW_LAYOUT", layout)
         if key_split:
             monkeypatch.setattr(plan, "_key_split_plan", _key_split_every_turn)
             monkeypatch.setattr(plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", 0)
@@ -185,16 +186,21 @@ def test_split_prefill_kernels_compile(compile_matrix, arch):
     """Stage 0001's split at TP 2: each rank gathers the chunk's keys and
     scores its own rows, the merge packs them as int16 and unpacks them;
     with the turns key-split, each rank scores its part of their keys and
-    selects their top-k from every rank's candidates (gfx950 only)."""
+    selects their top-k from every rank's candidates (gfx950 only); in the
+    zigzag layout the merge unpacks every row to its batch row."""
+    kinds = {
+        "whole rows": (False, "cost"),
+        "key-split turns": (True, "cost"),
+        "zigzag": (False, "zigzag"),
+    }
 
     def on_rank(rank, world_size):
         recorder = gfx_compile.Recorder()
         for heads in HEADS:
-            for key_split in (False, True):
-                kind = "key-split turns" if key_split else "whole rows"
+            for kind, (key_split, layout) in kinds.items():
                 _run_op(
                     recorder, arch, heads, 64, 2, tp=world_size,
-                    key_split=key_split,
+                    key_split=key_split, layout=layout,
                     label=f"CP split ({kind}, {heads} index heads), "
                     f"rank {rank} of {world_size}",
                 )  # fmt: skip
@@ -213,6 +219,8 @@ def test_split_prefill_kernels_compile(compile_matrix, arch):
     assert expected <= kernels and (arch == "gfx950" or not key_split & kernels), (
         kernels
     )
+    narrow = [v.describe() for v in recorder.variants if v.name == "_narrow_kernel"]
+    assert any("TO_ROWS=True" in d for d in narrow), narrow
     failures = compile_matrix.compile(arch, recorder)
     assert not failures, "\n\n".join(failures)
 
