@@ -235,7 +235,7 @@ KEY_SPLIT_BY_MODEL = True
 # "zigzag": each request's rows in 2 tp equal blocks, rank r taking blocks r
 # and 2 tp - 1 - r (as SGLang's NSA context parallel splits a sequence): a
 # causal row costs its prefix and its place in the request, so each pair
-# costs about the same, with no cost model. The host bench's --variants
+# costs about the same, with no cost model. The host bench's --zigzag
 # times both on the same steps.
 ROW_LAYOUT = "cost"
 
