@@ -35,7 +35,9 @@ Per call:
   ``torch.cuda.set_sync_debug_mode("warn")``.
 
 With ``--key-split-all`` the planner key-splits every request it may
-(``KEY_SPLIT_BY_MODEL`` off), to time that policy beside its model's.
+(``KEY_SPLIT_BY_MODEL`` off), to time that policy beside its model's. With
+``--zigzag`` every step is also split in the zigzag layout (``ROW_LAYOUT``),
+with its own merge and gate, and the report puts it beside the cost cuts.
 
 Every split it runs is also checked: each simulated rank's rows, with the
 exchange and the merge emulated between the ranks, against the replicated
@@ -471,7 +473,7 @@ def _run_steps() -> int:
             **setup,
             "calibration": calibration,
             # c, a call's fixed time (the whole op's fit), for G2's bound:
-            # fitted again after the steps (``calibrate_again``).
+            # fitted again after the steps (``calibration_again``).
             "call_ms": [call_ms(calibration)] if calibration else 0.0,
             "variants": variants,
             "results": {},
@@ -482,11 +484,11 @@ def _run_steps() -> int:
             continue  # measured by the run this one resumes
         # Planner variants on the named steps only: the family is the
         # shipped planner's test (and the zigzag layout's, beside it).
-        only_shipped = {
+        family_variants = {
             name: variants[name] for name in ("shipped", ZIGZAG) if name in variants
         }
         payload["results"] |= bench_step(
-            step, args.runs, variants if step.name in NAMED else only_shipped
+            step, args.runs, variants if step.name in NAMED else family_variants
         )
         # After every step: a run stopped by a time limit resumes from here.
         _write(payload, out)
