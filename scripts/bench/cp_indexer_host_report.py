@@ -303,7 +303,8 @@ def step_goals(
     time is ``rank_ms``: the longer of its GPU and host times, the host's
     with its share of the step's plan and windows. ``variant``: the
     planner variant judged (one the run timed on the step); where it left
-    the step replicated, the shipped planner's forced split stands for it."""
+    the step replicated, the shipped planner's split (or its forced one)
+    stands for it, judged by the gate on that split."""
     replicated = step_ms(result["replicated"])
     shipped = result["split"][variant]
     split = shipped or result.get("forced_split") or result["split"]["shipped"]
