@@ -258,7 +258,7 @@ def test_short_requests_zigzag_across_the_ranks():
     # Two requests of 4 rows at tp 8 would leave two ranks empty.
     split = rocm_cp_indexer_plan.zigzag_split(8, 5, torch.tensor([4, 4]))
     assert split.sizes == [1] * 8
-    assert split.order.tolist() == list(range(5, 13))
+    assert split.order is not None and split.order.tolist() == list(range(5, 13))
 
 
 def test_rows_pay_a_fixed_cost_besides_their_keys():
