@@ -1200,6 +1200,33 @@ def _plan_turn_beside_a_prompt(tp: int, **settings) -> CPIndexerSplit | None:
     return plan_cp_indexer_split(tp, 0, seq, query, 1, chunks, **settings)
 
 
+def test_the_key_split_search_cuts_only_plans_that_could_win(monkeypatch):
+    """Eight turns of 256 rows over 200K cached keys at tp 8: every turn may
+    be key-split. The rows are cut once without a key split, and then only
+    for the counts whose even share and key-split cost stay under the best
+    plan's cost (no rank costs less than an even share): half of them."""
+    requests = [(200 * 1024, 256)] * 8
+    seq = torch.tensor([cached + new for cached, new in requests])
+    query = torch.tensor([new for _, new in requests])
+    chunks = [_chunk_of(0, 2048)]
+    chunks[0].total_seq_lens = chunks[0].max_seqlen_k = 200 * 1024 + 256
+    keys = rocm_cp_indexer_plan.prefill_row_key_counts(seq, query, 1)
+    candidates = rocm_cp_indexer_plan.key_split_candidates(keys, query, 8, 2048)
+    assert len(candidates) == 8
+    cuts = []
+    bounds = rocm_cp_indexer_plan.RowPlanner.bounds
+    monkeypatch.setattr(
+        rocm_cp_indexer_plan.RowPlanner,
+        "bounds",
+        lambda self, *args: cuts.append(args) or bounds(self, *args),
+    )
+    split = plan_cp_indexer_split(
+        8, 0, seq, query, 1, chunks, fill_divisor=None, wave_rows=240
+    )
+    assert split is not None and split.key_split == ()
+    assert len(cuts) <= 1 + len(candidates) // 2, len(cuts)
+
+
 @pytest.mark.parametrize("tp", [4, 8])
 def test_a_long_turn_is_key_split_where_its_rows_are_few(tp):
     """In whole rows each rank would hold a sliver of the turn's 100K-key

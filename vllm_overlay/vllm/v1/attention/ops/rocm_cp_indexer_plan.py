@@ -389,7 +389,7 @@ def plan_cp_indexer_split(
     ):
         bounds, key_split = _key_split_plan(
             planned, keys, query_lens_cpu, row_cost_keys, link, narrow,
-            key_split_max_rows, key_split_max_owned,
+            key_split_max_rows, key_split_max_owned, bounds,
         )  # fmt: skip
     split = CPIndexerSplit(
         tuple(num_decode_tokens + b for b in bounds),
@@ -492,38 +492,48 @@ def _key_split_plan(
     narrow: bool,
     max_rows: int,
     max_owned: int,
+    whole_rows: list[int],
 ) -> tuple[list[int], tuple[tuple[int, int], ...]]:
     """The cuts and key-split requests (prefill row ranges) of the least
     costly plan, modelled per rank in key-rows: the cuts of the rows
     (``RowPlanner``; a key-split row costs its owner only its select,
     ``owned_row_cost``), every rank's part of the key-split rows
     (``_key_split_cost``), and the merge and exchange on ``link``. Tried:
-    none, then the requests with the longest rows, one more each time;
-    with KEY_SPLIT_BY_MODEL off, all of them (``key_split_candidates``).
-    A plan where a rank would own more than ``max_owned`` key-split rows is
-    not taken."""
+    none (the cuts ``whole_rows``), then the requests with the longest rows,
+    one more each time; with KEY_SPLIT_BY_MODEL off, all of them
+    (``key_split_candidates``). A plan where a rank would own more than
+    ``max_owned`` key-split rows is not taken."""
     tp_size = planned.tp_size
     eligible = key_split_candidates(keys, query_lens_cpu, tp_size, max_rows)
     owned = owned_row_cost(tp_size)
 
-    def plan_of(chosen: list[tuple[int, int]]) -> tuple[float, list[int]]:
-        """The modelled cost (infinite past the owners' cap) and cuts."""
+    def plan_of(
+        chosen: list[tuple[int, int]], below: float = float("inf"), bounds=None
+    ) -> tuple[float, list[int]]:
+        """The modelled cost (infinite past the owners' cap) and cuts; not
+        made (an infinite cost) where an even share of the rows' own cost
+        and the key-split rows' cost are ``below`` already: the costliest
+        rank costs at least that share, so the plan could not beat it."""
         costs = planned.costs.clone()
         for start, end in chosen:
             costs[start:end] = owned
+        key_split_cost = _key_split_cost(chosen, keys, planned, row_cost_keys)
+        if int(costs.sum()) / tp_size + key_split_cost >= below:
+            return float("inf"), []
         key_split = tuple(sorted(chosen))
-        bounds = planned.bounds(costs, key_split)
+        if bounds is None:
+            bounds = planned.bounds(costs, key_split)
         split = CPIndexerSplit(tuple(bounds), key_split)
         cost = (
             max(planned.rank_cost(costs, key_split).of(bounds))
-            + _key_split_cost(chosen, keys, planned, row_cost_keys)
+            + key_split_cost
             + links_key_rows(link, split.sizes, narrow, split.key_split_owners)
         )
         if max(split.key_split_owners) > max_owned:
             cost = float("inf")
         return cost, bounds
 
-    best, best_bounds = plan_of([])
+    best, best_bounds = plan_of([], bounds=whole_rows)
     if not KEY_SPLIT_BY_MODEL:
         cost, bounds = plan_of(eligible)
         if cost < float("inf"):
@@ -531,7 +541,7 @@ def _key_split_plan(
         return best_bounds, ()
     best_split: list[tuple[int, int]] = []
     for count in range(1, len(eligible) + 1):
-        cost, bounds = plan_of(eligible[:count])
+        cost, bounds = plan_of(eligible[:count], below=best)
         if cost < best:
             best, best_bounds, best_split = cost, bounds, eligible[:count]
     return best_bounds, tuple(sorted(best_split))
