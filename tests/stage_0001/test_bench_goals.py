@@ -214,8 +214,8 @@ def test_g3_asks_5x_at_tp_8_on_both_links(
 # planner misses G1 there, with the gate the run recorded: host-bound
 # steps that split for under 5% (f20 of seed 7 at tp 2 and 4, f20 of seed
 # 11 at tp 2 and 8: a split rank's host time outlasts its GPU time) and
-# one of 6.4M key-rows, under the gate's minimum, that would gain 16-22%
-# split on NVLink (f08 of seed 11). Issue 81 tracks them.
+# one of 6.4M key-rows, under the gate's minimum, that split would be
+# 1.2-1.3x faster on NVLink (f08 of seed 11). Issue 81 tracks them.
 COMMITTED_RUNS = {
     "cp_indexer_host_bench.json": {
         "f20 mix, 8K budget: fresh 2.0K, chunk 1/1, 1 turn, 21 decodes | tp 2",
