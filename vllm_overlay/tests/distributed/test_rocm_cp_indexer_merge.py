@@ -16,9 +16,11 @@ as vLLM's AITER adapter ``_localize_aiter_prefill_topk`` assumes, -1 past a
 short row; output order and the choice among tied k-th values unspecified,
 since csrc/sampler.cu places outputs by atomicAdd: here random on each rank
 and call, so that a row merged from two ranks' copies shows up). Run once as
-the planner cuts whole rows, and once with the long requests key-split: each
+the planner cuts whole rows, once with the long requests key-split (each
 rank scores its part of their keys, and the rank whose range holds a row
-selects its top-k from both ranks' candidates.
+selects its top-k from both ranks' candidates), and once in the zigzag
+layout (each rank's blocks of every request in one call, the merged rows
+put back in batch order).
 """
 
 import json
@@ -344,7 +346,7 @@ def _worker(
     port: int,
     device_kind: str,
     checkpoint: str,
-    key_split: bool,
+    mode: str,
 ) -> None:
     import vllm.envs as envs
     from vllm.config import set_current_vllm_config
@@ -370,8 +372,11 @@ def _worker(
     os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"] = str(STRIPE)
     # This batch is far below the work that repays a split in production.
     monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
+    key_split = mode == "key-split"
     if key_split:
         _key_split_the_long_requests(monkeypatch, rocm_cp_indexer_plan)
+    if mode == "zigzag":
+        monkeypatch.setattr(rocm_cp_indexer_plan, "ROW_LAYOUT", "zigzag")
     # Chunk prefills at CHUNK_LOGITS fp32 logits (vLLM counts MiB).
     monkeypatch.setattr(
         envs,
@@ -413,6 +418,8 @@ def _worker(
     assert [(start, end) for start, end in plan.key_split] == (
         [(40, 60), (63, 93)] if key_split else []
     )
+    # Zigzag: each rank's rows of every request, in the ranks' order.
+    assert (plan.order is not None) == (mode == "zigzag")
     assert sum(counts) == tokens + (world_size - 1) * shared, counts
     assert max(counts) < tokens, f"rows scored per rank: {counts}"
     if exchanges is not None:
@@ -436,11 +443,11 @@ def _worker(
     assert torch.equal(split[tokens:], replicated[tokens:]), "padding rows"
 
 
-def _run(world_size: int, device_kind: str, folder, key_split: bool) -> None:
+def _run(world_size: int, device_kind: str, folder, mode: str) -> None:
     from vllm.utils.network_utils import get_open_port
     from vllm.v1.attention.ops import rocm_aiter_mla_sparse
 
-    if key_split and rocm_aiter_mla_sparse._ON_GFX942:
+    if mode == "key-split" and rocm_aiter_mla_sparse._ON_GFX942:
         pytest.skip(
             "gfx942's prefill logits kernel fills its whole chunk: the planner "
             "key-splits no row there"
@@ -459,7 +466,7 @@ def _run(world_size: int, device_kind: str, folder, key_split: bool) -> None:
         try:
             torch.multiprocessing.start_processes(
                 _worker,
-                args=(world_size, get_open_port(), device_kind, str(folder), key_split),
+                args=(world_size, get_open_port(), device_kind, str(folder), mode),
                 nprocs=world_size,
                 start_method="fork" if device_kind == "cpu" else "spawn",
             )
@@ -471,21 +478,25 @@ def _run(world_size: int, device_kind: str, folder, key_split: bool) -> None:
                 raise
 
 
+# Whole rows cut by cost, the long requests key-split, the zigzag layout.
+MODES = ["whole-rows", "key-split", "zigzag"]
+
+
 @pytest.mark.cpu_test
 @pytest.mark.skip_global_cleanup
-@pytest.mark.parametrize("key_split", [False, True], ids=["whole-rows", "key-split"])
-def test_split_prefill_equals_the_replicated_one_on_cpu(tmp_path, key_split):
+@pytest.mark.parametrize("mode", MODES)
+def test_split_prefill_equals_the_replicated_one_on_cpu(tmp_path, mode):
     """Two gloo ranks (the 93 prefill rows do not divide evenly)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs vLLM's Triton kernels on a CPU: needs TRITON_INTERPRET=1")
-    _run(2, "cpu", tmp_path, key_split)
+    _run(2, "cpu", tmp_path, mode)
 
 
 @pytest.mark.skipif(
     not current_platform.is_rocm() or torch.accelerator.device_count() < 2,
     reason="ROCm-only, needs 2 GPUs",
 )
-@pytest.mark.parametrize("key_split", [False, True], ids=["whole-rows", "key-split"])
-def test_split_prefill_equals_the_replicated_one_on_gpus(tmp_path, key_split):
+@pytest.mark.parametrize("mode", MODES)
+def test_split_prefill_equals_the_replicated_one_on_gpus(tmp_path, mode):
     """The same over the TP device group of two GPUs (RCCL), with AITER."""
-    _run(2, "cuda", tmp_path, key_split)
+    _run(2, "cuda", tmp_path, mode)
