@@ -1215,11 +1215,12 @@ def test_the_key_split_search_cuts_only_plans_that_could_win(monkeypatch):
     assert len(candidates) == 8
     cuts = []
     bounds = rocm_cp_indexer_plan.RowPlanner.bounds
-    monkeypatch.setattr(
-        rocm_cp_indexer_plan.RowPlanner,
-        "bounds",
-        lambda self, *args: cuts.append(args) or bounds(self, *args),
-    )
+
+    def counted(self, *args):
+        cuts.append(args)
+        return bounds(self, *args)
+
+    monkeypatch.setattr(rocm_cp_indexer_plan.RowPlanner, "bounds", counted)
     split = plan_cp_indexer_split(
         8, 0, seq, query, 1, chunks, fill_divisor=None, wave_rows=240
     )
