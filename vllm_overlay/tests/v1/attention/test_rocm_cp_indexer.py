@@ -259,6 +259,10 @@ def test_short_requests_zigzag_across_the_ranks():
     split = rocm_cp_indexer_plan.zigzag_split(8, 5, torch.tensor([4, 4]))
     assert split.sizes == [1] * 8
     assert split.order is not None and split.order.tolist() == list(range(5, 13))
+    # A zero-length request has no rows and takes no block.
+    split = rocm_cp_indexer_plan.zigzag_split(2, 0, torch.tensor([4, 0, 4]))
+    assert split.sizes == [4, 4] and split.order is not None
+    assert split.order.tolist() == [0, 3, 4, 7, 1, 2, 5, 6]
 
 
 def test_rows_pay_a_fixed_cost_besides_their_keys():

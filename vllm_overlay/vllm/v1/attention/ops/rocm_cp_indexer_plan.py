@@ -294,11 +294,17 @@ def prefill_row_key_counts(
     request with S tokens and Q new ones sees (S - Q + 1 + t) // ratio keys,
     the bound the builder gives its chunk's ``cu_seqlen_ke``."""
     query_lens = query_lens_cpu.to(torch.int64)
-    starts = torch.cumsum(query_lens, 0) - query_lens
+    request, place = _rows_of_requests(query_lens)
     first_key = seq_lens_cpu.to(torch.int64) - query_lens + 1
-    row = torch.arange(int(query_lens.sum()))
-    offset = row - torch.repeat_interleave(starts, query_lens)
-    return (torch.repeat_interleave(first_key, query_lens) + offset) // compress_ratio
+    return (first_key[request] + place) // compress_ratio
+
+
+def _rows_of_requests(query_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prefill row's request (its index) and its place in it, in batch
+    row order, for requests of ``query_lens`` rows (int64)."""
+    request = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    return request, torch.arange(request.numel()) - starts[request]
 
 
 def prefill_row_costs(
@@ -409,10 +415,9 @@ def zigzag_split(
     rank no row (a step of few short requests), the rows go round the ranks
     one by one."""
     query_lens = query_lens_cpu.to(torch.int64)
-    num_rows = int(query_lens.sum())
-    request = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)
+    request, place = _rows_of_requests(query_lens)
+    num_rows = request.numel()
     row = torch.arange(num_rows)
-    place = row - (torch.cumsum(query_lens, 0) - query_lens)[request]
     block = place * (2 * tp_size) // query_lens[request]
     pair = torch.where(block < tp_size, block, 2 * tp_size - 1 - block)
     rank = (pair + request) % tp_size
