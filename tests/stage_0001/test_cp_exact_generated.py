@@ -190,6 +190,12 @@ def _scale_the_planner(monkeypatch, step: Step) -> None:
 
     monkeypatch.setattr(plan, "_key_split_plan", forced)
 
+    def forced_binding(keys, query_lens_cpu, *_):
+        requests = [r for r in _row_ranges(query_lens_cpu) if r[1] > r[0]]
+        return tuple(requests[i] for i in step.chosen)
+
+    monkeypatch.setattr(plan, "binding_requests", forced_binding)
+
 
 def _build_all(tp_size: int, cp: bool, steps: list[Step], layout: str = "cost") -> list:
     batches = []
@@ -336,26 +342,33 @@ def test_a_zigzag_split_gives_every_rank_the_single_rank_top_k(
     single_rank, zigzag_ranks
 ):
     """The zigzag layout: each rank's rows of every request, gathered into
-    one call per run, merged once (int16 or int32) and put back in batch
-    order."""
+    one call per run, the key-split rows owned in equal blocks, merged once
+    (int16 or int32) and put back in batch order."""
     tp, width, ranks = zigzag_ranks
     wrong = _mismatches(single_rank, ranks, STEPS)
     assert not wrong, "\n".join(wrong)
+    key_split_seen = 0
     for index, step in enumerate(STEPS):
         split = ranks[0][index]["split"]
         if split is None:
             continue
-        assert split.order is not None and not split.key_split, str(step)
+        assert split.order is not None, str(step)
         prefill_rows = sum(new for _, new in step.requests) - ranks[0][index]["decode"]
         # Every rank holds rows, none more than its share and a block of
-        # each request over it.
+        # each request and of the key-split rows over it.
         assert min(split.sizes) > 0, str(step)
-        assert max(split.sizes) <= prefill_rows / tp + 2 * len(step.requests), str(step)
+        most = prefill_rows / tp + 2 * len(step.requests) + 1
+        assert max(split.sizes) <= most, str(step)
+        dtype = torch.int32 if width == "wide" else torch.int8
+        expected = [("all_gatherv", dtype, split.sizes)]
+        if split.key_split:
+            key_split_seen += 1
+            owners = split.key_split_owners
+            assert max(owners) - min(owners) <= 1, str(step)
+            expected.insert(0, ("all_to_all", torch.int32, owners))
         for results in ranks:
-            dtype = torch.int32 if width == "wide" else torch.int8
-            assert results[index]["collectives"] == [
-                ("all_gatherv", dtype, split.sizes)
-            ], str(step)
+            assert results[index]["collectives"] == expected, str(step)
+    assert key_split_seen >= 3
 
 
 def test_one_exchange_and_one_merge_per_prefill(split_ranks):
@@ -555,5 +568,62 @@ def test_each_planted_bug_fails_the_comparison(single_rank, at_tp_2, name):
     chosen = chosen[:3]
     assert chosen, f"no CI seed shows {name}"
     ranks = run_ranks(2, _run_all, [at_tp_2[i] for i in chosen], plant)
+    expected = [single_rank[i] for i in chosen]
+    assert _mismatches(expected, ranks, [STEPS[i] for i in chosen])
+
+
+def _places_one_early(monkeypatch):
+    """A zigzag owner selects its key-split rows one place early."""
+
+    def owned_places(self, rank):
+        end = self.bounds[rank + 1] - 1
+        return [(end - self.key_split_owners[rank], end)]
+
+    monkeypatch.setattr(
+        rocm_cp_indexer_plan.CPIndexerSplit, "owned_places", owned_places
+    )
+
+
+def _blocks_rounded_up(monkeypatch):
+    """The key-split rows' owners cut at rows * r / tp rounded up, while the
+    exchange counts blocks rounded down: on rows that tp does not divide,
+    a row travels to one owner and is placed at another's."""
+    real = rocm_cp_indexer_plan.even_blocks
+
+    def rounded_up(rows, tp_size):
+        cuts = [-(-rows * r // tp_size) for r in range(tp_size + 1)]
+        return [b - a for a, b in pairwise(cuts)]
+
+    monkeypatch.setattr(rocm_cp_indexer_plan, "even_blocks", rounded_up)
+    split_class = rocm_cp_indexer_plan.CPIndexerSplit
+    monkeypatch.setattr(
+        split_class,
+        "key_split_owners",
+        property(lambda self: real(self.key_split_rows, len(self.bounds) - 1)),
+    )
+
+
+ZIGZAG_PLANTS = {
+    "places one early": _places_one_early,
+    "blocks rounded up": _blocks_rounded_up,
+}
+
+
+@pytest.mark.parametrize("name", list(ZIGZAG_PLANTS))
+def test_each_planted_zigzag_bug_fails_the_comparison(single_rank, monkeypatch, name):
+    """At tp 2, on the CI seeds' zigzag steps with key-split rows that tp
+    does not divide (planted at the plan, so it holds on every rank)."""
+    with pytest.MonkeyPatch.context() as planted:
+        ZIGZAG_PLANTS[name](planted)
+        batches = _build_all(2, True, STEPS, layout="zigzag")
+    chosen = [
+        index
+        for index, batch in enumerate(batches)
+        if batch.metadata.prefill is not None
+        and (split := batch.metadata.prefill.cp_split) is not None
+        and split.key_split_rows % 2
+    ][:3]
+    assert chosen, "no CI seed key-splits an odd count of rows"
+    ranks = run_ranks(2, _run_all, [batches[i] for i in chosen], ZIGZAG_PLANTS[name])
     expected = [single_rank[i] for i in chosen]
     assert _mismatches(expected, ranks, [STEPS[i] for i in chosen])

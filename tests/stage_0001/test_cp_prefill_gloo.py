@@ -436,11 +436,13 @@ def test_the_profiling_run_reserves_what_the_split_holds(cp):
     on every rank of the TP group: it makes no collective and leaves the
     top-k buffer as it was. It reserves the logits budget (1 MiB here) and,
     with the split on, the candidates a rank may send beside a call's
-    logits (``key_split_max_rows`` of the budget: 4 rows of 16 KiB); the
-    merge's int16 rows of 64 tokens take less."""
+    logits (``key_split_max_rows`` of the budget: 4 rows of 16 KiB) and a
+    key-split call's top-k (TOPK int32 a row); the merge's int16 rows of 64
+    tokens take less."""
     for result in run_ranks(2, _profiling_run_on_a_rank, cp):
         assert result["reduces"] == [] and result["untouched"]
-        sent = 4 * rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES if cp else 0
+        row = rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES + TOPK * 4
+        sent = 4 * row if cp else 0
         assert result["sizes"] == [(1 << 20) + sent]
 
 

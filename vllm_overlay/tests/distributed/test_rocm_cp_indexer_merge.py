@@ -18,9 +18,10 @@ since csrc/sampler.cu places outputs by atomicAdd: here random on each rank
 and call, so that a row merged from two ranks' copies shows up). Run once as
 the planner cuts whole rows, once with the long requests key-split (each
 rank scores its part of their keys, and the rank whose range holds a row
-selects its top-k from both ranks' candidates), and once in the zigzag
-layout (each rank's blocks of every request in one call, the merged rows
-put back in batch order).
+selects its top-k from both ranks' candidates), and in the zigzag layout
+(each rank's blocks of every request in one call, the merged rows put back
+in batch order), without and with the long requests key-split (each owning
+an equal block of their rows).
 """
 
 import json
@@ -329,10 +330,19 @@ def _run_step(config, device, common, inputs, cp: bool):
     return buffer.cpu(), row_scores, metadata.prefill.cp_split
 
 
-def _key_split_the_long_requests(monkeypatch, plan) -> None:
+def _key_split_the_long_requests(monkeypatch, plan, zigzag: bool) -> None:
     """The planner key-splits every request whose rows reach 16 keys a
     rank, longest first, within 64 rows: the 3rd and 2nd here (its
-    minimums and caps, sized for serving's k = 2,048, scaled to TOPK)."""
+    minimums and caps, sized for serving's k = 2,048, scaled to TOPK; in
+    the zigzag layout, as if each one's longest row bound)."""
+    if zigzag:
+        monkeypatch.setattr(
+            plan,
+            "binding_requests",
+            lambda keys, query_lens, tp_size, _, max_rows, __: tuple(
+                sorted(plan.key_split_candidates(keys, query_lens, tp_size, max_rows))
+            ),
+        )
     monkeypatch.setattr(plan, "KEY_SPLIT_BY_MODEL", False)
     monkeypatch.setattr(plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", 0)
     monkeypatch.setattr(plan, "KEY_SPLIT_MIN_KEYS_PER_RANK", TOPK)
@@ -372,10 +382,11 @@ def _worker(
     os.environ["VLLM_ROCM_USE_AITER_CP_INDEXER_STRIPE_SIZE"] = str(STRIPE)
     # This batch is far below the work that repays a split in production.
     monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
-    key_split = mode == "key-split"
+    key_split = mode in ("key-split", "zigzag-key-split")
+    zigzag = mode.startswith("zigzag")
     if key_split:
-        _key_split_the_long_requests(monkeypatch, rocm_cp_indexer_plan)
-    if mode == "zigzag":
+        _key_split_the_long_requests(monkeypatch, rocm_cp_indexer_plan, zigzag)
+    if zigzag:
         monkeypatch.setattr(rocm_cp_indexer_plan, "ROW_LAYOUT", "zigzag")
     # Chunk prefills at CHUNK_LOGITS fp32 logits (vLLM counts MiB).
     monkeypatch.setattr(
@@ -419,7 +430,7 @@ def _worker(
         [(40, 60), (63, 93)] if key_split else []
     )
     # Zigzag: each rank's rows of every request, in the ranks' order.
-    assert (plan.order is not None) == (mode == "zigzag")
+    assert (plan.order is not None) == zigzag
     assert sum(counts) == tokens + (world_size - 1) * shared, counts
     assert max(counts) < tokens, f"rows scored per rank: {counts}"
     if exchanges is not None:
@@ -447,7 +458,7 @@ def _run(world_size: int, device_kind: str, folder, mode: str) -> None:
     from vllm.utils.network_utils import get_open_port
     from vllm.v1.attention.ops import rocm_aiter_mla_sparse
 
-    if mode == "key-split" and rocm_aiter_mla_sparse._ON_GFX942:
+    if mode.endswith("key-split") and rocm_aiter_mla_sparse._ON_GFX942:
         pytest.skip(
             "gfx942's prefill logits kernel fills its whole chunk: the planner "
             "key-splits no row there"
@@ -478,8 +489,9 @@ def _run(world_size: int, device_kind: str, folder, mode: str) -> None:
                 raise
 
 
-# Whole rows cut by cost, the long requests key-split, the zigzag layout.
-MODES = ["whole-rows", "key-split", "zigzag"]
+# Whole rows cut by cost, the long requests key-split, the zigzag layout
+# without and with them.
+MODES = ["whole-rows", "key-split", "zigzag", "zigzag-key-split"]
 
 
 @pytest.mark.cpu_test

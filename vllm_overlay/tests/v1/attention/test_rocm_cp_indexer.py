@@ -265,6 +265,62 @@ def test_short_requests_zigzag_across_the_ranks():
     assert split.order.tolist() == [0, 3, 4, 7, 1, 2, 5, 6]
 
 
+def test_zigzag_owners_hold_equal_blocks_of_the_key_split_rows():
+    """Key-split rows in the zigzag layout: rank r owns the r-th of tp equal
+    blocks of them (13 rows over 4 ranks: 3, 3, 3, 4), at the end of its
+    places, in row order, after its other rows; the exchange counts the
+    same blocks, and each owner selects into its last places."""
+    query = torch.tensor([8, 5, 8, 8])  # rows 0-7, 8-12, 13-20, 21-28
+    key_split = ((8, 13), (21, 29))
+    split = rocm_cp_indexer_plan.zigzag_split(4, 2, query, key_split)
+    assert split.key_split == ((10, 15), (23, 31))
+    assert split.key_split_owners == [3, 3, 3, 4]
+    assert split.order is not None
+    owned_rows = [*range(10, 15), *range(23, 31)]
+    blocks = [owned_rows[0:3], owned_rows[3:6], owned_rows[6:9], owned_rows[9:]]
+    for rank in range(4):
+        lo, hi = (b - 2 for b in split.bounds[rank : rank + 2])
+        places = split.order[lo:hi].tolist()
+        owned = split.key_split_owners[rank]
+        assert places[hi - lo - owned :] == blocks[rank]
+        assert not set(places[: hi - lo - owned]) & set(owned_rows)
+        assert places[: hi - lo - owned] == sorted(places[: hi - lo - owned])
+        end = split.bounds[rank + 1]
+        assert split.owned_places(rank) == [(end - owned, end)]
+    # Each rank's places sum to every row once.
+    assert sorted(split.order.tolist()) == list(range(2, 31))
+
+
+def test_zigzag_key_splits_only_requests_whose_row_binds():
+    """A request is key-split where a wave of its longest row outlasts a
+    rank's even share of the rows left whole: the long turns among many
+    short ones at tp 8, not a long prompt's rows or a long turn with rows
+    enough for every rank."""
+    wave = 460  # 1.8 rows a compute unit on 256 of them
+
+    def chosen(tp, requests):
+        seq = torch.tensor([c + n for c, n in requests])
+        query = torch.tensor([n for _, n in requests])
+        keys = rocm_cp_indexer_plan.prefill_row_key_counts(seq, query, 1)
+        return rocm_cp_indexer_plan.binding_requests(keys, query, tp, wave, 2048, 2048)
+
+    turns = [(p * 1024, 256) for p in (4, 8, 16, 32, 64, 100, 150, 200)]
+    picked = chosen(8, turns)
+    # The longest first, while their wave outlasts what is left's share.
+    assert picked and picked[-1] == (1792, 2048)
+    assert (0, 256) not in picked
+    assert chosen(8, [(0, 16384)]) == ()
+    assert chosen(8, [(200 * 1024, 4096)]) == ()
+    assert chosen(2, [(200 * 1024, 4096)]) == ()
+    # No wave (the fill on gfx942, or no compute units known): none.
+    seq, query = torch.tensor([200 * 1024 + 256]), torch.tensor([256])
+    keys = rocm_cp_indexer_plan.prefill_row_key_counts(seq, query, 1)
+    assert rocm_cp_indexer_plan.binding_requests(keys, query, 8, 0, 2048, 2048) == ()
+    assert rocm_cp_indexer_plan.binding_requests(keys, query, 8, wave, 2048, 2048)
+    # Within the owners' cap: 256 rows over 8 ranks is 32 each.
+    assert rocm_cp_indexer_plan.binding_requests(keys, query, 8, wave, 2048, 31) == ()
+
+
 def test_rows_pay_a_fixed_cost_besides_their_keys():
     """Without the fill (gfx950), a row costs its keys and ROW_COST_KEYS: on
     a fresh 16K prompt over 8 ranks, rank 0's many cheap rows weigh more
@@ -1806,7 +1862,8 @@ def test_every_rank_gets_a_row_when_one_row_outweighs_the_rest(tp, heavy):
 def test_the_caps_keep_the_exchange_within_the_reservation(
     cp_on, monkeypatch, tp, logits_mb
 ):
-    """At the caps, a call's logits beside the candidates a rank sends, and
+    """At the caps, a call's logits beside the candidates a rank sends (and
+    a key-split call's top-k), and
     those beside everything an owner receives once the logits are freed,
     stay within what the profiling run reserves (``profile_bytes``, the
     split on), whatever the step's rows (its int16 merge only adds)."""
@@ -1814,18 +1871,20 @@ def test_the_caps_keep_the_exchange_within_the_reservation(
     budget = logits_mb << 20
     row = rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
     sent = rocm_cp_indexer_plan.key_split_max_rows(budget) * row
+    topk = rocm_cp_indexer_plan.key_split_max_rows(budget) * 2048 * 4
     received = tp * rocm_cp_indexer_plan.key_split_max_owned(budget, tp) * row
     reserved = rocm_cp_indexer.profile_bytes(budget, 256, 2048)
-    assert budget + sent <= reserved
+    assert budget + sent + topk <= reserved
     assert sent + received <= reserved
 
 
 def test_the_profiling_run_reserves_what_the_split_holds(cp_on, monkeypatch):
     """With the switch off or at TP 1, the logits budget as vLLM reserves
-    it; with the split on, also the candidates a rank sends (up to 32 MiB),
-    or the merge's int16 rows where a step's rows take more."""
+    it; with the split on, also the candidates a rank sends and a key-split
+    call's top-k (up to 48 MiB), or the merge's int16 rows where a step's
+    rows take more."""
     budget, k = 512 << 20, 2048
-    sent = 2048 * rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
+    sent = 2048 * (rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES + k * 4)
     profile = rocm_cp_indexer.profile_bytes
     monkeypatch.setattr(rocm_cp_indexer, "_tp_size", lambda: 8)
     assert profile(budget, 16384, k) == budget + sent
@@ -1852,7 +1911,7 @@ def test_the_profiling_run_asks_the_tp_group_its_size(cp_on, monkeypatch):
     """Before vLLM's model parallel state is made there is no TP group: one
     rank, the logits budget alone; after, the group's size decides."""
     budget, k = 512 << 20, 2048
-    sent = 2048 * rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES
+    sent = 2048 * (rocm_cp_indexer_plan.CANDIDATE_ROW_BYTES + k * 4)
     monkeypatch.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: False)
     assert rocm_cp_indexer.profile_bytes(budget, 16384, k) == budget
     monkeypatch.setattr(rocm_cp_indexer, "model_parallel_is_initialized", lambda: True)

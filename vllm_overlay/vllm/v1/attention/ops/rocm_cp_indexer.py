@@ -47,6 +47,7 @@ from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
     joined,
     key_split_max_rows,
     rank_calls,
+    run_key_split_calls,
     runs_of_shared_keys,
     shared_key_runs,
     travels_narrow,
@@ -68,12 +69,14 @@ def profile_bytes(logits_bytes: int, max_tokens: int, k: int) -> int:
     those candidates beside what it receives, after the last call's logits
     are freed (within the budget: ``key_split_max_owned``); and the merge's
     int16 copy of every prefill row, after both are freed, or in a zigzag
-    layout its int32 copy, which puts the rows back in batch order."""
+    layout its int32 copy, which puts the rows back in batch order. A
+    key-split call's top-k, before its candidates are kept, take ``k``
+    int32 a row beside its logits."""
     from vllm._aiter_ops import rocm_aiter_ops
 
     if _tp_size() < 2 or not rocm_aiter_ops.is_cp_indexer_enabled():
         return logits_bytes
-    sent = key_split_max_rows(logits_bytes) * CANDIDATE_ROW_BYTES
+    sent = key_split_max_rows(logits_bytes) * (CANDIDATE_ROW_BYTES + k * 4)
     row_bytes = 4 if rocm_cp_indexer_plan.ROW_LAYOUT == "zigzag" else 2
     return max(logits_bytes + sent, max_tokens * k * row_bytes)
 
@@ -111,10 +114,16 @@ class PrefillWindow:
         """The rows of the queries and weights the call scores."""
         return slice(self.start, self.end) if self.rows is None else self.rows
 
-    @property
-    def topk_rows(self) -> slice:
-        """The rows of the top-k buffer the call writes."""
-        return slice(self.start, self.end)
+    def topk_out(self, topk_indices_buffer: torch.Tensor) -> torch.Tensor:
+        """Where the call writes its top-k: rows ``start:end`` of the
+        buffer, or for key-split rows, whose top-k are only candidates (and
+        in a zigzag split not at their places in the merge), new rows of
+        the buffer's width."""
+        if self.key_offset is None:
+            return topk_indices_buffer[self.start : self.end]
+        return topk_indices_buffer.new_empty(
+            (self.end - self.start, topk_indices_buffer.shape[1])
+        )
 
 
 # The windows of the last step's split on this rank (the split, the rank,
@@ -207,20 +216,25 @@ class CPIndexerPrefill:
 
     def _zigzag_windows(self, chunks, device) -> Iterator[PrefillWindow]:
         """A zigzag split's calls on this rank: its rows of each run of
-        chunks (in batch order) in as few equal calls as the run's largest
-        chunk allows, each gathering its rows' queries and key ranges, and
-        writing their top-k at this rank's places in the merge."""
-        assert self.split is not None and self.split.order is not None
-        first_place = self.split.bounds[0]
-        mine = self.split.order[self.start - first_place : self.end - first_place]
+        chunks (in batch order) but the key-split rows it owns, in as few
+        equal calls as the run's largest chunk allows, each gathering its
+        rows' queries and key ranges, and writing their top-k at this
+        rank's places in the merge; then the run's key-split rows, as in a
+        split of contiguous ranges."""
+        split = self.split
+        assert split is not None and split.order is not None
+        first_place = split.bounds[0]
+        owned = split.key_split_owners[self.rank]
+        mine = split.order[self.start - first_place : self.end - first_place - owned]
         runs = runs_of_shared_keys(chunks)
-        for run, (first, last, most) in zip(runs, shared_key_runs(chunks, 0)):
+        shared = shared_key_runs(chunks, 0)
+        holes = joined(split.key_split)
+        for index, (run, (first, last, most)) in enumerate(zip(runs, shared)):
             start = int(torch.searchsorted(mine, first))
             end = int(torch.searchsorted(mine, last))
-            if start == end:
-                continue
-            ks, ke, longest = _key_ranges_of(run, first, last)
             gather = True
+            if start < end:
+                ks, ke, longest = _key_ranges_of(run, first, last)
             for a, b in equal_calls(start, end, most):
                 rows = mine[a:b].to(device, non_blocking=True)
                 in_run = rows - first
@@ -233,6 +247,11 @@ class CPIndexerPrefill:
                     longest,
                     gather,
                     rows=rows,
+                )
+                gather = False
+            for call in run_key_split_calls(index, shared, holes):
+                yield self._key_part(
+                    run, call.first, call.last, gather, call.candidate_row
                 )
                 gather = False
 
@@ -356,7 +375,7 @@ class CPIndexerPrefill:
 
     def _exchange_and_select(self, pynccl, topk_indices_buffer: torch.Tensor):
         """The key-split rows' candidates, each row's sent to its owner
-        (the rank whose range holds it), and this rank's rows' top-k
+        (``CPIndexerSplit.owned_places``), and this rank's rows' top-k
         selected from every rank's candidates into the buffer."""
         assert self.split is not None
         assert self.sent is not None, "a key-split row was not scored"
@@ -365,7 +384,7 @@ class CPIndexerPrefill:
         k = columns // 2
         device = topk_indices_buffer.device
         # In key-split row order: the rows of owner 0, then of owner 1, ...
-        # (the owners' ranges are in row order).
+        # (owners hold ranges, or blocks, in row order).
         sent = self.sent
         owners = self.split.key_split_owners
         owned = owners[self.rank]
@@ -377,7 +396,7 @@ class CPIndexerPrefill:
         self.sent = None  # freed before the merge's int16 rows
         parts = received.view(tp_size, owned, columns)
         row = 0
-        for start, end in joined(self.split.owned_key_split(self.rank)):
+        for start, end in self.split.owned_places(self.rank):
             device_merge.select_top_k(
                 parts[:, row : row + end - start],
                 tp_size,

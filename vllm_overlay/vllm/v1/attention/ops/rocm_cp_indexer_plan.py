@@ -235,8 +235,10 @@ KEY_SPLIT_BY_MODEL = True
 # "zigzag": each request's rows in 2 tp equal blocks, rank r taking blocks r
 # and 2 tp - 1 - r (as SGLang's NSA context parallel splits a sequence): a
 # causal row costs its prefix and its place in the request, so each pair
-# costs about the same, with no cost model. The host bench's --zigzag
-# times both on the same steps.
+# costs about the same, with no cost model. There the requests whose
+# longest row binds (``binding_requests``: a wave of it outlasts a rank's
+# even share of the rows left whole) are key-split, and their rows owned in
+# tp equal blocks. The host bench's --zigzag times both on the same steps.
 ROW_LAYOUT = "cost"
 
 
@@ -246,10 +248,12 @@ class CPIndexerSplit:
     rank): rank r scores batch rows ``bounds[r]:bounds[r + 1]``, or with
     ``order`` (a zigzag layout) the batch rows ``order`` lists at those
     places, counted from ``bounds[0]``; but for the rows of ``key_split``
-    (batch row ranges, one per request; none with ``order``): every rank
-    scores those over its part of their keys, and the rank whose range
-    holds such a row selects its top-k (``owned_key_split``), which the
-    merge then carries as that rank's own."""
+    (batch row ranges, one per request): every rank scores those over its
+    part of their keys, and the rank that owns such a row selects its top-k
+    (``owned_places``), which the merge then carries as that rank's own.
+    The owner is the rank whose range holds the row, or with ``order`` the
+    r-th of tp equal blocks of the key-split rows, at the end of rank r's
+    places."""
 
     bounds: tuple[int, ...]
     key_split: tuple[tuple[int, int], ...] = ()
@@ -274,10 +278,22 @@ class CPIndexerSplit:
     @property
     def key_split_owners(self) -> list[int]:
         """Each rank's count of key-split rows it owns."""
+        tp_size = len(self.bounds) - 1
+        if self.order is not None:
+            return even_blocks(self.key_split_rows, tp_size)
         return [
             sum(end - start for start, end in self.owned_key_split(rank))
-            for rank in range(len(self.bounds) - 1)
+            for rank in range(tp_size)
         ]
+
+    def owned_places(self, rank: int) -> list[tuple[int, int]]:
+        """The rows of the top-k buffer where rank ``rank`` selects its
+        key-split rows, in their order: the rows themselves, or with
+        ``order`` its last places."""
+        if self.order is None:
+            return joined(self.owned_key_split(rank))
+        end = self.bounds[rank + 1]
+        return [(end - self.key_split_owners[rank], end)]
 
     @property
     def sizes(self) -> list[int]:
@@ -379,20 +395,28 @@ def plan_cp_indexer_split(
     # that is left before it is planned.
     if not split_repays(total, [num_rows // tp_size] * tp_size, link, narrow):
         return None
+    key_splits = (
+        fill_divisor is None
+        and key_split_max_rows
+        and total >= KEY_SPLIT_MIN_STEP_KEY_ROWS
+    )
     if ROW_LAYOUT == "zigzag":
-        split = zigzag_split(tp_size, num_decode_tokens, query_lens_cpu)
-        return split if split_repays(total, split.sizes, link, narrow) else None
+        key_split: tuple[tuple[int, int], ...] = ()
+        if key_splits:
+            key_split = binding_requests(
+                keys, query_lens_cpu, tp_size, wave_rows,
+                key_split_max_rows, key_split_max_owned,
+            )  # fmt: skip
+        split = zigzag_split(tp_size, num_decode_tokens, query_lens_cpu, key_split)
+        owners = split.key_split_owners
+        return split if split_repays(total, split.sizes, link, narrow, owners) else None
     runs = shared_key_runs(chunks, num_decode_tokens)
     planned = RowPlanner(
         costs, query_lens_cpu, runs, tp_size, call_cost_keys, wave_rows
     )
     bounds = planned.bounds()
-    key_split: tuple[tuple[int, int], ...] = ()
-    if (
-        fill_divisor is None
-        and key_split_max_rows
-        and total >= KEY_SPLIT_MIN_STEP_KEY_ROWS
-    ):
+    key_split = ()
+    if key_splits:
         bounds, key_split = _key_split_plan(
             planned, keys, query_lens_cpu, row_cost_keys, link, narrow,
             key_split_max_rows, key_split_max_owned, bounds,
@@ -406,14 +430,19 @@ def plan_cp_indexer_split(
 
 
 def zigzag_split(
-    tp_size: int, num_decode_tokens: int, query_lens_cpu: torch.Tensor
+    tp_size: int,
+    num_decode_tokens: int,
+    query_lens_cpu: torch.Tensor,
+    key_split: tuple[tuple[int, int], ...] = (),
 ) -> CPIndexerSplit:
     """Each request's rows (``query_lens_cpu``, after the ``num_decode_tokens``
     decodes) in 2 tp blocks of equal size (to a row), block b going to rank
     b, or 2 tp - 1 - b for the second half, turned by the request's index so
-    that short requests' rows spread over the ranks. Where that leaves a
-    rank no row (a step of few short requests), the rows go round the ranks
-    one by one."""
+    that short requests' rows spread over the ranks. The rows of
+    ``key_split`` (prefill row ranges, sorted) are owned in tp equal blocks
+    of them, rank r's after its other rows. Where that leaves a rank no row
+    (a step of few short requests), the rows go round the ranks one by one,
+    none key-split."""
     query_lens = query_lens_cpu.to(torch.int64)
     request, place = _rows_of_requests(query_lens)
     num_rows = request.numel()
@@ -421,16 +450,59 @@ def zigzag_split(
     block = place * (2 * tp_size) // query_lens[request]
     pair = torch.where(block < tp_size, block, 2 * tp_size - 1 - block)
     rank = (pair + request) % tp_size
+    owned = torch.zeros(num_rows, dtype=torch.int64)
+    for start, end in key_split:
+        owned[start:end] = 1
+    blocks = torch.tensor(even_blocks(int(owned.sum()), tp_size))
+    rank[owned == 1] = torch.repeat_interleave(torch.arange(tp_size), blocks)
     counts = torch.bincount(rank, minlength=tp_size)
     if int(counts.min()) == 0:
-        rank = row % tp_size
+        rank, key_split = row % tp_size, ()
+        owned.zero_()
         counts = torch.bincount(rank, minlength=tp_size)
-    order = torch.argsort(rank * num_rows + row) + num_decode_tokens
+    order = torch.argsort((2 * rank + owned) * num_rows + row) + num_decode_tokens
     bounds = [
         num_decode_tokens,
         *(num_decode_tokens + torch.cumsum(counts, 0)).tolist(),
     ]
-    return CPIndexerSplit(tuple(bounds), order=order)
+    return CPIndexerSplit(
+        tuple(bounds),
+        tuple((num_decode_tokens + a, num_decode_tokens + b) for a, b in key_split),
+        order=order,
+    )
+
+
+def even_blocks(rows: int, tp_size: int) -> list[int]:
+    """``rows`` in tp blocks of equal size, to a row: each block's rows."""
+    return [rows * (r + 1) // tp_size - rows * r // tp_size for r in range(tp_size)]
+
+
+def binding_requests(
+    keys: torch.Tensor,
+    query_lens_cpu: torch.Tensor,
+    tp_size: int,
+    wave_rows: int,
+    max_rows: int,
+    max_owned: int,
+) -> tuple[tuple[int, int], ...]:
+    """The requests a zigzag split key-splits (prefill row ranges, sorted):
+    of ``key_split_candidates``, longest rows first, each whose longest row
+    binds: a wave of it (``wave_rows`` times its keys) outlasts a rank's
+    even share of the keys of the rows left whole, where a rank's call of
+    those rows would last as long as that floor. No rank owns more than
+    ``max_owned`` of their rows."""
+    whole = int(keys.sum())
+    chosen: list[tuple[int, int]] = []
+    rows = 0
+    for start, end in key_split_candidates(keys, query_lens_cpu, tp_size, max_rows):
+        if wave_rows * int(keys[end - 1]) <= whole / tp_size:
+            break
+        if -(-(rows + end - start) // tp_size) > max_owned:
+            break
+        chosen.append((start, end))
+        rows += end - start
+        whole -= int(keys[start:end].sum())
+    return tuple(sorted(chosen))
 
 
 def travels_narrow(chunks: list[DeepseekV32IndexerPrefillChunkMetadata]) -> bool:
@@ -635,7 +707,7 @@ def rank_calls(
     holes = joined(key_split)
     for index in range(len(runs)):
         yield from whole_row_calls(index, runs, start, end, holes)
-        yield from _key_split_run_calls(index, runs, holes)
+        yield from run_key_split_calls(index, runs, holes)
 
 
 def whole_row_calls(
@@ -661,10 +733,10 @@ def key_split_calls(
     """The calls that score the key-split rows, the same on every rank."""
     holes = joined(key_split)
     for index in range(len(runs)):
-        yield from _key_split_run_calls(index, runs, holes)
+        yield from run_key_split_calls(index, runs, holes)
 
 
-def _key_split_run_calls(
+def run_key_split_calls(
     index: int, runs: list[tuple[int, int, int]], holes: list[tuple[int, int]]
 ) -> Iterator[PlannedCall]:
     """Run ``index``'s key-split rows (``holes``, joined: next requests'
