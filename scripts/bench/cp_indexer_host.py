@@ -105,7 +105,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 
 from scripts.bench import cp_indexer_host_timing as timing
@@ -121,6 +121,7 @@ from scripts.bench.cp_indexer_host_check import RowsDiffer
 from scripts.bench.cp_indexer_host_report import (
     LINKS,
     crossover_report,
+    key_split_owners,
     report,
     splits_on,
 )
@@ -290,18 +291,16 @@ def measure_floor(step: list[tuple[int, int]], runs: int) -> dict[str, float]:
     return floors
 
 
-def merge_ms(
-    bounds: list[int], key_split: Sequence[Sequence[int]] = (), narrow: bool = False
-) -> dict[str, float]:
+def merge_ms(split: dict, narrow: bool = False) -> dict[str, float]:
     """The merge's and the key split's exchange's modelled ms per link for
-    a split with ``bounds`` and ``key_split`` (the stage's own
-    ``links_key_rows``, its rows int16 where ``narrow``)."""
+    a split as the run recorded it (its bounds and key-split rows' owners:
+    the stage's own ``links_key_rows``, its rows int16 where ``narrow``)."""
     from vllm.v1.attention.ops import rocm_cp_indexer_plan as plan
 
-    split = plan.CPIndexerSplit(tuple(bounds), tuple(map(tuple, key_split)))
-    owners = split.key_split_owners
+    sizes = [b - a for a, b in pairwise(split["bounds"])]
+    owners = key_split_owners(split)
     return {
-        name: plan.links_key_rows(getattr(plan, link), split.sizes, narrow, owners)
+        name: plan.links_key_rows(getattr(plan, link), sizes, narrow, owners)
         * plan.NS_PER_KEY_ROW
         / 1e6
         for name, link in LINKS.items()
@@ -402,9 +401,7 @@ def _bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dic
             "tp": tp,
             "rows": sum(q for _, q in step.prefills),
             "floor_ms": floors,
-            "merge_ms": None
-            if taken is None
-            else merge_ms(taken["bounds"], taken["key_split"], result["narrow"]),
+            "merge_ms": None if taken is None else merge_ms(taken, result["narrow"]),
         }
         if taken is not None:
             # The gate's decision per link, by the planner that ran: the
@@ -412,9 +409,7 @@ def _bench_step(step: Step, runs: int, variants: dict[str, Costs | None]) -> dic
             result["gate"] = splits_on(result, taken)
         for name, split in result["split"].items():
             if name != "shipped" and split is not None:  # a variant's own
-                split["merge_ms"] = merge_ms(
-                    split["bounds"], split["key_split"], result["narrow"]
-                )
+                split["merge_ms"] = merge_ms(split, result["narrow"])
                 split["gate"] = splits_on(result, split)
         results[f"{step.name} | tp {tp}"] = result
         print(step.name, tp, json.dumps(result), flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import statistics
+from itertools import pairwise
 from pathlib import Path
 
 from scripts.bench.cp_indexer_host_calibration import (
@@ -527,13 +528,22 @@ def _layouts_section(run: dict) -> list[str]:
         f"{len(h['g2'])}, G3 {sum(h['g3'])} of {len(h['g3'])}"
         for name, h in held.items()
     )
+    # Runs that recorded the key-split rows' owners ran a zigzag planner
+    # that key-splits; the ones before did not.
+    zigzags = [r["split"].get(ZIGZAG) or {} for r in run["results"].values()]
+    key_split = (
+        "the requests whose longest row binds key-split, their rows owned in "
+        "tp equal blocks"
+        if any("owners" in z for z in zigzags)
+        else "no key split"
+    )
     return [
         "## Cost cuts and the zigzag layout side by side",
         "",
         "The same steps split by the shipped planner (contiguous ranges cut by "
         "its cost model, long rows key-split) and in the zigzag layout "
         "(`ROW_LAYOUT`: each request's rows in 2 tp blocks, rank r taking "
-        "blocks r and 2 tp - 1 - r; no cost model, no key split), each "
+        f"blocks r and 2 tp - 1 - r; no cost model, {key_split}), each "
         "judged as above with its own merge and gate. *plan ms*: the "
         "planner's own host time for the step (*left*: the gate left it "
         "replicated, judged on the cost cuts forced).",
@@ -618,21 +628,33 @@ def _variants_section(run: dict) -> list[str]:
 LINKS = {"h200_nvlink": "NVLINK", "mi355x_xgmi": "XGMI_GFX950"}
 
 
+def key_split_owners(split: dict) -> list[int]:
+    """Each rank's count of the key-split rows it owns: as the run recorded
+    them (a zigzag split's blocks), or, in runs before it did, the rows in
+    its range."""
+    from vllm.v1.attention.ops import rocm_cp_indexer_plan
+
+    if "owners" in split:
+        return split["owners"]
+    planned = rocm_cp_indexer_plan.CPIndexerSplit(
+        tuple(split["bounds"]), tuple(map(tuple, split.get("key_split", [])))
+    )
+    return planned.key_split_owners
+
+
 def splits_on(result: dict, split: dict) -> dict[str, bool]:
     """Per link, whether the stage's gate (``split_repays``) splits the step
     of ``result`` with ``split``'s bounds."""
     from vllm.v1.attention.ops import rocm_cp_indexer_plan
 
-    planned = rocm_cp_indexer_plan.CPIndexerSplit(
-        tuple(split["bounds"]), tuple(map(tuple, split.get("key_split", [])))
-    )
+    sizes = [b - a for a, b in pairwise(split["bounds"])]
     return {
         name: rocm_cp_indexer_plan.split_repays(
             result["cost_key_rows"],
-            planned.sizes,
+            sizes,
             getattr(rocm_cp_indexer_plan, link),
             result.get("narrow", False),
-            planned.key_split_owners,
+            key_split_owners(split),
         )
         for name, link in LINKS.items()
     }

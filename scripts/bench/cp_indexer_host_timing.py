@@ -296,6 +296,7 @@ def time_step(
             if mode == "split":
                 entry["bounds"] = list(split.bounds)
                 entry["key_split"] = [list(rows) for rows in split.key_split]
+                entry["owners"] = split.key_split_owners
                 # Every split timed is checked too (RowsDiffer ends the run),
                 # with one row a logits program in every call: a key's score
                 # then has the same bits whichever call scores it (the

@@ -49,15 +49,29 @@ def test_the_floor_step_holds_the_costliest_row_in_a_prefill_of_two():
 
 def test_the_nvlink_merge_is_the_measured_fit_at_tp_2():
     rows = 8192
-    model = bench.merge_ms([0, rows // 2, rows])
+    model = bench.merge_ms({"bounds": [0, rows // 2, rows]})
     fit = reports.MERGE_BASE_MS + reports.MERGE_ROW_MS * rows
     assert model["h200_nvlink"] == pytest.approx(fit, rel=1e-3)
     # One xGMI link carries a rank's whole half at tp 2.
     assert model["mi355x_xgmi"] > 2 * model["h200_nvlink"]
     # At tp 8 the xGMI merge waits for the largest rank's rows only.
-    uneven = bench.merge_ms([0, 100, 200, 300, 400, 500, 600, 700, 4000])
-    even = bench.merge_ms([0, 1, 2, 3, 4, 5, 6, 7, 8 * 500])
+    uneven = bench.merge_ms({"bounds": [0, 100, 200, 300, 400, 500, 600, 700, 4000]})
+    even = bench.merge_ms({"bounds": [0, 1, 2, 3, 4, 5, 6, 7, 8 * 500]})
     assert uneven["mi355x_xgmi"] < even["mi355x_xgmi"]
+
+
+def test_a_zigzag_exchange_is_priced_with_the_owners_the_run_recorded():
+    """A zigzag split's key-split rows are owned in equal blocks, not by
+    the rank whose places hold their batch rows: the exchange is priced
+    with the owners the run recorded (by range, all 512 rows would be rank
+    0's here)."""
+    bounds = [0, 1024, 2048, 3072, 4096]
+    key_split = [[0, 512]]
+    by_range = bench.merge_ms({"bounds": bounds, "key_split": key_split})
+    blocks = {"bounds": bounds, "key_split": key_split, "owners": [128] * 4}
+    recorded = bench.merge_ms(blocks)
+    assert recorded["mi355x_xgmi"] < by_range["mi355x_xgmi"]
+    assert reports.key_split_owners(blocks) == [128] * 4
 
 
 def _result(tp, replicated, ranks, floor, merge, splits=(True, True), hosts=None):
