@@ -46,16 +46,29 @@ def _key_split_the_turn(planned, keys, query_lens_cpu, *_):
     return planned.bounds(costs, (turn,)), (turn,)
 
 
-@pytest.mark.parametrize("key_split", [False, True], ids=["whole rows", "key split"])
+@pytest.mark.parametrize(
+    "layout, key_split",
+    [("cost", False), ("cost", True), ("zigzag", True)],
+    ids=["whole rows", "key split", "zigzag key split"],
+)
 @pytest.mark.parametrize("rank", range(WORLD))
-def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank, key_split):
+def test_a_ranks_share_makes_no_synchronizing_call(
+    monkeypatch, rank, layout, key_split
+):
     """With the turn key-split too: its parts' scores, the exchange's
-    buffer, the select and the int16 merge."""
+    buffer, the select and the int16 merge; in the zigzag layout, the
+    gathered rows and their places as well."""
     monkeypatch.setenv("VLLM_ROCM_USE_AITER_CP_INDEXER", "1")
     monkeypatch.setattr(rocm_cp_indexer_plan, "split_repays", lambda *_: True)
+    monkeypatch.setattr(rocm_cp_indexer_plan, "ROW_LAYOUT", layout)
     if key_split:
         monkeypatch.setattr(
             rocm_cp_indexer_plan, "_key_split_plan", _key_split_the_turn
+        )
+        monkeypatch.setattr(
+            rocm_cp_indexer_plan,
+            "binding_requests",
+            lambda keys, query_lens_cpu, *_: ((0, int(query_lens_cpu[0])),),
         )
         monkeypatch.setattr(rocm_cp_indexer_plan, "KEY_SPLIT_MIN_STEP_KEY_ROWS", 0)
     # 8 MiB of logits per chunk: the turn's rows take several chunks.
@@ -87,6 +100,7 @@ def test_a_ranks_share_makes_no_synchronizing_call(monkeypatch, rank, key_split)
         )
         split = batch.metadata.prefill.cp_split
         assert split is not None and bool(split.key_split) is key_split
+        assert (split.order is not None) is (layout == "zigzag")
         assert len(batch.metadata.prefill.chunks) >= 3
         run = lambda: indexer_batch.run_indexer(batch, TOPK, skip_k_cache_insert=True)  # noqa: E731
         run()  # compile the Triton kernels and grow the workspace first
