@@ -236,13 +236,15 @@ COMMITTED_RUNS = {
         "f20 mix, 8K budget: fresh 2.0K, chunk 1/1, 1 turn, 21 decodes | tp 4",
     },
     "cp_indexer_host_bench_seed11/cp_indexer_host_bench.json": {
-        "f08 mix, 8K budget: fresh 1.0K, chunk 1/1, 2 turns, 13 decodes | tp 2",
-        "f08 mix, 8K budget: fresh 1.0K, chunk 1/1, 2 turns, 13 decodes | tp 4",
-        "f08 mix, 8K budget: fresh 1.0K, chunk 1/1, 2 turns, 13 decodes | tp 8",
-        "f20 turns, 8K budget: 1 turn | tp 2",
-        "f20 turns, 8K budget: 1 turn | tp 8",
+        "f06 mix, 8K budget: fresh 5.3K, chunk 2/2, 2 turns, 14 decodes | tp 8",
     },
-    "cp_indexer_host_bench_seed23/cp_indexer_host_bench.json": set(),
+    "cp_indexer_host_bench_seed23/cp_indexer_host_bench.json": {
+        "f08 fresh, 16K budget: fresh 3.9K, chunk 1/1 | tp 8",
+        "f09 turns, 8K budget: 3 turns | tp 2",
+        "f09 turns, 8K budget: 3 turns | tp 4",
+        "f09 turns, 8K budget: 3 turns | tp 8",
+        "f23 fresh, 16K budget: fresh 5.4K, chunk 1/1 | tp 2",
+    },
 }
 
 
