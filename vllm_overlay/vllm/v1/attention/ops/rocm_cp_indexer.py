@@ -250,6 +250,7 @@ class CPIndexerPrefill:
                 )
                 gather = False
             for call in run_key_split_calls(index, shared, holes):
+                assert call.candidate_row is not None
                 yield self._key_part(
                     run, call.first, call.last, gather, call.candidate_row
                 )
