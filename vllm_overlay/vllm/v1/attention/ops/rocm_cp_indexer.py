@@ -224,8 +224,9 @@ class CPIndexerPrefill:
         split = self.split
         assert split is not None and split.order is not None
         first_place = split.bounds[0]
-        owned = split.key_split_owners[self.rank]
-        mine = split.order[self.start - first_place : self.end - first_place - owned]
+        # Its places but the last ones, where it selects its key-split rows.
+        owned_start = split.owned_places(self.rank)[0][0]
+        mine = split.order[self.start - first_place : owned_start - first_place]
         runs = runs_of_shared_keys(chunks)
         shared = shared_key_runs(chunks, 0)
         holes = joined(split.key_split)
