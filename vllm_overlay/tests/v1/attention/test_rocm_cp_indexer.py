@@ -259,6 +259,10 @@ def test_short_requests_zigzag_across_the_ranks():
     split = rocm_cp_indexer_plan.zigzag_split(8, 5, torch.tensor([4, 4]))
     assert split.sizes == [1] * 8
     assert split.order is not None and split.order.tolist() == list(range(5, 13))
+    # There no row is key-split: an owner's block could be a rank's only
+    # rows, or none.
+    split = rocm_cp_indexer_plan.zigzag_split(8, 5, torch.tensor([4, 4]), ((0, 4),))
+    assert split.sizes == [1] * 8 and split.key_split == ()
     # A zero-length request has no rows and takes no block.
     split = rocm_cp_indexer_plan.zigzag_split(2, 0, torch.tensor([4, 0, 4]))
     assert split.sizes == [4, 4] and split.order is not None
@@ -305,10 +309,16 @@ def test_zigzag_key_splits_only_requests_whose_row_binds():
         return rocm_cp_indexer_plan.binding_requests(keys, query, tp, wave, 2048, 2048)
 
     turns = [(p * 1024, 256) for p in (4, 8, 16, 32, 64, 100, 150, 200)]
-    picked = chosen(8, turns)
-    # The longest first, while their wave outlasts what is left's share.
-    assert picked and picked[-1] == (1792, 2048)
-    assert (0, 256) not in picked
+    # The longest first, while their wave outlasts the share of what is
+    # left: the 200K turn's wave outlasts an eighth of the step; with it
+    # key-split, the 150K turn's outlasts an eighth of the rest; and so on
+    # down to the 32K turn's, whose wave an eighth of the 4K-16K turns'
+    # keys outlasts.
+    assert chosen(8, turns) == tuple((256 * i, 256 * (i + 1)) for i in range(3, 8))
+    # A request's longest row (its last) decides: a turn of 2,048 rows over
+    # 64K beside a fresh 14,592-row chunk binds by its last row's keys (by
+    # its first row's, 2,047 fewer, it would not).
+    assert chosen(8, [(65536, 2048), (0, 14592)]) == ((0, 2048),)
     assert chosen(8, [(0, 16384)]) == ()
     assert chosen(8, [(200 * 1024, 4096)]) == ()
     assert chosen(2, [(200 * 1024, 4096)]) == ()
