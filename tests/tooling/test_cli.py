@@ -350,7 +350,7 @@ def test_a_writer_waits_for_the_lock_and_readers_do_not(two_stages: Project):
 
 
 def test_adding_a_stage_in_the_readmes_order(project: Project):
-    """README, 'Adding a stage', step by step through the command line: each
+    """docs/maintaining.md, 'Add a stage', step by step through the command line: each
     step works as written, and the project ends where CI passes (check)."""
     from scripts.series.stages.overview import BEGIN, END
 
@@ -574,7 +574,7 @@ def test_every_test_runs_every_time(two_stages: Project):
 
 
 def test_changing_a_lower_stage_is_apply_edit_refresh(two_stages: Project):
-    """README, 'Change a stage': apply up to the stage, edit, refresh. The
+    """docs/maintaining.md, 'Change a stage': apply up to the stage, edit, refresh. The
     later stages follow in the same refresh (applied on the changed stage,
     their patch files written again), so nothing is stale after it."""
     assert _cli(two_stages, "apply").returncode == 0

@@ -233,7 +233,7 @@ def test_a_new_module_in_the_patch_gets_a_warning(two_stages: Project, capsys):
 
 
 def test_the_readme_flow_for_changing_an_earlier_stage(two_stages: Project):
-    """README, 'Change a stage': apply up to a stage, edit, refresh, then
+    """docs/maintaining.md, 'Change a stage': apply up to a stage, edit, refresh, then
     apply the rest on top."""
     series = two_stages.series()
     repo = apply(series)
@@ -261,7 +261,7 @@ def test_the_readme_flow_for_changing_an_earlier_stage(two_stages: Project):
 def test_a_later_stage_that_no_longer_applies_is_carried_then_continued(
     two_stages: Project,
 ):
-    """README, 'Change a stage': stage 0001 changes the line stage 0002
+    """docs/maintaining.md, 'Change a stage': stage 0001 changes the line stage 0002
     edits next to. apply stops naming --carry; --carry leaves the three-way
     conflict; --continue commits the stage as its own; refresh writes its
     patch; the next apply is a no-op and check finds nothing stale. --abort
@@ -342,7 +342,7 @@ def test_an_amended_stage_commit_is_taken_as_the_stage(two_stages: Project):
 def test_a_fixup_autosquashed_into_a_lower_stage_is_taken_by_refresh(
     two_stages: Project,
 ):
-    """README, 'Change a stage', the plain-git route: with the tree at the
+    """docs/maintaining.md, 'Change a stage', the plain-git route: with the tree at the
     top stage, commit the edit as a fixup of stage 0001, autosquash it with
     git's own rebase onto the base tag, then refresh: stage 0001's patch
     takes the edit, stage 0002 keeps its own, and the tree is canonical."""

@@ -159,7 +159,7 @@ def _apply_stage(
             f"stage {stage.id} ({stage.title}): {stage.patch} does not apply: "
             f"{where}. The tree is left at the last good stage. To carry the "
             "stage onto it with a three-way merge (conflicts left to resolve), "
-            "run `nox -s apply -- --carry` (README, 'Change a stage')."
+            "run `nox -s apply -- --carry` (docs/maintaining.md, 'Change a stage')."
         )
     _move_tree(repo, parent)
     _carry_stage(series, repo, stage, parent, inputs)
