@@ -120,25 +120,20 @@ def modelled_balance(
     plus the row cost)."""
     import torch
 
-    from vllm.v1.attention.ops import rocm_cp_indexer_plan
+    from vllm.v1.attention.ops import rocm_cp_indexer_cuts
 
     row_cost, call_cost, wave, share = costs
     rows = torch.tensor([c + t + 1 + row_cost for c, q in step for t in range(q)])
     before = torch.zeros(rows.numel() + 1, dtype=torch.int64)
     torch.cumsum(rows, 0, out=before[1:])
-    saved = rocm_cp_indexer_plan.LOGITS_SHARE
-    rocm_cp_indexer_plan.LOGITS_SHARE = share
-    rank_cost = rocm_cp_indexer_plan.RankCost(
+    ranks = rocm_cp_indexer_cuts.RankCost(
         before,
         torch.tensor([q for _, q in step]),
         [tuple(run) for run in runs],
         call_cost,
         int(wave * units),
-    )
-    try:
-        ranks = rank_cost.of(bounds)
-    finally:
-        rocm_cp_indexer_plan.LOGITS_SHARE = saved
+        logits_share=share,
+    ).of(bounds)
     return max(ranks) / statistics.mean(ranks)
 
 

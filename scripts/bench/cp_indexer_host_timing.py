@@ -155,6 +155,7 @@ def time_step(
     from scripts.harness import indexer_batch
     from vllm.v1.attention.ops import (
         rocm_cp_indexer,
+        rocm_cp_indexer_calls,
         rocm_cp_indexer_plan,
     )
 
@@ -224,7 +225,7 @@ def time_step(
             result["narrow"] = rocm_cp_indexer_plan.travels_narrow(prefill.chunks)
             # The runs of chunks over the same keys: (first row, end, the
             # largest chunk's rows), for the modelled per-call cost.
-            result["runs"] = rocm_cp_indexer_plan.shared_key_runs(prefill.chunks, 0)
+            result["runs"] = rocm_cp_indexer_calls.shared_key_runs(prefill.chunks, 0)
             if mode == "split" and split is None:
                 result["split"][variant] = None  # below the minimum: replicated
                 continue

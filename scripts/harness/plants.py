@@ -12,17 +12,17 @@ def e4a57df_rank_calls(monkeypatch) -> None:
     the run, so where next requests fall in different runs the second one's
     candidates land on the first one's rows."""
     from vllm.v1.attention.ops import rocm_cp_indexer
-    from vllm.v1.attention.ops import rocm_cp_indexer_plan as plan
+    from vllm.v1.attention.ops import rocm_cp_indexer_calls as calls
 
     def rank_calls(start, end, runs, key_split):
-        holes = plan.joined(key_split)
+        holes = calls.joined(key_split)
         for index, (first, last, most) in enumerate(runs):
-            yield from plan.whole_row_calls(index, runs, start, end, holes)
+            yield from calls.whole_row_calls(index, runs, start, end, holes)
             place = 0
             for a, b in holes:
                 lo, hi = max(a, first), min(b, last)
-                for c, d in plan.equal_calls(lo, hi, most):
-                    yield plan.PlannedCall(index, c, d, place + c - lo)
+                for c, d in calls.equal_calls(lo, hi, most):
+                    yield calls.PlannedCall(index, c, d, place + c - lo)
                 place += b - a
 
     monkeypatch.setattr(rocm_cp_indexer, "rank_calls", rank_calls)

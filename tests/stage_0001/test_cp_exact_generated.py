@@ -46,6 +46,7 @@ TREE = applied_tree("0001")
 
 from vllm.v1.attention.ops import (  # noqa: E402
     rocm_cp_indexer,
+    rocm_cp_indexer_calls,
     rocm_cp_indexer_merge,
     rocm_cp_indexer_plan,
 )
@@ -410,7 +411,7 @@ def _covered(tp: int, ranks: list[list[dict]]) -> set[str]:
         keys = [c + t + 1 for c, n in step.requests for t in range(n)]
         if min(keys[result["decode"] :]) < TOPK:
             seen.add("rows shorter than k")
-        runs = rocm_cp_indexer_plan.shared_key_runs(chunks, 0)
+        runs = rocm_cp_indexer_calls.shared_key_runs(chunks, 0)
         if any(last - first > most for first, last, most in runs):
             seen.add("a request across chunks of one run")
         if split is None:
@@ -420,7 +421,7 @@ def _covered(tp: int, ranks: list[list[dict]]) -> set[str]:
             seen.add("the planner key-splits")
         if any(a[1] == b[0] for a, b in pairwise(key_split)):
             seen.add("next key-split requests")
-        for start, end in rocm_cp_indexer_plan.joined(key_split):
+        for start, end in rocm_cp_indexer_calls.joined(key_split):
             if sum(first < end and last > start for first, last, _ in runs) > 1:
                 seen.add("key-split rows across runs")
             if any(start < cut < end for cut in split.bounds[1:-1]):
@@ -526,7 +527,7 @@ def _ties_before_larger(monkeypatch):
 def _across_runs(split, runs) -> bool:
     return any(
         sum(first < end and last > start for first, last, _ in runs) > 1
-        for start, end in rocm_cp_indexer_plan.joined(split.key_split)
+        for start, end in rocm_cp_indexer_calls.joined(split.key_split)
     )
 
 
@@ -564,7 +565,7 @@ def test_each_planted_bug_fails_the_comparison(single_rank, at_tp_2, name):
         split = prefill.cp_split if prefill is not None else None
         if split is None or not split.key_split:
             continue
-        runs = rocm_cp_indexer_plan.shared_key_runs(prefill.chunks, 0)
+        runs = rocm_cp_indexer_calls.shared_key_runs(prefill.chunks, 0)
         if shows(split, runs) or (shows(split, runs) is None and step.period):
             chosen.append(index)
     chosen = chosen[:3]

@@ -29,6 +29,8 @@ from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import CUDAGraphMode, DeviceConfig, ParallelConfig, VllmConfig
 from vllm.v1.attention.ops import (
     rocm_cp_indexer,
+    rocm_cp_indexer_calls,
+    rocm_cp_indexer_cuts,
     rocm_cp_indexer_plan,
     rocm_cp_indexer_startup,
 )
@@ -1284,13 +1286,13 @@ def test_the_key_split_search_cuts_only_plans_that_could_win(monkeypatch):
     candidates = rocm_cp_indexer_plan.key_split_candidates(keys, query, 8, 2048)
     assert len(candidates) == 8
     cuts = []
-    bounds = rocm_cp_indexer_plan.RowPlanner.bounds
+    bounds = rocm_cp_indexer_cuts.RowPlanner.bounds
 
     def counted(self, *args):
         cuts.append(args)
         return bounds(self, *args)
 
-    monkeypatch.setattr(rocm_cp_indexer_plan.RowPlanner, "bounds", counted)
+    monkeypatch.setattr(rocm_cp_indexer_cuts.RowPlanner, "bounds", counted)
     split = plan_cp_indexer_split(
         8, 0, seq, query, 1, chunks, fill_divisor=None, wave_rows=240
     )
@@ -1622,11 +1624,11 @@ def test_a_steps_windows_are_made_once_for_all_its_layers(monkeypatch):
 def test_touching_key_split_requests_are_scored_in_one_call():
     """Next requests' key-split rows are joined: one call scores them
     together where the run's chunk allows; a gap keeps them apart."""
-    joined = rocm_cp_indexer_plan.joined
+    joined = rocm_cp_indexer_calls.joined
     assert joined([(5, 9), (0, 5), (12, 14)]) == [(0, 9), (12, 14)]
     assert joined([(0, 5), (6, 9)]) == [(0, 5), (6, 9)]
     runs = [(0, 20, 20)]
-    calls = rocm_cp_indexer_plan.key_split_calls(runs, ((0, 5), (5, 9), (12, 14)))
+    calls = rocm_cp_indexer_calls.key_split_calls(runs, ((0, 5), (5, 9), (12, 14)))
     assert [(c.first, c.last, c.candidate_row) for c in calls] == [
         (0, 9, 0),
         (12, 14, 9),
@@ -1638,7 +1640,7 @@ def test_runs_are_counted_in_prefill_rows_after_the_decodes():
     over the same keys, then another chunk: the runs' rows, counted from
     the first prefill row, and each run's largest chunk."""
     chunks = [_chunk_of(3, 10), _chunk_of(10, 14, skip=True), _chunk_of(14, 20)]
-    assert rocm_cp_indexer_plan.shared_key_runs(chunks, 3) == [
+    assert rocm_cp_indexer_calls.shared_key_runs(chunks, 3) == [
         (0, 11, 7),
         (11, 17, 6),
     ]
@@ -1760,7 +1762,7 @@ def test_the_op_makes_the_calls_the_planner_prices(monkeypatch):
         cuts = sorted(torch.randperm(rows - 1, generator=gen)[: tp - 1].tolist())
         bounds = tuple(decode + b for b in [0, *(c + 1 for c in cuts), rows])
         split = CPIndexerSplit(bounds, key_split)
-        runs = plan.shared_key_runs(chunks, 0)
+        runs = rocm_cp_indexer_calls.shared_key_runs(chunks, 0)
         place = {
             r: i for i, r in enumerate(r for a, b in key_split for r in range(a, b))
         }
@@ -1774,14 +1776,20 @@ def test_the_op_makes_the_calls_the_planner_prices(monkeypatch):
             start, end = split.rows_of(rank)
             made = [(w.start, w.end, w.candidate_row if w.key_offset is not None
                      else None) for w in windows]  # fmt: skip
-            planned = list(plan.rank_calls(start, end, runs, key_split))
-            assert made == [(c.first, c.last, c.candidate_row) for c in planned]
-            priced = plan.RankCost(
-                torch.arange(decode + rows + 1), None, runs, 1, 0, key_split
+            planned = list(
+                rocm_cp_indexer_calls.rank_calls(start, end, runs, key_split)
             )
+            assert made == [(c.first, c.last, c.candidate_row) for c in planned]
+            priced = rocm_cp_indexer_cuts.RankCost(
+                torch.arange(decode + rows + 1), None, runs, 1, 0, key_split,
+                logits_share=plan.LOGITS_SHARE,
+            )  # fmt: skip
             whole = [(c.first, c.last) for c in priced.calls(start, end)]
             assert whole == [(a, b) for a, b, row in made if row is None], case
-            shared = [(c.first, c.last) for c in plan.key_split_calls(runs, key_split)]
+            shared = [
+                (c.first, c.last)
+                for c in rocm_cp_indexer_calls.key_split_calls(runs, key_split)
+            ]
             assert shared == [(a, b) for a, b, row in made if row is not None]
             sent = torch.zeros(split.key_split_rows, dtype=torch.int64)
             for first, last, row in made:
@@ -1836,8 +1844,10 @@ def test_the_key_split_rows_cost_every_rank_as_the_model_says():
     plan = rocm_cp_indexer_plan
     keys = torch.tensor([10000, 10001, 10002, 10003, 5, 6, 20000, 20001, 20002])
     runs = [(0, 6, 6), (6, 9, 3)]
-    planned = plan.RowPlanner(keys + 700, torch.tensor([4, 2, 3]), runs, 4, 1000, 6)
     share = plan.LOGITS_SHARE
+    planned = rocm_cp_indexer_cuts.RowPlanner(
+        keys + 700, torch.tensor([4, 2, 3]), runs, 4, 1000, 6, logits_share=share
+    )
     per_row = 700 + 2048 / 4
     first = 40006 / 4 + 4 * per_row + 1000 + share * (6 * 10003 / 4 - 40006 / 4)
     second = 60003 / 4 + 3 * per_row + 1000 + share * (6 * 20002 / 4 - 60003 / 4)
@@ -1859,7 +1869,7 @@ def test_every_rank_gets_a_row_when_one_row_outweighs_the_rest(tp, heavy):
     before = torch.tensor([0, *accumulate(costs)])
     total = int(before[-1])
     shares = torch.arange(1, tp) * total // tp
-    bounds = rocm_cp_indexer_plan._cut_at(before, shares)
+    bounds = rocm_cp_indexer_cuts._cut_at(before, shares)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     assert bounds[0] == 0 and bounds[-1] == tp + 1
     assert min(sizes) >= 1, bounds

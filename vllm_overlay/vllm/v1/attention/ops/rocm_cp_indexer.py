@@ -40,16 +40,18 @@ from vllm.distributed import (
 )
 from vllm.v1.attention.ops import rocm_cp_indexer_merge as device_merge
 from vllm.v1.attention.ops import rocm_cp_indexer_plan
-from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
-    CANDIDATE_ROW_BYTES,
-    CPIndexerSplit,
+from vllm.v1.attention.ops.rocm_cp_indexer_calls import (
     equal_calls,
     joined,
-    key_split_max_rows,
     rank_calls,
     run_key_split_calls,
     runs_of_shared_keys,
     shared_key_runs,
+)
+from vllm.v1.attention.ops.rocm_cp_indexer_plan import (
+    CANDIDATE_ROW_BYTES,
+    CPIndexerSplit,
+    key_split_max_rows,
     travels_narrow,
 )
 
