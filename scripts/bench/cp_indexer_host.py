@@ -120,7 +120,6 @@ from scripts.bench.cp_indexer_host_calibration import calibrate, topk_shapes
 from scripts.bench.cp_indexer_host_check import RowsDiffer
 from scripts.bench.cp_indexer_host_report import (
     LINKS,
-    crossover_report,
     key_split_owners,
     report,
     splits_on,
@@ -132,6 +131,7 @@ from scripts.bench.cp_indexer_host_timing import (
     step_ms,
     time_step,
 )
+from scripts.bench.cp_indexer_min_split_report import crossover_report
 from scripts.bench.serving_steps import NAMED, Step, family, named
 from scripts.series.contract import TREE_ENV
 

@@ -15,6 +15,7 @@ from scripts.bench import cp_indexer_host as bench
 from scripts.bench import cp_indexer_host_calibration as calibration
 from scripts.bench import cp_indexer_host_report as reports
 from scripts.bench import cp_indexer_host_timing as timing
+from scripts.bench import cp_indexer_min_split_report as min_split_report
 from scripts.bench import serving_steps
 from scripts.bench.common import DOCS
 from scripts.harness import fast_indexer_kernels
@@ -50,7 +51,7 @@ def test_the_floor_step_holds_the_costliest_row_in_a_prefill_of_two():
 def test_the_nvlink_merge_is_the_measured_fit_at_tp_2():
     rows = 8192
     model = bench.merge_ms({"bounds": [0, rows // 2, rows]})
-    fit = reports.MERGE_BASE_MS + reports.MERGE_ROW_MS * rows
+    fit = min_split_report.MERGE_BASE_MS + min_split_report.MERGE_ROW_MS * rows
     assert model["h200_nvlink"] == pytest.approx(fit, rel=1e-3)
     # One xGMI link carries a rank's whole half at tp 2.
     assert model["mi355x_xgmi"] > 2 * model["h200_nvlink"]
@@ -293,7 +294,7 @@ def test_the_committed_reports_are_what_the_report_writes():
         written = (folder / "cp_indexer_host_bench.md").read_text()
         assert reports.report(folder) == written, folder
     crossover = (DOCS / "cp_indexer_min_split.md").read_text()
-    assert reports.crossover_report(DOCS) == crossover
+    assert min_split_report.crossover_report(DOCS) == crossover
 
 
 def test_the_bench_records_what_the_goals_need(monkeypatch, bench_here):
