@@ -14,6 +14,10 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from scripts.harness import compiled_stub, triton_fp8_shim  # noqa: E402
+from scripts.harness.own_tree import (  # noqa: E402, F401
+    pytest_collection_modifyitems,
+    pytest_configure,
+)
 from scripts.harness.tree import TREE_ENV  # noqa: E402
 
 

@@ -15,6 +15,10 @@ BASE_TREE_ENV = "DSA_BASE_TREE"
 PLUGIN_FILES_ENV = "DSA_PLUGIN_FILES"
 # Where the compile matrix (tests/gfx_compile) writes its per-kernel counts.
 COMPILE_SUMMARY_ENV = "DSA_COMPILE_SUMMARY"
+# The stages' test folders ("stage_0001,...") that ran on their own trees
+# in this test run: the top tree's run leaves out their tests marked
+# ``own_tree`` (scripts/harness/own_tree.py).
+OWN_TREE_RAN_ENV = "DSA_OWN_TREE_RAN"
 
 # CPU platform: no GPU (an empty CUDA_VISIBLE_DEVICES keeps vLLM's Triton on),
 # Triton kernels through the interpreter, bytecode written so a tree is

@@ -20,6 +20,8 @@ from scripts.harness.rocm_platform import emulate_rocm
 from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
+# The bench runs on stage 0001's tree (scripts/gpu_bundle.sh 0001).
+pytestmark = pytest.mark.own_tree
 
 from scripts.bench import cp_indexer_host as bench  # noqa: E402
 from scripts.bench import cp_indexer_host_timing as timing  # noqa: E402

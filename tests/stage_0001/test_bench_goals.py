@@ -22,6 +22,8 @@ from scripts.harness import fast_indexer_kernels
 from scripts.harness.tree import applied_tree
 
 TREE = applied_tree("0001")
+# The bench runs on stage 0001's tree (scripts/gpu_bundle.sh 0001).
+pytestmark = pytest.mark.own_tree
 
 
 def test_the_family_is_seeded_and_keeps_to_its_budgets():

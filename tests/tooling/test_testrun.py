@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from scripts.series.config import load_series
+from scripts.series.config import REPO_ROOT, load_series
+from scripts.series.contract import OWN_TREE_RAN_ENV
 from scripts.series.testing import testrun
 from scripts.series.testing.results import (
     Tally,
@@ -99,6 +103,43 @@ def test_a_middle_stage_runs_its_tests_only_where_a_repeat_can_catch_more(
     ]
     base = stage_runs(series, "base", Path("/b"), Path("/b"), tested=ALL3)
     assert _series_folders(base) == [str(tests / "base")]
+    # The top run leaves out the own_tree tests of stage 0001 only where
+    # its own tree ran beside it.
+    (top,) = stage_runs(series, "0003", Path("/t"), Path("/b"), tested=ALL3)
+    assert top.env[OWN_TREE_RAN_ENV] == "stage_0001"
+    (top,) = stage_runs(series, "0003", Path("/t"), Path("/b"), tested=("0003",))
+    assert top.env[OWN_TREE_RAN_ENV] == ""
+
+
+def test_own_tree_tests_are_left_out_only_where_their_stage_tree_ran(
+    tmp_path: Path,
+):
+    """With the project's hook, a test marked ``own_tree`` in stage_0001's
+    folder is deselected when DSA_OWN_TREE_RAN names that folder, and runs
+    otherwise; an unmarked test always runs."""
+    tests = tmp_path / "tests"
+    (tests / "stage_0001").mkdir(parents=True)
+    (tests / "conftest.py").write_text(
+        "from scripts.harness.own_tree import (  # noqa: F401\n"
+        "    pytest_collection_modifyitems,\n    pytest_configure,\n)\n"
+    )
+    (tests / "stage_0001" / "test_x.py").write_text(
+        "import pytest\n\npytestmark = pytest.mark.own_tree\n\n"
+        "def test_bench():\n    pass\n"
+    )
+    (tests / "stage_0001" / "test_y.py").write_text("def test_op():\n    pass\n")
+
+    def ran(value: str) -> str:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), OWN_TREE_RAN_ENV: value}
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             "--strict-markers", str(tests)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+
+    assert "2 passed" in ran("")
+    assert "2 passed" in ran("stage_0003")
+    assert "1 passed, 1 deselected" in ran("stage_0003,stage_0001")
 
 
 def test_a_kernel_group_compiles_where_the_trees_stage_patches_a_caller(

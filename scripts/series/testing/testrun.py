@@ -31,6 +31,7 @@ from scripts.series.config import Series, Stage
 from scripts.series.contract import (
     COMPILE_SUMMARY_ENV,
     CPU_ENV,
+    OWN_TREE_RAN_ENV,
     PLUGIN_FILES_ENV,
     tree_env,
 )
@@ -75,11 +76,17 @@ def stage_runs(
     out = results_dir(series) / stage_id
     tree_ids = ["base", *(s.id for s in series.stages)]
     is_top = bool(applied) and stage_id == max(tested, key=tree_ids.index)
+    env = tree_env(tree, stages, base_tree)
     if not applied or is_top:
         own_dirs = ["base", *(s.tests for s in applied)]
+        ran = [
+            s.tests
+            for s in applied[:-1]
+            if s.id in tested and _patched_later(series, s)
+        ]
+        env[OWN_TREE_RAN_ENV] = ",".join(ran)
     else:
         own_dirs = [s.tests for s in applied[-1:] if _patched_later(series, s)]
-    env = tree_env(tree, stages, base_tree)
     runs = []
     if own_dirs:
         runs.append(_series_run(series, stage_id, tree, own_dirs, env, out))
